@@ -1,0 +1,67 @@
+# kv-slot-tracker: everything runs from a local virtualenv in .venv.
+#
+# The stamp files inside .venv record that an install finished; they depend on
+# pyproject.toml, so editing the dependencies triggers a reinstall and nothing
+# else does. Deleting .venv (make clean) starts over from scratch.
+
+PYTHON ?= python3
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+VENV_STAMP := $(VENV)/.stamp-venv
+DEV_STAMP := $(VENV)/.stamp-dev
+
+ARGS ?=
+PYTEST_ARGS ?=
+LINT_PATHS := $(wildcard app tests bench scripts loadtest)
+
+.DEFAULT_GOAL := help
+.PHONY: help venv dev run test lint fmt openapi clean
+
+help:
+	@echo "make run      start the service (ARGS='--port 8091 --config FILE')"
+	@echo "make test     run the test suite (PYTEST_ARGS='-k name -x')"
+	@echo "make lint     ruff check + format check"
+	@echo "make fmt      ruff format + autofix"
+	@echo "make openapi  write openapi.yaml from the app"
+	@echo "make venv     runtime virtualenv in $(VENV); make dev adds test/lint tools"
+	@echo "make clean    remove $(VENV) and caches"
+
+$(VENV_PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV_STAMP): pyproject.toml | $(VENV_PY)
+	$(VENV_PY) -m pip install --upgrade pip
+	$(VENV_PY) -m pip install -e .
+	touch $@
+
+# The dev install is a superset of the runtime one, so it refreshes both stamps.
+$(DEV_STAMP): pyproject.toml | $(VENV_PY)
+	$(VENV_PY) -m pip install --upgrade pip
+	$(VENV_PY) -m pip install -e '.[dev]'
+	touch $(VENV_STAMP) $@
+
+venv: $(VENV_STAMP)
+
+dev: $(DEV_STAMP)
+
+run: venv
+	$(VENV_PY) -m app $(ARGS)
+
+test: dev
+	scripts/with_redis.sh $(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+lint: dev
+	$(VENV_PY) -m ruff check $(LINT_PATHS)
+	$(VENV_PY) -m ruff format --check $(LINT_PATHS)
+
+fmt: dev
+	$(VENV_PY) -m ruff check --fix $(LINT_PATHS)
+	$(VENV_PY) -m ruff format $(LINT_PATHS)
+
+openapi: venv
+	$(VENV_PY) -m app.openapi_export > openapi.yaml.tmp
+	mv openapi.yaml.tmp openapi.yaml
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

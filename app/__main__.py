@@ -1,0 +1,59 @@
+"""Command line: ``python -m app [--host H] [--port P] [--config FILE] [--log-level L]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from collections.abc import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+
+from app import __version__
+from app.main import create_app
+from app.settings import load_settings
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m app",
+        description="kv-slot-tracker HTTP service. Flags override SLOT_TRACKER_* environment "
+        "variables, which override the config file, which overrides config/default.toml.",
+    )
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="TCP port to listen on (default 8091)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with settings")
+    parser.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="server log level (default info)",
+    )
+    parser.add_argument("--version", action="version", version=f"kv-slot-tracker {__version__}")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = load_settings(
+            args.config, host=args.host, port=args.port, log_level=args.log_level
+        )
+    except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        return 2
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The HTTP layer: request parsing and validation, error mapping, routes."""

@@ -1,0 +1,362 @@
+"""Routes. Handlers are thin: read and validate the body, call the service, encode the answer.
+
+Handlers take the raw ``Request`` and return ready ``Response``s, so FastAPI does no parameter
+resolution or response-model serialization on the hot path; the models are declared for the
+OpenAPI document only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Query, Request, Response
+from pydantic import BaseModel
+
+from app.api import schemas as s
+from app.api.body import parse_json, parse_object, read_body
+from app.service import AddCall, ServiceError, SlotTrackerService
+
+JSON = "application/json"
+OK = b'{"status":"ok"}'
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorBody, "description": desc}
+    for code, desc in {
+        400: "Malformed JSON or an invalid value.",
+        401: "Missing or wrong bearer key (only when an API key is configured).",
+        404: "No such tracker, worker or request.",
+        409: "Conflicts with the current state.",
+        413: "Body larger than the limit.",
+        415: "Content type is not JSON.",
+        422: "Well-formed JSON of the wrong shape.",
+    }.items()
+}
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type=JSON)
+
+
+def ok(status: int = 200) -> Response:
+    return Response(OK, status_code=status, media_type=JSON)
+
+
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body for a handler that validates the body itself."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
+
+
+BODY_MODELS: list[type[BaseModel]] = []
+
+
+def _route(
+    router: APIRouter,
+    path: str,
+    model: type[BaseModel],
+    ok_model,
+    ok_status=200,
+    summary: str = "",
+    errors=(400, 401, 404, 413, 415, 422),
+):
+    BODY_MODELS.append(model)
+    return router.post(
+        path,
+        summary=summary,
+        openapi_extra=body_doc(model),
+        status_code=ok_status,
+        response_model=None,
+        responses={
+            ok_status: {"model": ok_model, "description": "Success."},
+            **{c: ERRORS[c] for c in errors},
+        },
+    )
+
+
+def key_of(body: Any) -> tuple[str, str]:
+    return (body.model_name, body.routing_group)
+
+
+def to_u64(h: int) -> int:
+    return h & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def hashes_u64(hashes: list[int] | None) -> list[int] | None:
+    if hashes is None:
+        return None
+    return [h & 0xFFFF_FFFF_FFFF_FFFF if h < 0 else h for h in hashes]
+
+
+def add_call(b: s.AddBody) -> AddCall:
+    return AddCall(
+        b.model_name,
+        b.routing_group,
+        b.request_id,
+        b.worker_id,
+        b.dp_rank,
+        hashes_u64(b.sequence_hashes),
+        b.token_ids,
+        b.new_isl_tokens,
+        b.expected_prefill_ms,
+        b.track_prefill_tokens,
+        b.expected_output_tokens,
+        b.lora_name,
+    )
+
+
+def _single_query(request: Request, name: str) -> str | None:
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise ServiceError(400, f"Failed to deserialize query string: duplicate field `{name}`")
+    return values[0] if values else None
+
+
+def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
+    router = APIRouter()
+
+    async def body(request: Request, model):
+        return parse_json(await read_body(request, max_body), model)
+
+    @_route(
+        router,
+        "/register",
+        s.RegisterBody,
+        s.StatusOk,
+        201,
+        "Register a worker's ranks",
+        (400, 401, 409, 413, 415, 422),
+    )
+    async def register(request: Request) -> Response:
+        b = await body(request, s.RegisterBody)
+        service.register(key_of(b), b.worker_id, b.block_size, b.dp_start, b.dp_size)
+        return ok(201)
+
+    @_route(
+        router,
+        "/upsert",
+        s.UpsertBody,
+        s.StatusOk,
+        200,
+        "Register a worker or replace its ranks (201 when created)",
+        (400, 401, 409, 413, 415, 422),
+    )
+    async def upsert(request: Request) -> Response:
+        b = await body(request, s.UpsertBody)
+        created = service.upsert(key_of(b), b.worker_id, b.block_size, b.dp_start, b.dp_size)
+        return ok(201 if created else 200)
+
+    @_route(
+        router,
+        "/unregister",
+        s.UnregisterBody,
+        s.StatusOk,
+        200,
+        "Remove a worker with all its ranks and requests",
+    )
+    async def unregister(request: Request) -> Response:
+        b = await body(request, s.UnregisterBody)
+        service.unregister(key_of(b), b.worker_id)
+        return ok()
+
+    @_route(
+        router,
+        "/reconcile",
+        s.ReconcileBody,
+        s.ReconcileResult,
+        200,
+        "Make a list of workers the whole topology of a tracker",
+        (400, 401, 409, 413, 415, 422),
+    )
+    async def reconcile(request: Request) -> Response:
+        b = await body(request, s.ReconcileBody)
+        added, removed = service.reconcile(
+            key_of(b), b.block_size, [(w.worker_id, w.dp_start, w.dp_size) for w in b.workers]
+        )
+        return json_response(
+            {
+                "added": [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in added],
+                "removed": [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in removed],
+            }
+        )
+
+    @router.get(
+        "/workers",
+        summary="Registered workers",
+        response_model=list[s.WorkerRow],
+        responses={400: ERRORS[400], 401: ERRORS[401]},
+    )
+    async def workers(
+        request: Request,
+        model_name: str | None = Query(None, description="Only this model."),
+        routing_group: str | None = Query(None, description="Only this routing group."),
+    ) -> Response:
+        return json_response(
+            service.workers(
+                _single_query(request, "model_name"), _single_query(request, "routing_group")
+            )
+        )
+
+    @_route(
+        router,
+        "/add",
+        s.AddBody,
+        s.StatusOk,
+        201,
+        "Add an active request to a rank",
+        (400, 401, 404, 409, 413, 415, 422),
+    )
+    async def add(request: Request) -> Response:
+        b = await body(request, s.AddBody)
+        service.add(add_call(b))
+        return ok(201)
+
+    @_route(
+        router,
+        "/prefill_complete",
+        s.RequestBody,
+        s.StatusOk,
+        200,
+        "Mark a request's prefill as done",
+    )
+    async def prefill_complete(request: Request) -> Response:
+        b = await body(request, s.RequestBody)
+        service.prefill_complete(key_of(b), b.request_id)
+        return ok()
+
+    @_route(router, "/free", s.RequestBody, s.StatusOk, 200, "Free a request (unknown ids succeed)")
+    async def free(request: Request) -> Response:
+        b = await body(request, s.RequestBody)
+        service.free(key_of(b), b.request_id)
+        return ok()
+
+    @_route(
+        router,
+        "/output_block",
+        s.OutputBlockBody,
+        s.StatusOk,
+        200,
+        "Add a generated (output) block to a request",
+    )
+    async def output_block(request: Request) -> Response:
+        b = await body(request, s.OutputBlockBody)
+        service.output_block(key_of(b), b.request_id, b.decay_fraction)
+        return ok()
+
+    @router.get(
+        "/loads",
+        summary="Current load of every rank",
+        response_model=list[s.LoadRow],
+        responses={400: ERRORS[400], 401: ERRORS[401]},
+    )
+    async def loads(
+        request: Request,
+        model_name: str | None = Query(None, description="Only this model."),
+        routing_group: str | None = Query(None, description="Only this routing group."),
+    ) -> Response:
+        return json_response(
+            service.loads(
+                _single_query(request, "model_name"), _single_query(request, "routing_group")
+            )
+        )
+
+    @_route(
+        router,
+        "/potential_loads",
+        s.PotentialLoadsBody,
+        list[s.PotentialLoadRow],
+        200,
+        "Load of every rank if a prompt went there",
+    )
+    async def potential_loads(request: Request) -> Response:
+        b = await body(request, s.PotentialLoadsBody)
+        return json_response(
+            service.potential_loads(
+                key_of(b), hashes_u64(b.sequence_hashes), b.token_ids, b.lora_name, b.new_isl_tokens
+            )
+        )
+
+    @_route(
+        router,
+        "/project_loads",
+        s.ProjectLoadsBody,
+        list[s.ProjectedLoadRow],
+        200,
+        "Projected load of every rank for a prompt",
+    )
+    async def project_loads(request: Request) -> Response:
+        b = await body(request, s.ProjectLoadsBody)
+        return json_response(
+            service.project_loads(
+                key_of(b), hashes_u64(b.sequence_hashes), b.token_ids, b.lora_name
+            )
+        )
+
+    @router.get(
+        "/lora_counts",
+        summary="Active requests per LoRA name",
+        response_model=s.LoraCounts,
+        responses={400: ERRORS[400], 401: ERRORS[401], 404: ERRORS[404]},
+    )
+    async def lora_counts(
+        request: Request,
+        model_name: str = Query(description="Model name."),
+        routing_group: str = Query("default", description="Routing group."),
+    ) -> Response:
+        m = _single_query(request, "model_name")
+        g = _single_query(request, "routing_group")
+        key = (m or "", g if g is not None else "default")
+        return json_response(
+            {"model_name": key[0], "routing_group": key[1], "lora_counts": service.lora_counts(key)}
+        )
+
+    batch_ops: dict[str, type[BaseModel]] = {
+        "add": s.BatchAdd,
+        "prefill_complete": s.BatchPrefillComplete,
+        "free": s.BatchFree,
+        "output_block": s.BatchOutputBlock,
+    }
+
+    def run_op(op: Any) -> dict[str, Any]:
+        try:
+            if not isinstance(op, dict):
+                raise ServiceError(422, "operation must be a JSON object")
+            name = op.get("op")
+            model = batch_ops.get(name) if isinstance(name, str) else None
+            if model is None:
+                raise ServiceError(
+                    422, "`op` must be one of add, prefill_complete, free, output_block"
+                )
+            b: Any = parse_object(op, model)
+            if name == "add":
+                service.add(add_call(b))
+                return {"status": 201}
+            if name == "prefill_complete":
+                service.prefill_complete(key_of(b), b.request_id)
+            elif name == "free":
+                service.free(key_of(b), b.request_id)
+            else:
+                service.output_block(key_of(b), b.request_id, b.decay_fraction)
+            return {"status": 200}
+        except ServiceError as e:
+            return {"status": e.status, "error": e.message}
+
+    @_route(
+        router,
+        "/batch",
+        s.BatchBody,
+        s.BatchResponse,
+        200,
+        "Apply many lifecycle operations in one call",
+    )
+    async def batch(request: Request) -> Response:
+        b = await body(request, s.BatchBody)
+        if len(b.operations) > service.max_hashes:
+            raise ServiceError(422, "too many operations in one batch")
+        return json_response({"results": [run_op(op) for op in b.operations]})
+
+    return router

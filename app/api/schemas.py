@@ -1,0 +1,308 @@
+"""Request and response models of the HTTP API.
+
+Request models validate JSON bytes directly (``model_validate_json``) with strict types: integers
+must be JSON integers in range (no floats, strings or booleans), strings must be strings, and an
+explicit ``null`` for a field with a default is rejected, as the reference service does. Unknown
+fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+U64_MAX, U32_MAX = 2**64 - 1, 2**32 - 1
+
+U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
+U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+
+MODEL = Field(description="Model name; with the routing group it selects one tracker.")
+GROUP = Field("default", description="Routing group inside the model (default `default`).")
+HASHES = Field(
+    None,
+    description="Sequence hashes of the prompt's full KV blocks, in order, as signed 64-bit "
+    "integers (values >= 2^63 are sent as their two's-complement negative).",
+)
+TOKENS = Field(
+    None,
+    description="Prompt token ids (u32); the service computes Dynamo-compatible sequence hashes "
+    "with the tracker's block size and `lora_name`. Give this or `sequence_hashes`, not both.",
+)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class _Keyed(_Body):
+    model_name: StrictStr = MODEL
+    routing_group: StrictStr = GROUP
+
+
+class RegisterBody(_Keyed):
+    worker_id: U64 = Field(description="Worker (engine process) id.")
+    block_size: U32 = Field(
+        description="Tokens per KV block; fixed per tracker by its first worker."
+    )
+    dp_start: U32 = Field(description="First data-parallel rank of the worker.")
+    dp_size: U32 = Field(description="Number of data-parallel ranks.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "worker_id": 1,
+                    "model_name": "llama",
+                    "block_size": 16,
+                    "dp_start": 0,
+                    "dp_size": 2,
+                }
+            ]
+        }
+    )
+
+
+class UpsertBody(RegisterBody):
+    pass
+
+
+class UnregisterBody(_Keyed):
+    worker_id: U64 = Field(description="Worker id to remove with all its ranks and requests.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"worker_id": 1, "model_name": "llama"}]}
+    )
+
+
+class ReconcileWorker(_Body):
+    worker_id: U64
+    dp_start: U32
+    dp_size: U32
+
+
+class ReconcileBody(_Keyed):
+    block_size: U32 = Field(description="Tokens per KV block of this tracker.")
+    workers: list[ReconcileWorker] = Field(
+        description="The complete topology of the tracker; every other worker is removed."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model_name": "llama",
+                    "block_size": 16,
+                    "workers": [{"worker_id": 1, "dp_start": 0, "dp_size": 2}],
+                }
+            ]
+        }
+    )
+
+
+class AddBody(_Keyed):
+    request_id: StrictStr = Field(description="Request id, unique across the tracker while active.")
+    worker_id: U64 = Field(description="Worker the request was routed to.")
+    dp_rank: U32 = Field(description="Data-parallel rank the request was routed to.")
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    new_isl_tokens: U64 = Field(0, description="Prompt tokens still to prefill on this rank.")
+    expected_prefill_ms: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1e12)] | None = Field(
+        None, description="Modeled prefill duration in ms; the prefill tokens then decay linearly."
+    )
+    track_prefill_tokens: StrictBool | None = Field(
+        None, description="Count this request's prefill tokens (default: new_isl_tokens > 0)."
+    )
+    expected_output_tokens: U32 | None = Field(None, description="Stored and replicated only.")
+    lora_name: StrictStr | None = Field(None, description="LoRA adapter name, if any.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model_name": "llama",
+                    "request_id": "r1",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [1, 2, 3],
+                    "new_isl_tokens": 48,
+                }
+            ]
+        }
+    )
+
+
+class RequestBody(_Keyed):
+    request_id: StrictStr = Field(description="Request id.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model_name": "llama", "request_id": "r1"}]}
+    )
+
+
+class OutputBlockBody(RequestBody):
+    decay_fraction: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)] | None = Field(
+        None, description="Weight (0..1) given to the blocks held only by this request."
+    )
+
+
+class PotentialLoadsBody(_Keyed):
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    new_isl_tokens: U64 = Field(0, description="Prefill tokens the prompt would add on any rank.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"model_name": "llama", "sequence_hashes": [1, 2, 4], "new_isl_tokens": 48}
+            ]
+        }
+    )
+
+
+class ProjectLoadsBody(_Keyed):
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model_name": "llama", "sequence_hashes": [1, 2, 4]}]}
+    )
+
+
+class BatchAdd(AddBody):
+    op: Literal["add"]
+
+
+class BatchPrefillComplete(RequestBody):
+    op: Literal["prefill_complete"]
+
+
+class BatchFree(RequestBody):
+    op: Literal["free"]
+
+
+class BatchOutputBlock(OutputBlockBody):
+    op: Literal["output_block"]
+
+
+BatchOperation = Annotated[
+    BatchAdd | BatchPrefillComplete | BatchFree | BatchOutputBlock, Field(discriminator="op")
+]
+
+
+class BatchBody(_Body):
+    operations: list[dict[str, Any]] = Field(
+        description="Lifecycle operations applied in order, each independently: objects with "
+        "`op` (`add`, `prefill_complete`, `free`, `output_block`) and that route's fields."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "operations": [
+                        {
+                            "op": "add",
+                            "model_name": "llama",
+                            "request_id": "r1",
+                            "worker_id": 1,
+                            "dp_rank": 0,
+                            "sequence_hashes": [1, 2],
+                            "new_isl_tokens": 32,
+                        },
+                        {"op": "free", "model_name": "llama", "request_id": "r0"},
+                    ]
+                }
+            ]
+        }
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class StatusOk(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="What went wrong.")
+
+
+class WorkerRow(BaseModel):
+    worker_id: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    dp_start: int
+    dp_size: int
+
+
+class LoadRow(BaseModel):
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int = Field(description="Prefill tokens still to compute now.")
+    active_decode_blocks: int = Field(description="Unique active KV blocks (fractions weighted).")
+    active_requests: int = Field(description="Active requests on the rank.")
+    modeled_remaining_prefill_ms: int | None = Field(
+        description="Modeled prefill time left, or null when a prefill has no duration."
+    )
+
+
+class PotentialLoadRow(BaseModel):
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class ProjectedLoadRow(BaseModel):
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    additional_active_blocks: int
+    potential_decode_blocks: int
+
+
+class Rank(BaseModel):
+    worker_id: int
+    dp_rank: int
+
+
+class ReconcileResult(BaseModel):
+    added: list[Rank]
+    removed: list[Rank]
+
+
+class LoraCounts(BaseModel):
+    model_name: str
+    routing_group: str
+    lora_counts: dict[str, int] = Field(description="Active requests per LoRA name.")
+
+
+class BatchResult(BaseModel):
+    status: int
+    error: str | None = None
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchResult]
+
+
+class ReadyBody(BaseModel):
+    status: Literal["ready", "not_ready"]
+    reason: str | None = None
+
+
+class ReplicationStatus(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    mode: str

@@ -1,0 +1,200 @@
+"""Replica events: what one tracker tells its peers about the request lifecycle (SPEC §6.1-§6.2).
+
+The msgpack form matches serde's ``rmp_serde::to_vec_named``: structs are maps keyed by field name
+in declaration order, unit variants are strings, the struct variant is a one-entry map, and a
+``Duration`` is ``{"secs", "nanos"}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    token_sequence: list[int] | None = None
+    track_prefill_tokens: bool = True
+    expected_output_tokens: int | None = None
+    prefill_load_hint: PrefillLoadHint | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class MarkPrefillCompleted:
+    pass
+
+
+EventData = AddRequest | Free | MarkPrefillCompleted
+FREE = Free()
+MARK_PREFILL_COMPLETED = MarkPrefillCompleted()
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveSequenceEvent:
+    request_id: str
+    worker: WorkerWithDpRank
+    data: EventData
+    router_id: int
+    lora_name: str | None = None
+
+
+class EventDecodeError(ValueError):
+    """A payload that is not a well-formed event (or batch)."""
+
+
+# -- to/from plain msgpack-able objects -------------------------------------------------------
+
+
+def duration_to_wire(ns: int | None) -> dict[str, int] | None:
+    if ns is None:
+        return None
+    return {"secs": ns // NS_PER_S, "nanos": ns % NS_PER_S}
+
+
+def duration_from_wire(obj: Any) -> int | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or set(obj) != {"secs", "nanos"}:
+        raise EventDecodeError(f"invalid duration: {obj!r}")
+    secs, nanos = obj["secs"], obj["nanos"]
+    if not _is_uint(secs, 64) or not _is_uint(nanos, 32) or nanos >= NS_PER_S:
+        raise EventDecodeError(f"invalid duration: {obj!r}")
+    return secs * NS_PER_S + nanos
+
+
+def worker_to_wire(w: WorkerWithDpRank) -> dict[str, int]:
+    return {"worker_id": w.worker_id, "dp_rank": w.dp_rank}
+
+
+def worker_from_wire(obj: Any) -> WorkerWithDpRank:
+    if not isinstance(obj, dict):
+        raise EventDecodeError(f"invalid worker: {obj!r}")
+    wid, rank = obj.get("worker_id"), obj.get("dp_rank", 0)
+    if not _is_uint(wid, 64) or not _is_uint(rank, 32):
+        raise EventDecodeError(f"invalid worker: {obj!r}")
+    return WorkerWithDpRank(wid, rank)
+
+
+def _is_uint(v: Any, bits: int) -> bool:
+    return type(v) is int and 0 <= v < (1 << bits)
+
+
+def event_to_wire(ev: ActiveSequenceEvent) -> dict[str, Any]:
+    d = ev.data
+    if isinstance(d, AddRequest):
+        hint = d.prefill_load_hint
+        data: Any = {
+            "AddRequest": {
+                "token_sequence": d.token_sequence,
+                "track_prefill_tokens": d.track_prefill_tokens,
+                "expected_output_tokens": d.expected_output_tokens,
+                "prefill_load_hint": None
+                if hint is None
+                else {
+                    "initial_effective_prefill_tokens": hint.initial_effective_prefill_tokens,
+                    "expected_prefill_duration": duration_to_wire(
+                        hint.expected_prefill_duration_ns
+                    ),
+                },
+            }
+        }
+    elif isinstance(d, Free):
+        data = "Free"
+    else:
+        data = "MarkPrefillCompleted"
+    return {
+        "request_id": ev.request_id,
+        "worker": worker_to_wire(ev.worker),
+        "data": data,
+        "router_id": ev.router_id,
+        "lora_name": ev.lora_name,
+    }
+
+
+def event_from_wire(obj: Any) -> ActiveSequenceEvent:
+    if not isinstance(obj, dict) or "events" in obj:
+        raise EventDecodeError("not an ActiveSequenceEvent")
+    try:
+        rid = obj["request_id"]
+        worker = worker_from_wire(obj["worker"])
+        raw = obj["data"]
+        router_id = obj["router_id"]
+    except KeyError as e:
+        raise EventDecodeError(f"missing field {e}") from None
+    lora = obj.get("lora_name")
+    if not isinstance(rid, str) or not _is_uint(router_id, 64):
+        raise EventDecodeError("invalid request_id or router_id")
+    if lora is not None and not isinstance(lora, str):
+        raise EventDecodeError("invalid lora_name")
+    data: EventData
+    if raw == "Free":
+        data = FREE
+    elif raw == "MarkPrefillCompleted":
+        data = MARK_PREFILL_COMPLETED
+    elif isinstance(raw, dict) and len(raw) == 1 and isinstance(raw.get("AddRequest"), dict):
+        data = _add_from_wire(raw["AddRequest"])
+    else:
+        raise EventDecodeError(f"unknown event data: {raw!r}")
+    return ActiveSequenceEvent(rid, worker, data, router_id, lora)
+
+
+def _add_from_wire(a: dict[str, Any]) -> AddRequest:
+    seq = a.get("token_sequence")
+    if seq is not None and (not isinstance(seq, list) or not all(_is_uint(h, 64) for h in seq)):
+        raise EventDecodeError("invalid token_sequence")
+    track = a.get("track_prefill_tokens", True)
+    eot = a.get("expected_output_tokens")
+    if not isinstance(track, bool) or (eot is not None and not _is_uint(eot, 32)):
+        raise EventDecodeError("invalid AddRequest fields")
+    raw_hint = a.get("prefill_load_hint")
+    hint = None
+    if raw_hint is not None:
+        if not isinstance(raw_hint, dict):
+            raise EventDecodeError("invalid prefill_load_hint")
+        tokens = raw_hint.get("initial_effective_prefill_tokens")
+        if not _is_uint(tokens, 64):
+            raise EventDecodeError("invalid initial_effective_prefill_tokens")
+        hint = PrefillLoadHint(
+            tokens, duration_from_wire(raw_hint.get("expected_prefill_duration"))
+        )
+    return AddRequest(seq, track, eot, hint)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+
+
+def encode_event(ev: ActiveSequenceEvent) -> bytes:
+    """A singleton payload: one ``ActiveSequenceEvent``."""
+    return msgpack.packb(event_to_wire(ev))
+
+
+def encode_batch(events: list[ActiveSequenceEvent]) -> bytes:
+    """A batch payload: ``ActiveSequenceEventBatch {events: [...]}``."""
+    return msgpack.packb({"events": [event_to_wire(e) for e in events]})
+
+
+def _unpack(payload: bytes) -> Any:
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise EventDecodeError(f"undecodable payload: {e}") from None
+
+
+def decode_event(payload: bytes) -> ActiveSequenceEvent:
+    return event_from_wire(_unpack(payload))
+
+
+def decode_batch(payload: bytes) -> list[ActiveSequenceEvent]:
+    obj = _unpack(payload)
+    if not isinstance(obj, dict) or set(obj) != {"events"} or not isinstance(obj["events"], list):
+        raise EventDecodeError("not an ActiveSequenceEventBatch")
+    return [event_from_wire(e) for e in obj["events"]]

@@ -1,0 +1,221 @@
+"""One worker rank's active requests: blocks, prefill load and expiry (SPEC §2)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .blocks import BlockTracker
+from .prefill import PrefillLoadState, PrefillLoadTracker
+from .types import (
+    NS_PER_S,
+    PrefillLoadHint,
+    PromptMembershipDelta,
+    PromptMembershipRemove,
+    PromptMembershipStore,
+    SequenceMutationOutcome,
+)
+
+log = logging.getLogger(__name__)
+
+EXPIRY_DURATION_NS = 300 * NS_PER_S
+CHECK_EXPIRY_FREQUENCY_NS = 30 * NS_PER_S
+
+Clock = Callable[[], int]
+
+
+class RequestState:
+    __slots__ = ("prompt_blocks", "output_blocks", "started_at", "expected_output_tokens")
+
+    def __init__(
+        self, prompt_blocks: list[int], started_at: int, expected_output_tokens: int | None
+    ) -> None:
+        self.prompt_blocks = prompt_blocks
+        self.output_blocks: list[int] = []
+        self.started_at = started_at
+        self.expected_output_tokens = expected_output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadSnapshot:
+    active_blocks: int
+    active_requests: int
+
+
+class ActiveSequences:
+    """Active requests of one ``(worker_id, dp_rank)``.
+
+    ``clock`` returns monotonic integer nanoseconds; it stamps ``started_at`` and drives expiry.
+    Every prefill-related method takes an explicit ``decay_now`` instead.
+    """
+
+    __slots__ = (
+        "requests",
+        "prefill",
+        "blocks",
+        "clock",
+        "expiry_ns",
+        "check_interval_ns",
+        "last_expiry_check",
+        "_rng",
+    )
+
+    def __init__(
+        self,
+        block_size: int,
+        clock: Clock,
+        *,
+        expiry_ns: int | None = EXPIRY_DURATION_NS,
+        check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
+        rng: random.Random | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be greater than 0")
+        self.requests: dict[str, RequestState] = {}
+        self.prefill = PrefillLoadTracker()
+        self.blocks = BlockTracker()
+        self.clock = clock
+        self.expiry_ns = expiry_ns
+        self.check_interval_ns = check_interval_ns
+        self.last_expiry_check = clock()
+        self._rng = rng or random.Random()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def add_request_with_prefill_tracking(
+        self,
+        request_id: str,
+        token_sequence: list[int] | None,
+        expected_output_tokens: int | None,
+        track_prefill_tokens: bool,
+        prefill_load_hint: PrefillLoadHint | None,
+        decay_now: int,
+        started_at: int | None = None,
+    ) -> SequenceMutationOutcome:
+        """Add a request; a duplicate id is logged and ignored. May expire stale requests first.
+
+        ``started_at`` defaults to ``clock()``; replication passes the producer's add time.
+        """
+        if request_id in self.requests:
+            log.error("Request %s is already active. Ignoring duplicate add.", request_id)
+            return SequenceMutationOutcome()
+        outcome = self.force_expiry()
+        if started_at is None:
+            started_at = self.clock()
+        prompt = list(token_sequence) if token_sequence else []
+        touch = self.blocks.touch
+        first_new = -1
+        for i, h in enumerate(prompt):
+            if touch(h) and first_new < 0:
+                first_new = i
+        if first_new >= 0:
+            parent = prompt[first_new - 1] if first_new > 0 else None
+            outcome.membership_delta.stores.append(
+                PromptMembershipStore(parent, prompt[first_new:])
+            )
+        if (
+            track_prefill_tokens
+            and prefill_load_hint is not None
+            and prefill_load_hint.initial_effective_prefill_tokens > 0
+        ):
+            self.prefill.insert(
+                request_id,
+                PrefillLoadState(
+                    prefill_load_hint.initial_effective_prefill_tokens,
+                    prefill_load_hint.expected_prefill_duration_ns,
+                ),
+                decay_now,
+            )
+        self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
+        return outcome
+
+    def free(self, request_id: str, decay_now: int) -> PromptMembershipDelta:
+        """Release a request's blocks (implies prefill completion); unknown ids are a no-op."""
+        self.prefill.remove(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
+        delta = PromptMembershipDelta()
+        if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
+            return delta
+        release = self.blocks.release_and_try_remove
+        removed: list[int] = []
+        for h in state.prompt_blocks:
+            if release(h) or removed:
+                removed.append(h)
+        if removed:
+            delta.removes.append(PromptMembershipRemove(removed))
+        for h in state.output_blocks:
+            release(h)
+        return delta
+
+    def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
+        self.prefill.remove(request_id, decay_now)
+
+    def add_output_block(self, request_id: str, decay_fraction: float | None) -> int | None:
+        """Append a fresh random output block; returns its hash, or None if the request is unknown."""
+        state = self.requests.get(request_id)
+        if state is None:
+            log.warning("Trying to add output block to non-existent request %s", request_id)
+            return None
+        h = self._rng.getrandbits(64)
+        became_present = self.blocks.touch(h)
+        state.output_blocks.append(h)
+        if decay_fraction is not None:
+            count, set_fraction = self.blocks.count, self.blocks.set_fraction
+            for b in state.prompt_blocks:
+                if count(b) == 1:
+                    set_fraction(b, decay_fraction)
+            for b in state.output_blocks:
+                if count(b) == 1:
+                    set_fraction(b, decay_fraction)
+        return h if became_present else None
+
+    def force_expiry(self) -> SequenceMutationOutcome:
+        """Free requests older than the expiry, at most once per check interval."""
+        outcome = SequenceMutationOutcome()
+        if self.expiry_ns is None:
+            return outcome
+        now = self.clock()
+        if now < self.last_expiry_check + self.check_interval_ns:
+            return outcome
+        self.last_expiry_check = now
+        cutoff = now - self.expiry_ns
+        expired = [rid for rid, st in self.requests.items() if st.started_at < cutoff]
+        for rid in expired:
+            log.warning("Expiring stale request: %s", rid)
+            outcome.expired_prompts[rid] = self.requests[rid].prompt_blocks
+            outcome.membership_delta.extend(self.free(rid, now))
+        outcome.expired_request_ids = set(expired)
+        return outcome
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def active_blocks(self) -> int:
+        return self.blocks.active_blocks()
+
+    def active_tokens(self, decay_now: int) -> int:
+        return self.prefill.active_tokens(decay_now)
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def worker_load_snapshot(self) -> WorkerLoadSnapshot:
+        return WorkerLoadSnapshot(self.blocks.active_blocks(), len(self.requests))
+
+    def active_block_hashes(self) -> set[int]:
+        return self.blocks.active_hashes()
+
+    def active_prompt_hashes(self) -> set[int]:
+        return {h for st in self.requests.values() for h in st.prompt_blocks}
+
+    def assert_consistent(self) -> None:
+        self.prefill.assert_consistent()
+        expected: dict[int, int] = {}
+        for st in self.requests.values():
+            for h in st.prompt_blocks + st.output_blocks:
+                expected[h] = expected.get(h, 0) + 1
+        assert expected == self.blocks.refcount, "refcounts must equal the held references"
+        assert set(self.blocks.fraction) <= set(self.blocks.refcount)
+        assert set(self.prefill.prefills) <= set(self.requests)

@@ -1,0 +1,150 @@
+"""Value types shared by the tracker core.
+
+Everything here is an immutable (or plain) record; the behaviour lives in the modules that use them.
+Durations and instants are integer nanoseconds on the injected monotonic clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+NS_PER_MS = 1_000_000
+NS_PER_S = 1_000_000_000
+
+SequenceHash = int
+RequestId = str
+
+
+class WorkerWithDpRank(NamedTuple):
+    """One data-parallel rank of one worker: the unit that owns requests, blocks and load."""
+
+    worker_id: int
+    dp_rank: int = 0
+
+    def debug(self) -> str:
+        """The Rust debug rendering used in error messages."""
+        return f"WorkerWithDpRank {{ worker_id: {self.worker_id}, dp_rank: {self.dp_rank} }}"
+
+
+class WorkerDpRange(NamedTuple):
+    """An authoritative registration: ranks ``dp_start .. dp_start + dp_size - 1``."""
+
+    worker_id: int
+    dp_start: int = 0
+    dp_size: int = 1
+
+    def ranks(self) -> list[WorkerWithDpRank]:
+        return [
+            WorkerWithDpRank(self.worker_id, r)
+            for r in range(self.dp_start, self.dp_start + self.dp_size)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoadHint:
+    """Prompt tokens still to prefill on the chosen worker, and optionally a modeled duration (ns)."""
+
+    initial_effective_prefill_tokens: int
+    expected_prefill_duration_ns: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRequest:
+    request_id: RequestId
+    worker: WorkerWithDpRank
+    token_sequence: list[SequenceHash] | None = None
+    track_prefill_tokens: bool = True
+    expected_output_tokens: int | None = None
+    prefill_load_hint: PrefillLoadHint | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveLoad:
+    """What a tracker publishes after each operation (kv_used_blocks is for engine loads only)."""
+
+    worker_id: int
+    dp_rank: int
+    active_decode_blocks: int | None
+    active_prefill_tokens: int | None
+    kv_used_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadProjection:
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    additional_active_blocks: int
+
+    def potential_decode_blocks(self) -> int:
+        return self.active_decode_blocks + self.additional_active_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTokenDeltas:
+    """Prefill tokens a prospective request would add; ``default_tokens`` for unlisted workers."""
+
+    default_tokens: int = 0
+    by_worker: dict[WorkerWithDpRank, int] = field(default_factory=dict)
+
+    @classmethod
+    def none(cls) -> PrefillTokenDeltas:
+        return cls(0, {})
+
+    @classmethod
+    def uniform(cls, tokens: int) -> PrefillTokenDeltas:
+        return cls(tokens, {})
+
+    @classmethod
+    def new(cls, default_tokens: int, by_worker: dict[WorkerWithDpRank, int]) -> PrefillTokenDeltas:
+        return cls(default_tokens, dict(by_worker))
+
+    def tokens_for(self, worker: WorkerWithDpRank) -> int:
+        return self.by_worker.get(worker, self.default_tokens)
+
+
+@dataclass(slots=True)
+class PromptMembershipStore:
+    parent: SequenceHash | None
+    hashes: list[SequenceHash]
+
+
+@dataclass(slots=True)
+class PromptMembershipRemove:
+    hashes: list[SequenceHash]
+
+
+@dataclass(slots=True)
+class PromptMembershipDelta:
+    """Which prompt hashes became present (stores) or absent (removes) on one worker."""
+
+    stores: list[PromptMembershipStore] = field(default_factory=list)
+    removes: list[PromptMembershipRemove] = field(default_factory=list)
+
+    def extend(self, other: PromptMembershipDelta) -> None:
+        self.stores.extend(other.stores)
+        self.removes.extend(other.removes)
+
+    def is_empty(self) -> bool:
+        return not self.stores and not self.removes
+
+
+@dataclass(slots=True)
+class SequenceMutationOutcome:
+    membership_delta: PromptMembershipDelta = field(default_factory=PromptMembershipDelta)
+    expired_request_ids: set[RequestId] = field(default_factory=set)
+    # prompt of each expired request, so indexes built on whole prompt paths can drop them
+    expired_prompts: dict[RequestId, list[SequenceHash]] = field(default_factory=dict)
+
+
+def round_half_away_from_zero_usize(x: float) -> int:
+    """Rust's ``f64::round() as usize``: half away from zero, negatives and NaN become 0."""
+    if not x > 0.0:  # also catches NaN
+        return 0
+    if x == float("inf"):
+        return U64_MAX
+    t = int(x)
+    return t + 1 if x - t >= 0.5 else t

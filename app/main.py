@@ -1,0 +1,216 @@
+"""Composition root: ``create_app(settings)`` builds a fresh application with its own service,
+replication, metrics registry and background tasks. Nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from prometheus_fastapi_instrumentator import Instrumentator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app import __version__
+from app.api import schemas
+from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
+from app.observability import build_registry
+from app.service import ServiceError, SlotTrackerService
+from app.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+)
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every route but the open ones needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        body = b'{"error":"missing or invalid bearer key"}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def make_replication(settings: Settings, registry) -> Any:
+    if settings.redis_url:
+        from app.replication.redis_bus import RedisReplication
+
+        return RedisReplication(settings, registry)
+    from app.replication.embedded import EmbeddedReplication
+
+    return EmbeddedReplication(settings, registry)
+
+
+def create_app(settings: Settings | None = None, *, clock=None, replication=None) -> FastAPI:
+    settings = settings if settings is not None else load_settings()
+    service_kwargs: dict[str, Any] = {}
+    if clock is not None:
+        service_kwargs["clock"] = clock
+    service = SlotTrackerService(
+        expiry_seconds=settings.expiry_seconds,
+        expiry_check_seconds=settings.expiry_check_seconds,
+        max_hashes_per_request=settings.max_hashes_per_request,
+        **service_kwargs,
+    )
+    registry = build_registry(service)
+    if replication is None:
+        replication = make_replication(settings, registry)
+    service.instance_id = getattr(replication, "instance_id", 0) or random.getrandbits(63) + 1
+    if settings.redis_url:
+        service.replicator = replication
+        # trackers built from now on replicate; none exist yet
+    replication.attach(service)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(_expiry_sweeper(service, settings), name="expiry-sweep")
+        await replication.start()
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await replication.stop()
+
+    app = FastAPI(
+        title="kv-slot-tracker",
+        version=__version__,
+        description="Tracks active requests, KV blocks and prefill tokens of every LLM worker "
+        "rank, and answers what each rank's load would be if a prompt went there. A drop-in "
+        "superset of Dynamo's standalone slot tracker API.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.service = service
+    app.state.replication = replication
+    app.state.registry = registry
+
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, exc: ServiceError) -> Response:
+        return json_response({"error": exc.message}, exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return json_response({"error": "route not found"}, 404)
+        if exc.status_code == 405:
+            return json_response({"error": "method not allowed"}, 405)
+        return json_response({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def query_error(_: Request, exc: RequestValidationError) -> Response:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = err["loc"][-1] if err.get("loc") else ""
+        what = f"missing field `{field}`" if err.get("type") == "missing" else err["msg"]
+        return json_response({"error": f"Failed to deserialize query string: {what}"}, 400)
+
+    @app.get(
+        "/health",
+        summary="Liveness: 200 with an empty body",
+        response_class=Response,
+        responses={200: {"description": "Alive.", "content": {}}},
+    )
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get(
+        "/ready",
+        summary="Readiness: 200 once the instance can serve",
+        response_model=schemas.ReadyBody,
+        responses={503: {"model": schemas.ReadyBody, "description": "Not ready yet."}},
+    )
+    async def ready() -> Response:
+        if replication.ready():
+            return json_response({"status": "ready", "reason": None})
+        status = replication.status()
+        reason = status.get("not_ready_reason") or "replication is catching up"
+        return json_response({"status": "not_ready", "reason": reason}, 503)
+
+    @app.get(
+        "/replication",
+        summary="Replication status of this instance",
+        response_model=schemas.ReplicationStatus,
+        responses={401: ERRORS[401]},
+    )
+    async def replication_status() -> Response:
+        return json_response(replication.status())
+
+    app.include_router(build_router(service, settings.max_body_bytes))
+
+    Instrumentator(
+        registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
+    ).instrument(app).expose(app, include_in_schema=True, should_gzip=False)
+
+    api_key = settings.api_key.get_secret_value()
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        comps = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODY_MODELS:
+            sch = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in sch.pop("$defs", {}).items():
+                comps.setdefault(name, sub)
+            comps[model.__name__] = sch
+        if api_key:
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+async def _expiry_sweeper(service: SlotTrackerService, settings: Settings) -> None:
+    """Force expiry on every tracker now and then every interval; missed ticks are skipped."""
+    interval = settings.force_expiry_interval_seconds
+    while True:
+        try:
+            expired = service.expire()
+            if expired:
+                log.info("expired %d stale requests", expired)
+        except Exception:  # never let the sweeper die
+            log.exception("expiry sweep failed")
+        await asyncio.sleep(interval)

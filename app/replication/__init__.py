@@ -1,0 +1,1 @@
+"""Moving replica events between tracker instances: queues, the apply loop, transports."""

@@ -1,0 +1,129 @@
+"""The replica apply loop (SPEC §6.4): drain a subscriber in batches, flush effects per batch.
+
+A subscriber offers ``async next_event()`` and a non-blocking ``try_next_event()``; each returns an
+event, a ``ReceiveError``, ``None`` when the stream is closed, and (``try_next_event`` only)
+``PENDING`` when nothing is available right now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from app.core.events import ActiveSequenceEvent
+from app.core.tracker import (
+    MAX_REPLICA_BATCH_DURATION_NS,
+    MAX_REPLICA_BATCH_EVENTS,
+    ActiveSequencesMultiWorker,
+    ReplicaEffects,
+)
+
+log = logging.getLogger(__name__)
+
+PENDING: Any = type("Pending", (), {"__repr__": lambda self: "PENDING"})()
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveError:
+    message: str
+
+
+class SequenceSubscriber(Protocol):
+    async def next_event(self) -> ActiveSequenceEvent | ReceiveError | None: ...
+
+    def try_next_event(self) -> Any: ...
+
+
+class Cancel:
+    """A cancellation token that loops can poll and await."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    def is_cancelled(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+async def _first_of(coro, cancel: Cancel):
+    """Await ``coro`` unless ``cancel`` fires first (then returns the Cancel object)."""
+    if cancel.is_cancelled():
+        coro.close()
+        return cancel
+    task = asyncio.ensure_future(coro)
+    if task.done():
+        return task.result()
+    waiter = asyncio.ensure_future(cancel.wait())
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    return cancel
+
+
+async def run_replica_sync(
+    tracker: ActiveSequencesMultiWorker,
+    subscriber: SequenceSubscriber,
+    cancel: Cancel,
+    apply: Callable[[ActiveSequenceEvent, ReplicaEffects], object] | None = None,
+) -> None:
+    """Apply a peer's events until the stream closes or ``cancel`` fires."""
+    apply = apply or tracker.apply_replica_event
+    clock = tracker.clock
+    effects = ReplicaEffects()
+    while True:
+        r = await _first_of(subscriber.next_event(), cancel)
+        if r is cancel or r is None:
+            break
+        if isinstance(r, ReceiveError):
+            log.warning("Error receiving active sequence event: %s", r.message)
+            continue
+        event, start, n = r, clock(), 0
+        exit_after = yield_after = False
+        while True:
+            apply(event, effects)
+            n += 1
+            if cancel.is_cancelled():
+                exit_after = True
+                break
+            if n >= MAX_REPLICA_BATCH_EVENTS or clock() - start >= MAX_REPLICA_BATCH_DURATION_NS:
+                yield_after = True
+                break
+            nxt = subscriber.try_next_event()
+            if nxt is PENDING:
+                break
+            if nxt is None:
+                exit_after = True
+                break
+            if isinstance(nxt, ReceiveError):
+                log.warning("Error receiving active sequence event: %s", nxt.message)
+                break
+            event = nxt
+        tracker.flush_replica_effects(effects)
+        if exit_after:
+            break
+        if yield_after:
+            await asyncio.sleep(0)
+
+
+def start_replica_sync(
+    tracker: ActiveSequencesMultiWorker, subscriber: SequenceSubscriber, cancel: Cancel
+) -> asyncio.Task:
+    async def runner() -> None:
+        try:
+            await run_replica_sync(tracker, subscriber, cancel)
+        except Exception:
+            log.exception("replica sync loop failed")
+
+    return asyncio.create_task(runner(), name="replica-sync")

@@ -1,0 +1,149 @@
+"""Service settings.
+
+Sources, lowest precedence first:
+
+1. ``config/default.toml`` (the class defaults below mirror it, so an installed package
+   without the file behaves the same);
+2. the TOML file given with ``--config FILE``;
+3. ``SLOT_TRACKER_*`` environment variables (``SLOT_TRACKER_PORT=9000``);
+4. explicit overrides (keyword arguments, e.g. from command-line flags).
+
+Use :func:`load_settings`; ``Settings()`` alone reads sources 1, 3 and 4.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "SLOT_TRACKER_"
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+U64_MAX = 2**64 - 1
+
+# TOML files read by the settings being built now, lowest precedence first. A context variable
+# rather than a class attribute, so building settings never leaks into another build.
+_config_files: ContextVar[tuple[Path, ...]] = ContextVar(
+    "_config_files", default=(DEFAULT_CONFIG_FILE,)
+)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+class _TomlFilesSource(PydanticBaseSettingsSource):
+    """Top-level keys of several TOML files; a later file overrides an earlier one."""
+
+    def __init__(self, settings_cls: type[BaseSettings], files: Sequence[Path]) -> None:
+        super().__init__(settings_cls)
+        self._values: dict[str, Any] = {}
+        for path in files:
+            if path.is_file():
+                self._values.update(read_toml(path))
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+class Settings(BaseSettings):
+    """Every setting of the service; see ``config/default.toml`` for what each one means."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",  # a misspelt key in a config file is an error, not silently ignored
+        frozen=True,
+        validate_default=True,
+    )
+
+    # HTTP server
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8091, ge=0, le=65535)
+    api_key: SecretStr = Field(default=SecretStr(""), repr=False)
+    log_level: LogLevel = "info"
+    max_body_bytes: int = Field(default=2_097_152, gt=0)
+    max_hashes_per_request: int = Field(default=65_536, gt=0)
+
+    # Active request expiry
+    expiry_seconds: int = Field(default=300, gt=0)
+    expiry_check_seconds: int = Field(default=30, gt=0)
+    force_expiry_interval_seconds: int = Field(default=60, gt=0)
+
+    # Replication between instances
+    redis_url: str = ""
+    namespace: str = Field(default="kv-slot-tracker", min_length=1, pattern=r"^[^\s{}]+$")
+    instance_id: int = Field(default=0, ge=0, le=U64_MAX)
+    outbox_capacity: int = Field(default=100_000, gt=0)
+    stream_retention_seconds: int = Field(default=3600, gt=0)
+    snapshot_interval_seconds: int = Field(default=30, gt=0)
+    replication_batch_events: int = Field(default=256, gt=0)
+    replication_batch_ms: int = Field(default=1, ge=0)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be empty or start with redis://, rediss:// or unix://")
+        return value
+
+    @property
+    def embedded(self) -> bool:
+        """True when no Redis is configured: a single instance with in-process replication."""
+        return not self.redis_url
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest precedence first. No .env or secrets-dir files.
+        return (init_settings, env_settings, _TomlFilesSource(settings_cls, _config_files.get()))
+
+
+@contextmanager
+def _reading(files: tuple[Path, ...]) -> Iterator[None]:
+    token = _config_files.set(files)
+    try:
+        yield
+    finally:
+        _config_files.reset(token)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from defaults < ``config_file`` < environment < ``overrides``.
+
+    Overrides whose value is ``None`` are ignored, so unset command-line flags can be passed
+    through as they are. A ``config_file`` that does not exist raises ``FileNotFoundError``.
+    """
+    files = [DEFAULT_CONFIG_FILE]
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        files.append(path)
+    given = {name: value for name, value in overrides.items() if value is not None}
+    with _reading(tuple(files)):
+        return Settings(**given)
