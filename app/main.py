@@ -67,6 +67,29 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered like GET without a body, as the reference does.
+
+    FastAPI's GET routes do not accept HEAD (405). Headers, including ``content-length``, stay
+    those of the GET answer; a HEAD on a POST-only route is still a 405.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_without_body(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_without_body)
+
+
 def make_replication(settings: Settings, registry) -> Any:
     if settings.redis_url:
         from app.replication.redis_bus import RedisReplication
@@ -116,6 +139,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         "rank, and answers what each rank's load would be if a prompt went there. A drop-in "
         "superset of Dynamo's standalone slot tracker API.",
         lifespan=lifespan,
+        redirect_slashes=False,  # `/health/` is a 404, as in the reference
     )
     app.state.settings = settings
     app.state.service = service
@@ -181,6 +205,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     api_key = settings.api_key.get_secret_value()
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(HeadAsGet)  # outermost: also strips the body of a 401
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from app.core import errors as core_errors
 from app.core.events import ActiveSequenceEvent, event_from_wire, event_to_wire
 from app.core.hashing import sequence_hashes_for_tokens
+from app.core.snapshot import export_tracker, restore_tracker, wall_mapping
 from app.core.tracker import (
     ActiveSequencesMultiWorker,
     ReplicaEffects,
@@ -29,7 +30,6 @@ from app.core.types import (
     U32_MAX,
     U64_MAX,
     PrefillLoadHint,
-    PrefillTokenDeltas,
     SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
@@ -417,20 +417,22 @@ class SlotTrackerService:
         t = self.tracker(key)
         hashes = self.prompt_hashes(t, sequence_hashes, token_ids, lora_name)
         now = self.clock()
-        blocks, tokens, requests = t.potential_blocks_and_tokens(
-            hashes, PrefillTokenDeltas.uniform(new_isl_tokens), now, True
-        )
-        assert requests is not None
-        return [
-            {
+        # the core's potential_blocks_and_tokens, fused into one pass that builds the rows
+        over = t.overlaps(hashes)
+        q_len = len(hashes)
+        blocks, slots = t.blocks, t.slots
+        rows = []
+        for w in t.workers():
+            s = slots[w]
+            tokens = s.prefill.active_tokens(now) + new_isl_tokens
+            rows.append({
                 "worker_id": w.worker_id,
                 "dp_rank": w.dp_rank,
-                "potential_prefill_tokens": min(tokens[w], U64_MAX),
-                "potential_decode_blocks": blocks[w],
-                "active_requests": requests[w],
-            }
-            for w in t.workers()
-        ]
+                "potential_prefill_tokens": tokens if tokens <= U64_MAX else U64_MAX,
+                "potential_decode_blocks": blocks[w] + q_len - over.get(w, 0),
+                "active_requests": len(s.requests),
+            })
+        return rows
 
     def project_loads(
         self,
@@ -573,3 +575,29 @@ class SlotTrackerService:
             self._drop_if_empty(key)
             return True
         raise ValueError(f"unknown topology op {kind!r}")
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Every tracker's replicated state (``app.core.snapshot``), instants as wall time."""
+        to_wall, _ = wall_mapping(self.clock(), self.wall_clock())
+        return [
+            {"model_name": key[0], "routing_group": key[1], "tracker": export_tracker(t, to_wall)}
+            for key, t in sorted(self.trackers.items())
+        ]
+
+    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
+        """Replace every tracker by those of an ``export_state`` (counters are kept).
+
+        All or nothing: on malformed data the previous trackers stay in place.
+        """
+        _, from_wall = wall_mapping(self.clock(), self.wall_clock())
+        previous, self.trackers = self.trackers, {}
+        try:
+            for entry in trackers:
+                key = (entry["model_name"], entry["routing_group"])
+                data = entry["tracker"]
+                restore_tracker(self._new_tracker(key, data["block_size"]), data, from_wall)
+        except Exception:
+            self.trackers = previous
+            raise

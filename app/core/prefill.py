@@ -162,13 +162,25 @@ class PrefillLoadTracker:
         return min(self.modeled_ms_sum, U64_MAX)
 
     def active_tokens(self, now: int) -> int:
-        if self.anchor_rid is None:
+        rid = self.anchor_rid
+        if rid is None:
             return 0
-        st = self.prefills[self.anchor_rid]
+        st = self.prefills[rid]
+        if self.unmodeled_count == 0:
+            # all-modeled fast path (no allocation); the general rule lives in _active_tokens
+            dur = st.duration_ns
+            if not dur:
+                completed = st.tokens
+            else:
+                elapsed = now - self.anchor_since
+                completed = (st.tokens * elapsed) // dur if elapsed > 0 else 0
+            return self.full_sum - completed if self.full_sum > completed else 0
+        if st.duration_ns is None:
+            return self.full_sum  # the unmodeled anchor counts in full, as does everything else
         return _active_tokens(
             AnchoredPrefillSnapshot(st.tokens, st.duration_ns, self.anchor_since),
             self.full_sum,
-            self.unmodeled_count == 0,
+            False,
             now,
         )
 

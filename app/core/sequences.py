@@ -105,10 +105,13 @@ class ActiveSequences:
         if started_at is None:
             started_at = self.clock()
         prompt = list(token_sequence) if token_sequence else []
-        touch = self.blocks.touch
+        refcount = self.blocks.refcount
+        get = refcount.get
         first_new = -1
         for i, h in enumerate(prompt):
-            if touch(h) and first_new < 0:
+            c = get(h, 0)
+            refcount[h] = c + 1
+            if not c and first_new < 0:
                 first_new = i
         if first_new >= 0:
             parent = prompt[first_new - 1] if first_new > 0 else None
@@ -139,15 +142,29 @@ class ActiveSequences:
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return delta
-        release = self.blocks.release_and_try_remove
-        removed: list[int] = []
+        refcount = self.blocks.refcount
+        fraction = self.blocks.fraction
+        removed: list[int] | None = None
         for h in state.prompt_blocks:
-            if release(h) or removed:
-                removed.append(h)
+            c = refcount[h] - 1
+            if c:
+                refcount[h] = c
+                if removed is not None:
+                    removed.append(h)
+            else:
+                del refcount[h]
+                if fraction:
+                    fraction.pop(h, None)
+                if removed is None:
+                    removed = [h]
+                else:
+                    removed.append(h)
         if removed:
             delta.removes.append(PromptMembershipRemove(removed))
-        for h in state.output_blocks:
-            release(h)
+        if state.output_blocks:
+            release = self.blocks.release_and_try_remove
+            for h in state.output_blocks:
+                release(h)
         return delta
 
     def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
@@ -214,7 +231,7 @@ class ActiveSequences:
         self.prefill.assert_consistent()
         expected: dict[int, int] = {}
         for st in self.requests.values():
-            for h in st.prompt_blocks + st.output_blocks:
+            for h in (*st.prompt_blocks, *st.output_blocks):
                 expected[h] = expected.get(h, 0) + 1
         assert expected == self.blocks.refcount, "refcounts must equal the held references"
         assert set(self.blocks.fraction) <= set(self.blocks.refcount)

@@ -123,6 +123,13 @@ class ActiveSequencesMultiWorker:
         if block_size <= 0:
             raise ValueError("block_size must be greater than 0")
         self.publisher = publisher or SequencePublisher()
+        kind, base = type(self.publisher), SequencePublisher
+        # skip building loads nobody looks at (the default hooks discard them)
+        self._loads_wanted = (
+            kind.publish_load is not base.publish_load
+            or kind.publish_load_batch is not base.publish_load_batch
+            or kind.observe_load is not base.observe_load
+        )
         self.block_size = block_size
         self.replica_sync = replica_sync
         self.router_id = router_id
@@ -133,6 +140,7 @@ class ActiveSequencesMultiWorker:
         self.replica_worker_policy = replica_worker_policy
 
         self.table = WorkerTable()
+        self._sorted_workers: list[WorkerWithDpRank] | None = None
         self.slots: dict[WorkerWithDpRank, ActiveSequences] = {}
         self.blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
         self.trie = PromptTrie()
@@ -180,10 +188,14 @@ class ActiveSequencesMultiWorker:
 
     def workers(self) -> list[WorkerWithDpRank]:
         """Every tracked rank (registered or lazily created), sorted."""
-        return sorted(self.slots)
+        if self._sorted_workers is None:
+            self._sorted_workers = sorted(self.slots)
+        return self._sorted_workers
 
     def _apply_topology(self, change: TopologyChange) -> TopologyChange:
         wt = self._worker_type
+        if not change.is_empty():
+            self._sorted_workers = None
         if change.removed:
             removed = set(change.removed)
             for rid in [rid for rid, w in self.request_worker.items() if w in removed]:
@@ -384,7 +396,8 @@ class ActiveSequencesMultiWorker:
         return ActiveLoad(worker.worker_id, worker.dp_rank, blocks, tokens, None)
 
     def _publish_worker_load(self, worker: WorkerWithDpRank, slot: ActiveSequences, now: int):
-        self.publisher.publish_load(self._load_of(worker, slot, now))
+        if self._loads_wanted:
+            self.publisher.publish_load(self._load_of(worker, slot, now))
 
     def _enqueue(self, event: ActiveSequenceEvent) -> None:
         try:
@@ -470,7 +483,7 @@ class ActiveSequencesMultiWorker:
         loads = [
             self._load_of(w, self.slots[w], now)
             for w, publish in effects.workers.items()
-            if publish and w in self.slots
+            if publish and w in self.slots and self._loads_wanted
         ]
         effects.workers.clear()
         if loads:
@@ -575,7 +588,7 @@ class ActiveSequencesMultiWorker:
             for st in s.requests.values():
                 if st.prompt_blocks:
                     fresh.add(w, st.prompt_blocks)
-        assert _trie_equal(fresh.root, self.trie.root), "overlap index out of sync"
+        assert fresh.expanded() == self.trie.expanded(), "overlap index out of sync"
         for rid, w in self.request_worker.items():
             if w in self.slots:
                 assert rid in self.slots[w].requests, f"{rid} mapped to {w} but not active there"
@@ -596,9 +609,3 @@ class ActiveSequencesMultiWorker:
         assert self.trie.is_empty(), "expected the overlap index to be empty after drain"
         for w, s in self.slots.items():
             assert not s.blocks.refcount, f"{w} still references blocks"
-
-
-def _trie_equal(a, b) -> bool:
-    if a.workers != b.workers or a.children.keys() != b.children.keys():
-        return False
-    return all(_trie_equal(a.children[h], b.children[h]) for h in a.children)

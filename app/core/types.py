@@ -144,7 +144,7 @@ def round_half_away_from_zero_usize(x: float) -> int:
     """Rust's ``f64::round() as usize``: half away from zero, negatives and NaN become 0."""
     if not x > 0.0:  # also catches NaN
         return 0
-    if x == float("inf"):
+    if x >= 18446744073709551616.0:  # 2^64 and inf: ``as usize`` saturates
         return U64_MAX
     t = int(x)
     return t + 1 if x - t >= 0.5 else t

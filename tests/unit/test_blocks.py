@@ -1,4 +1,4 @@
-"""``BlockTracker`` reference counting and the Rust ``f64::round() as usize`` rounding (SPEC §2.1-2.2)."""
+"""``BlockTracker`` refcounts and Rust ``f64::round() as usize`` rounding (SPEC §2.1-§2.2)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -101,8 +101,10 @@ class OverlapMachine(RuleBasedStateMachine):
         return rid
 
     def _some_id(self, data: st.DataObject) -> str:
-        candidates = [*self.used_ids, "ghost"]
-        return data.draw(st.sampled_from(candidates))
+        """Mostly an active id; sometimes a freed, expired, dropped or unknown one."""
+        if self.tracker.request_worker and data.draw(st.integers(0, 3)):
+            return data.draw(st.sampled_from(sorted(self.tracker.request_worker)))
+        return data.draw(st.sampled_from([*self.used_ids, "ghost"]))
 
     def _apply_removed(self, removed: list[WorkerWithDpRank]) -> None:
         gone = set(removed)
@@ -126,16 +128,7 @@ class OverlapMachine(RuleBasedStateMachine):
 
     # -- lifecycle rules ----------------------------------------------------------------------
 
-    @rule(
-        data=st.data(),
-        worker=ranks,
-        kind=st.sampled_from(["lineage", "extend", "raw", "none", "empty"]),
-        hint=hints,
-        track=st.booleans(),
-        strict=st.booleans(),
-        decay_offset=decay_offsets_ns,
-    )
-    def add(self, data, worker, kind, hint, track, strict, decay_offset) -> None:
+    def _add(self, data: st.DataObject, kind: str) -> None:
         lora = data.draw(st.sampled_from(LORAS))
         prompt: list[int] | None
         if kind == "lineage" or (kind == "extend" and not self.token_pool):
@@ -151,14 +144,20 @@ class OverlapMachine(RuleBasedStateMachine):
         elif kind == "raw":
             prompt = data.draw(raw_prompts)
         else:
-            prompt = None if kind == "none" else []
-        duplicate = data.draw(st.booleans()) and bool(self.tracker.request_worker)
+            prompt = data.draw(st.sampled_from([None, []]))
+        if self.slots and data.draw(st.integers(0, 4)):
+            worker = data.draw(st.sampled_from(sorted(self.slots)))
+        else:
+            worker = data.draw(ranks)
+        duplicate = bool(self.tracker.request_worker) and not data.draw(st.integers(0, 6))
         if duplicate:
             rid = data.draw(st.sampled_from(sorted(self.tracker.request_worker)))
         else:
             rid = self._fresh_id()
+        hint, track = data.draw(hints), data.draw(st.booleans())
+        strict = not data.draw(st.integers(0, 3))
         request = SequenceRequest(rid, worker, prompt, track, None, hint, lora)
-        decay_now = self.clock.now() + decay_offset
+        decay_now = self.clock.now() + data.draw(decay_offsets_ns)
         self.pub.clear()
         if strict and worker not in self.slots:
             with pytest.raises(WorkerNotFound) as err:
@@ -168,7 +167,6 @@ class OverlapMachine(RuleBasedStateMachine):
             return
         if worker not in self.slots:
             self.slots.add(worker)  # lazy creation, kept even if the add then fails
-            assert self.pub.registered == [] or self.pub.registered == [worker]
         add = self.tracker.add_request_if_registered if strict else self.tracker.add_request
         if duplicate:
             owner = self.tracker.request_worker[rid]
@@ -183,6 +181,18 @@ class OverlapMachine(RuleBasedStateMachine):
         self.model[rid] = ModelRequest(worker, self.clock.now(), lora)
         assert len(self.pub.single_loads) == 1
         assert self.tracker.slots[worker].requests[rid].prompt_blocks == (prompt or [])
+
+    @rule(data=st.data())
+    def add_lineage(self, data) -> None:
+        self._add(data, "lineage")
+
+    @rule(data=st.data())
+    def add_extending_lineage(self, data) -> None:
+        self._add(data, "extend")
+
+    @rule(data=st.data(), kind=st.sampled_from(["extend", "raw", "empty"]))
+    def add_other(self, data, kind) -> None:
+        self._add(data, kind)
 
     @rule(data=st.data(), decay_offset=decay_offsets_ns)
     def free(self, data, decay_offset) -> None:
@@ -216,7 +226,7 @@ class OverlapMachine(RuleBasedStateMachine):
             assert str(err.value) == f"Request {rid} not found"
 
     @rule(
-        seconds=st.sampled_from([0, 1, 10, 29, 30, 31, 100, 150, 299, 300, 301]),
+        seconds=st.sampled_from([0, 1, 10, 29, 30, 31, 100, 150, 299, 300, 301, 331]),
         sweep=st.booleans(),
     )
     def advance_clock(self, seconds, sweep) -> None:
@@ -233,11 +243,25 @@ class OverlapMachine(RuleBasedStateMachine):
             if rid not in expired:
                 assert m.started_at >= now - EXPIRY_NS - CHECK_NS, rid
 
-    # -- topology rules -----------------------------------------------------------------------
+    # -- topology -----------------------------------------------------------------------------
 
-    @rule(r=ranges)
-    def register_worker(self, r) -> None:
+    @rule(
+        op=st.sampled_from(["register", "upsert", "unregister", "reconcile"]),
+        r=ranges,
+        new=st.lists(ranges, max_size=3),
+    )
+    def change_topology(self, op, r, new) -> None:
         self.pub.clear()
+        if op == "register":
+            self._register_worker(r)
+        elif op == "upsert":
+            self._upsert_worker(r)
+        elif op == "unregister":
+            self._unregister_worker(r.worker_id)
+        else:
+            self._reconcile_workers(new)
+
+    def _register_worker(self, r: WorkerDpRange) -> None:
         if r.dp_size == 0:
             with pytest.raises(InvalidDpSize):
                 self.tracker.register_worker(r)
@@ -252,9 +276,7 @@ class OverlapMachine(RuleBasedStateMachine):
             return
         assert self.pub.registered == self.pub.removed == []
 
-    @rule(r=ranges)
-    def upsert_worker(self, r) -> None:
-        self.pub.clear()
+    def _upsert_worker(self, r: WorkerDpRange) -> None:
         if r.dp_size == 0:
             with pytest.raises(InvalidDpSize):
                 self.tracker.upsert_worker(r)
@@ -267,9 +289,7 @@ class OverlapMachine(RuleBasedStateMachine):
         self.ranges[r.worker_id] = r
         self._expect_change(change, *self._reconcile_id(r.worker_id))
 
-    @rule(worker_id=worker_ids)
-    def unregister_worker(self, worker_id) -> None:
-        self.pub.clear()
+    def _unregister_worker(self, worker_id: int) -> None:
         if worker_id not in self.ranges:
             with pytest.raises(WorkerIdNotRegistered) as err:
                 self.tracker.unregister_worker(worker_id)
@@ -279,9 +299,7 @@ class OverlapMachine(RuleBasedStateMachine):
         del self.ranges[worker_id]
         self._expect_change(change, *self._reconcile_id(worker_id))
 
-    @rule(new=st.lists(ranges, max_size=3))
-    def reconcile_workers(self, new) -> None:
-        self.pub.clear()
+    def _reconcile_workers(self, new: list[WorkerDpRange]) -> None:
         seen: set[int] = set()
         error: type[Exception] | None = None
         for r in new:
@@ -387,6 +405,10 @@ class OverlapMachine(RuleBasedStateMachine):
 
 
 OverlapMachine.TestCase.settings = settings(
-    max_examples=500, deadline=None, stateful_step_count=30
+    max_examples=500,
+    deadline=None,
+    stateful_step_count=30,
+    # each add draws a prompt, a hint and a target rank, so even the smallest run is large
+    suppress_health_check=[HealthCheck.large_base_example],
 )
 TestOverlapMachine = OverlapMachine.TestCase

@@ -19,7 +19,6 @@ from app.core.events import (
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
     AddRequest,
-    Free,
 )
 from app.core.tracker import (
     ActiveSequencesMultiWorker,
@@ -67,7 +66,7 @@ class VecSubscriber:
 
 
 class ChannelSubscriber:
-    """An open channel: ``next_event`` waits for a send, ``try_next_event`` is PENDING when empty."""
+    """An open channel: ``next_event`` waits for a send; ``try_next_event`` is PENDING if empty."""
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -141,7 +140,12 @@ def make_noop_tracker(
     policy: ReplicaWorkerPolicy = ReplicaWorkerPolicy.LAZY_REGISTER,
 ) -> ActiveSequencesMultiWorker:
     return ActiveSequencesMultiWorker(
-        None, 4, workers, replica_sync=True, router_id=0, clock=clock.now,
+        None,
+        4,
+        workers,
+        replica_sync=True,
+        router_id=0,
+        clock=clock.now,
         replica_worker_policy=policy,
     )
 
@@ -458,7 +462,9 @@ def test_mark_emits_on_every_repeat_but_not_after_free() -> None:
     tracker.mark_prefill_completed("r", t)
     tracker.mark_prefill_completed("r", t)
     assert [e.data for e in publisher.events] == [MARK_PREFILL_COMPLETED, MARK_PREFILL_COMPLETED]
-    assert all(e.request_id == "r" and e.worker == W1 and e.router_id == 7 for e in publisher.events)
+    assert all(
+        e.request_id == "r" and e.worker == W1 and e.router_id == 7 for e in publisher.events
+    )
     assert publisher.single_loads == [ActiveLoad(1, 0, 3, 0, None)] * 2
 
     tracker.free("r", t)
@@ -567,7 +573,7 @@ def test_events_are_emitted_after_the_local_mutation() -> None:
     assert publisher.seen == [
         ("AddRequest", W1, 3, 12),
         ("MarkPrefillCompleted", W1, 3, 0),
-        (Free.__name__, None, 0, 0),
+        ("Free", None, 0, 0),
     ]
 
 

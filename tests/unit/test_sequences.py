@@ -615,6 +615,20 @@ def test_free_reports_suffix_from_first_removed_block() -> None:
     assert slot.blocks.is_empty()
 
 
+def test_free_remove_list_continues_past_still_held_blocks() -> None:
+    """SPEC §2.4: once a block disappeared, every later prompt block joins the remove list.
+
+    Only visible with prompts that break the lineage assumption (``2`` after two prefixes).
+    """
+    clock = FakeClock()
+    t = clock.now()
+    slot = make_slot(clock)
+    add(slot, "a", [1, 2, 3], None, t, track=False)
+    add(slot, "b", [2, 3], None, t, track=False)
+    assert free(slot, "a", t).removes == [PromptMembershipRemove([1, 2, 3])]
+    assert slot.active_block_hashes() == {2, 3}
+
+
 def test_store_reports_whole_tail_after_first_new_block() -> None:
     """SPEC §2.3 step 4: the store holds the remaining tail, even hashes already present."""
     clock = FakeClock()
