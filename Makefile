@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 LINT_PATHS := $(wildcard app tests bench scripts loadtest)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv dev run test lint fmt openapi clean
+.PHONY: help venv dev run test lint fmt openapi clean chromium docker-lint loadtest
 
 help:
 	@echo "make run      start the service (ARGS='--port 8091 --config FILE')"
@@ -23,6 +23,8 @@ help:
 	@echo "make lint     ruff check + format check"
 	@echo "make fmt      ruff format + autofix"
 	@echo "make openapi  write openapi.yaml from the app"
+	@echo "make loadtest run Locust against a local instance (LOADTEST_TIME=60s LOADTEST_USERS=50)"
+	@echo "make docker-lint  lint the Dockerfile with hadolint"
 	@echo "make venv     runtime virtualenv in $(VENV); make dev adds test/lint tools"
 	@echo "make clean    remove $(VENV) and caches"
 
@@ -47,8 +49,16 @@ dev: $(DEV_STAMP)
 run: venv
 	$(VENV_PY) -m app $(ARGS)
 
-test: dev
+test: dev chromium
 	scripts/with_redis.sh $(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+# Headless Chromium for tests/browser/; installed with apt-get when missing. A failed install
+# does not stop the other tests: the browser tests then fail and say why.
+chromium:
+	-scripts/ensure_chromium.sh
+
+docker-lint: dev
+	$(VENV)/bin/hadolint Dockerfile
 
 lint: dev
 	$(VENV_PY) -m ruff check $(LINT_PATHS)
@@ -61,6 +71,10 @@ fmt: dev
 openapi: venv
 	$(VENV_PY) -m app.openapi_export > openapi.yaml.tmp
 	mv openapi.yaml.tmp openapi.yaml
+
+# Starts a local instance, runs Locust headless, writes CSVs to loadtest/out/.
+loadtest: dev
+	bash loadtest/run.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import __version__
 from app.api import schemas
+from app.api.dashboard import build_dashboard_router
 from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
 from app.observability import build_registry
 from app.service import ServiceError, SlotTrackerService
@@ -29,7 +30,16 @@ from app.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+    {
+        "/health",
+        "/ready",
+        "/metrics",
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+        "/docs/oauth2-redirect",
+        "/dashboard",
+    }
 )
 
 
@@ -155,7 +165,10 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         if exc.status_code == 404:
             return json_response({"error": "route not found"}, 404)
         if exc.status_code == 405:
-            return json_response({"error": "method not allowed"}, 405)
+            resp = json_response({"error": "method not allowed"}, 405)
+            if exc.headers:  # the route's `Allow` header (RFC 9110 requires it on a 405)
+                resp.headers.update(exc.headers)
+            return resp
         return json_response({"error": str(exc.detail)}, exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -197,6 +210,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         return json_response(replication.status())
 
     app.include_router(build_router(service, settings.max_body_bytes))
+    app.include_router(build_dashboard_router())
 
     Instrumentator(
         registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
@@ -213,6 +227,15 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         doc = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
+        metrics = doc["paths"].get("/metrics", {}).get("get")
+        if metrics is not None:  # the instrumentator documents it as JSON; it is Prometheus text
+            metrics["summary"] = "Prometheus metrics (text exposition format)"
+            metrics["responses"] = {
+                "200": {
+                    "description": "Tracker gauges and counters, and HTTP metrics.",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            }
         comps = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in BODY_MODELS:
             sch = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROUTING_GROUP = "default"
 WORKER_TYPE = "standalone"
+# Most worker ranks one tracker may hold: every rank costs memory, so a single registration with
+# a huge ``dp_size`` (the anchor accepts up to 2^32 - 1) must not exhaust the process.
+MAX_RANKS_PER_TRACKER = 16_384
 
 Key = tuple[str, str]
 SHAPE_PREFIX = "Failed to deserialize the JSON body into the target type: "
@@ -187,6 +190,15 @@ class SlotTrackerService:
             )
         return t
 
+    @staticmethod
+    def _check_capacity(key: Key, ranks: int) -> None:
+        if ranks > MAX_RANKS_PER_TRACKER:
+            raise ServiceError(
+                400,
+                f"too many ranks for model={key[0]} routing_group={key[1]}: "
+                f"{ranks} > {MAX_RANKS_PER_TRACKER}",
+            )
+
     def register(
         self, key: Key, worker_id: int, block_size: int, dp_start: int, dp_size: int
     ) -> None:
@@ -197,6 +209,7 @@ class SlotTrackerService:
                 409,
                 f"worker {worker_id} already registered for model={key[0]} routing_group={key[1]}",
             )
+        self._check_capacity(key, (len(t.slots) if t is not None else 0) + dp_size)
         if t is None:
             t = self._new_tracker(key, block_size)
         t.register_worker(WorkerDpRange(worker_id, dp_start, dp_size))
@@ -212,6 +225,9 @@ class SlotTrackerService:
         """Register or replace one worker's ranks; True when the worker id was new."""
         self._check_range(block_size, dp_start, dp_size)
         t = self._tracker_for_topology(key, block_size)
+        old = t.table.ranges.get(worker_id) if t is not None else None
+        kept = (len(t.slots) if t is not None else 0) - (old.dp_size if old is not None else 0)
+        self._check_capacity(key, kept + dp_size)
         if t is None:
             t = self._new_tracker(key, block_size)
         created = worker_id not in t.table.ranges
@@ -246,6 +262,7 @@ class SlotTrackerService:
                 raise ServiceError(400, f"worker {wid} is listed more than once")
             seen.add(wid)
             self._check_range(block_size, start, size)
+        self._check_capacity(key, sum(size for _, _, size in workers))
         t = self._tracker_for_topology(key, block_size)
         if t is None:
             if not workers:

@@ -24,9 +24,19 @@ Inputs are kept out of the documented difference D3: sequence hashes come from o
 tree, so a hash never repeats inside a prompt and always stands for the same prefix. Prefill tokens
 added over HTTP have no duration on the reference, so loads do not depend on time.
 
-Every difference is printed with the request that caused it; the first difference of each class is
-minimized to a short reproducer (replayed on reset servers, then checked on fresh ones). The last
-line is ``N requests, M differences``; the exit code is 1 when M > 0.
+Before the random runs, fixed scenarios (SPEC §9.6 H01–H18 and hand-picked parser/order edges) run
+once (``--no-fixed`` skips them). Every difference is printed with the request that caused it; the
+first difference of each family (operation kind + both statuses + mismatch kind) is minimized to a
+short reproducer by replaying subsets of the requests since the servers were last empty (on
+servers emptied by unregistering every worker; a longer reproducer is re-checked on freshly
+started servers). After a difference where either side succeeded, both servers are emptied so
+that later requests start from equal states again. The summary lists difference families, the
+finer classes with one example each, and (``--coverage``) the requests sent per operation kind.
+The last line is ``N requests, M differences``; the exit code is 1 when M > 0.
+
+Other flags: ``--only-run K`` replays one run of a seed, ``--ref-url/--ours-url`` use running
+servers, ``-v`` prints every request with the reference's answer, ``--array-bodies`` also sends
+positional-array bodies (a serde quirk that SPEC §7.3 makes optional).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import random
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +148,11 @@ class Resp:
         return json.loads(self.body)
 
     def describe(self) -> str:
-        ct = f" [{self.ctype}]" if self.ctype and not self.ctype.startswith("application/json") else ""
+        ct = (
+            f" [{self.ctype}]"
+            if self.ctype and not self.ctype.startswith("application/json")
+            else ""
+        )
         return f"{self.status}{ct} {self.text()}".rstrip()
 
 
@@ -215,8 +230,17 @@ def compare(req: Req, ref: Resp, ours: Resp, strict_wording: bool) -> list[Misma
             a, b = ref.json(), ours.json()
         except ValueError:
             return [Mismatch("body", "a success body is not JSON")]
-        if _normalize_success(req, a) != _normalize_success(req, b):
-            out.append(Mismatch("body", "success bodies differ"))
+        na, nb = _normalize_success(req, a), _normalize_success(req, b)
+        if na != nb:
+            detail = "success bodies differ"
+            if isinstance(na, list) and isinstance(nb, list):
+                if len(na) != len(nb):
+                    detail += f" (rows: ref {len(na)}, ours {len(nb)})"
+                for x, y in zip(na, nb, strict=False):
+                    if x != y:
+                        detail += f"; first differing row: ref {x} ours {y}"
+                        break
+            out.append(Mismatch("body", detail))
         if _mime(ref.ctype) != _mime(ours.ctype):
             out.append(Mismatch("ctype", f"content-type ref={ref.ctype} ours={ours.ctype}"))
         return out
@@ -383,11 +407,16 @@ class Generator:
                 size = 0
         elif roll < 0.12:
             size, label = 0, "register:dp_size0"
-        elif roll < 0.18:
-            start, size = rng.choice(
-                [(U32_MAX, 1), (2**31, 2**31), (1, U32_MAX), (U32_MAX, U32_MAX)]
-            )
+        elif roll < 0.16:
+            start, size = rng.choice([(U32_MAX, 1), (U32_MAX - 100, 4096), (U32_MAX - 1, 2)])
             label = "register:overflow"
+        elif roll < 0.19:
+            start, size = rng.choice(
+                [(0, 4097), (2**31, 2**31), (1, U32_MAX), (U32_MAX, U32_MAX), (0, 65536)]
+            )
+            label = "register:dp_size_max"
+            if rng.random() < 0.2:
+                start, size, label = 0, 4096, "register:dp_size4096"
         elif roll < 0.3 and key in self.model.block_size:
             bs = rng.choice([b for b in (1, 4, 16, 64) if b != bs])
             label = "register:bs_mismatch"
@@ -457,7 +486,9 @@ class Generator:
         tokens = self.isl() if self.rng.random() < 0.7 else None
         if tokens is not None:
             body["new_isl_tokens"] = min(tokens, 10**6)
-        return ("potential_loads" if key in self.model.workers else "potential_loads:no_tracker"), body
+        return (
+            "potential_loads" if key in self.model.workers else "potential_loads:no_tracker"
+        ), body
 
     def valid_post(self, route: str | None = None) -> tuple[str, str, dict[str, Any]]:
         route = route or self.rng.choice(POST_ROUTES)
@@ -483,7 +514,10 @@ class Generator:
             ("all", ""),
             ("model", f"?model_name={enc(m)}"),
             ("group", f"?routing_group={enc(g if g is not None else 'default')}"),
-            ("both", f"?model_name={enc(m)}&routing_group={enc(g if g is not None else 'default')}"),
+            (
+                "both",
+                f"?model_name={enc(m)}&routing_group={enc(g if g is not None else 'default')}",
+            ),
             ("empty_model", "?model_name"),
             ("empty_model_eq", "?model_name="),
             ("unknown_key", "?tenant_id=g1"),
@@ -519,6 +553,9 @@ class Generator:
             ("truncated_after_bad_type", 2),
             ("string_escapes", 3),
             ("deep_nesting", 2),
+            ("trailing_junk", 3),
+            ("nonfinite_extra", 2),
+            ("invalid_utf8_extra", 1),
             ("unknown_route", 4),
             ("wrong_method", 4),
             ("head", 1),
@@ -527,7 +564,6 @@ class Generator:
         ]
         kind = rng.choices([k for k, _ in kinds], [w for _, w in kinds])[0]
         tag = f"malformed:{kind}"
-        js = "application/json"
         if kind == "bad_json":
             raw = rng.choice(
                 [
@@ -659,6 +695,18 @@ class Generator:
             if esc[1] == "invalid_utf8":
                 raw = text.replace(old, f'"{name}":"XX"', 1).encode().replace(b"XX", b"\xff\xfe")
             return self._mutating(Req(f"{tag}:{esc[1]}", "POST", route, raw), route, None)
+        if kind == "trailing_junk":
+            junk = rng.choice([b" x", b"}", b",", b"{}", b"[", b" 5", b'"s"', b"\x00"])
+            return self._mutating(
+                Req(f"{tag}:{junk!r}", "POST", route, jdump(body) + junk), route, body
+            )
+        if kind == "nonfinite_extra":
+            lit = rng.choice([b"NaN", b"Infinity", b"-Infinity"])
+            raw = jdump(body)[:-1] + b',"extra":' + lit + b"}"
+            return self._mutating(Req(f"{tag}:{lit.decode()}", "POST", route, raw), route, body)
+        if kind == "invalid_utf8_extra":
+            raw = jdump(body)[:-1] + b',"extra":"\xff\xfe"}'
+            return self._mutating(Req(tag, "POST", route, raw), route, body)
         if kind == "deep_nesting":
             depth = rng.choice([126, 127, 128, 129, 130, 200])
             body["extra"] = "@@"
@@ -667,7 +715,9 @@ class Generator:
         if kind == "unknown_route":
             path = rng.choice(UNKNOWN_PATHS)
             method = rng.choice(["GET", "POST"])
-            return Req(f"{tag}:{method} {path}", method, path, jdump(body) if method == "POST" else None)
+            return Req(
+                f"{tag}:{method} {path}", method, path, jdump(body) if method == "POST" else None
+            )
         if kind == "wrong_method":
             method, path = rng.choice(WRONG_METHODS)
             data = jdump(body) if method in ("PUT", "PATCH", "POST") else None
@@ -680,7 +730,14 @@ class Generator:
             return self.big_body()
         # array_body: serde accepts a positional array (OPTIONAL quirk in SPEC §7.3)
         order = {
-            "/register": ["worker_id", "model_name", "routing_group", "block_size", "dp_start", "dp_size"],
+            "/register": [
+                "worker_id",
+                "model_name",
+                "routing_group",
+                "block_size",
+                "dp_start",
+                "dp_size",
+            ],
         }.get(route)
         if order is None:
             return Req(f"{tag}:none", "POST", route, jdump([]))
@@ -792,17 +849,461 @@ class Generator:
 
 
 # ---------------------------------------------------------------------------------------------
+# Fixed scenarios (SPEC §9.6 and hand-picked edges), run once on empty servers before the runs
+
+
+def _p(label: str, path: str, body: Any, ctype: str | None = "application/json") -> Req:
+    raw = body if isinstance(body, bytes) else jdump(body)
+    return Req(f"fixed:{label}", "POST", path, raw, ctype)
+
+
+def _g(label: str, path: str, method: str = "GET") -> Req:
+    return Req(f"fixed:{label}", method, path)
+
+
+def _reg(label: str, wid: int, model: str, bs: int, start: int, size: int, **kw: Any) -> Req:
+    body = {"worker_id": wid, "model_name": model, **kw, "block_size": bs}
+    body.update(dp_start=start, dp_size=size)
+    return _p(label, "/register", body)
+
+
+def _add(
+    label: str,
+    model: str,
+    rid: str,
+    wid: int,
+    rank: int,
+    hashes: Any,
+    isl: int | None = None,
+    **kw: Any,
+) -> Req:
+    body: dict[str, Any] = {"model_name": model, **kw, "request_id": rid, "worker_id": wid}
+    body.update(dp_rank=rank, sequence_hashes=hashes)
+    if isl is not None:
+        body["new_isl_tokens"] = isl
+    return _p(label, "/add", body)
+
+
+def _rq(label: str, path: str, model: str, rid: str, **kw: Any) -> Req:
+    return _p(label, path, {"model_name": model, **kw, "request_id": rid})
+
+
+def _pot(label: str, model: str, hashes: Any, isl: int | None = None, **kw: Any) -> Req:
+    body: dict[str, Any] = {"model_name": model, **kw, "sequence_hashes": hashes}
+    if isl is not None:
+        body["new_isl_tokens"] = isl
+    return _p(label, "/potential_loads", body)
+
+
+def fixed_scenarios(array_bodies: bool = False) -> list[list[Req]]:
+    g: list[list[Req]] = []
+    g.append([_g("H01:health", "/health"), _g("H01:head_health", "/health", "HEAD")])
+    g.append(
+        [
+            _reg("H02:register", 1, "m", 16, 2, 2),
+            _g("H02:workers", "/workers"),
+            _g("H02:loads", "/loads"),
+            _g("H02:head_loads", "/loads", "HEAD"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H03:bs0_dp0", 1, "h3", 0, 0, 0),
+            _reg("H03:dp0", 1, "h3", 8, 0, 0),
+            _reg("H03:overflow", 1, "h3", 8, U32_MAX, 1),
+            _reg("H03:max_start", 1, "h3", 8, U32_MAX - 1, 1),
+            _reg("H03:dp_size_4097", 2, "h3", 8, 0, 4097),
+            _reg("H03:dp_size_4097_bs0", 2, "h3", 0, 0, 4097),
+            _reg("H03:dp_size_4097_overflow", 2, "h3", 8, U32_MAX, 4097),
+            _reg("H03:dp_size_4096_overflow", 2, "h3", 8, U32_MAX - 100, 4096),
+            _reg("H03:dp_size_4097_mismatch", 2, "h3", 4, 0, 4097),
+            _reg("H03:dp_size_4096", 3, "h3", 8, 0, 4096),
+            _g("H03:loads_4096", "/loads?model_name=h3"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H04:first", 1, "m4", 4, 0, 2),
+            _reg("H04:duplicate", 1, "m4", 4, 0, 2),
+            _reg("H04:mismatch", 2, "m4", 8, 0, 2),
+            _reg("H04:mismatch_before_dup", 1, "m4", 8, 0, 2),
+        ]
+    )
+    g.append(
+        [
+            _reg("H05:setup", 1, "m5", 4, 0, 1),
+            _p("H05:unknown_worker", "/unregister", {"worker_id": 99, "model_name": "m5"}),
+            _p("H05:unknown_model", "/unregister", {"worker_id": 1, "model_name": "nomodel"}),
+            _p("H05:existing", "/unregister", {"worker_id": 1, "model_name": "m5"}),
+            _p("H05:repeat", "/unregister", {"worker_id": 1, "model_name": "m5"}),
+        ]
+    )
+    g.append(
+        [
+            _add("H06:no_tracker", "m6", "r1", 1, 0, [1, 2]),
+            _reg("H06:setup", 1, "m6", 4, 0, 2),
+            _add("H06:r1", "m6", "r1", 1, 0, [1, 2]),
+            _add("H06:dup_same_rank", "m6", "r1", 1, 0, [1, 2]),
+            _add("H06:dup_other_rank", "m6", "r1", 1, 1, [1, 2]),
+            _add("H06:rank_not_registered", "m6", "r2", 1, 2, [1]),
+            _add("H06:worker_not_registered", "m6", "r2", 9, 0, [1]),
+        ]
+    )
+    g.append(
+        [
+            _reg("H07:setup", 1, "h7", 16, 0, 1),
+            _rq("H07:free_early", "/free", "h7", "early-free"),
+            _rq("H07:complete_early", "/prefill_complete", "h7", "early-complete"),
+            _add("H07:bad_rank", "h7", "bad-rank", 1, 1, [1, 2], 8),
+            _add("H07:add", "h7", "early-free", 1, 0, [1, 2], 8),
+            _add("H07:add_again", "h7", "early-free", 1, 0, [1, 2], 8),
+            _rq("H07:complete1", "/prefill_complete", "h7", "early-free"),
+            _rq("H07:complete2", "/prefill_complete", "h7", "early-free"),
+            _rq("H07:free1", "/free", "h7", "early-free"),
+            _rq("H07:free2", "/free", "h7", "early-free"),
+            _rq("H07:complete_after_free", "/prefill_complete", "h7", "early-free"),
+            _add("H07:add2", "h7", "early-complete", 1, 0, [3], 8),
+            _g("H07:loads", "/loads?model_name=h7"),
+            _rq("H07:free3", "/free", "h7", "early-complete"),
+            _g("H07:loads_after", "/loads?model_name=h7"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H08:setup", 1, "h8", 16, 0, 1),
+            _add("H08:add", "h8", "req-1", 1, 0, [1, 2, 3], 8),
+            _pot("H08:potential", "h8", [1, 2, 4], 5),
+        ]
+    )
+    g.append(
+        [
+            _reg("H09:register", 1, "m2", 4, 0, 2),
+            _add("H09:r1", "m2", "r1", 1, 0, [1, 2, 3], 12),
+            _g("H09:loads1", "/loads?model_name=m2"),
+            _add("H09:r2", "m2", "r2", 1, 0, [1, 2, 4, 5], 16),
+            _g("H09:loads2", "/loads?model_name=m2"),
+            _pot("H09:potential", "m2", [1, 2, 3, 5], 7),
+            _rq("H09:complete_r1", "/prefill_complete", "m2", "r1"),
+            _g("H09:loads3", "/loads?model_name=m2"),
+            _rq("H09:free_r1", "/free", "m2", "r1"),
+            _g("H09:loads4", "/loads?model_name=m2"),
+            _rq("H09:free_r2", "/free", "m2", "r2"),
+            _g("H09:loads5", "/loads?model_name=m2"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H10:setup", 1, "t", 4, 0, 1),
+            _add("H10:a", "t", "a", 1, 0, [1, 2, 3]),
+            _add("H10:b", "t", "b", 1, 0, [1, 4, 5]),
+            _pot("H10:q143", "t", [1, 4, 3]),
+            _pot("H10:q45", "t", [4, 5]),
+            _pot("H10:q2", "t", [2]),
+            _pot("H10:q12345", "t", [1, 2, 3, 4, 5]),
+            _g("H10:loads", "/loads?model_name=t"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H11:setup", 1, "s", 4, 0, 1),
+            _add("H11:signed", "s", "a", 1, 0, [-1, I64_MAX]),
+            _g("H11:loads", "/loads?model_name=s"),
+            _add("H11:u64max", "s", "b", 1, 0, [U64_MAX]),
+            _add("H11:2^63", "s", "b", 1, 0, [2**63]),
+            _add("H11:float", "s", "b", 1, 0, [1.5]),
+            _add("H11:string", "s", "b", 1, 0, ["1"]),
+            _add("H11:null", "s", "b", 1, 0, None),
+            _p(
+                "H11:missing",
+                "/add",
+                {"model_name": "s", "request_id": "b", "worker_id": 1, "dp_rank": 0},
+            ),
+            _add("H11:isl_negative", "s", "b", 1, 0, [1], -1),
+            _p(
+                "H11:missing_rank",
+                "/add",
+                {"model_name": "s", "request_id": "b", "worker_id": 1, "sequence_hashes": []},
+            ),
+            _pot("H11:potential_negative", "s", [-1, I64_MAX, 7]),
+        ]
+    )
+    g.append(
+        [
+            _reg("H12:w1", 1, "m3", 4, 0, 1),
+            _reg("H12:w2", 2, "m3", 4, 0, 1),
+            _add("H12:a", "m3", "a", 1, 0, [1, 2], 8),
+            _add("H12:b", "m3", "b", 2, 0, [1, 2, 3], 12),
+            _p("H12:unregister1", "/unregister", {"worker_id": 1, "model_name": "m3"}),
+            _g("H12:loads", "/loads?model_name=m3"),
+            _rq("H12:complete_a", "/prefill_complete", "m3", "a"),
+            _rq("H12:free_a", "/free", "m3", "a"),
+            _add("H12:readd_a", "m3", "a", 2, 0, [1, 2], 8),
+            _g("H12:loads2", "/loads?model_name=m3"),
+            _reg("H12:register1_again", 1, "m3", 4, 0, 1),
+            _g("H12:loads3", "/loads?model_name=m3"),
+            _p("H13:unregister1", "/unregister", {"worker_id": 1, "model_name": "m3"}),
+            _p("H13:unregister2", "/unregister", {"worker_id": 2, "model_name": "m3"}),
+            _g("H13:workers", "/workers?model_name=m3"),
+            _g("H13:loads", "/loads?model_name=m3"),
+            _rq("H13:free_a", "/free", "m3", "a"),
+            _p("H13:unregister2_again", "/unregister", {"worker_id": 2, "model_name": "m3"}),
+            _reg("H13:new_block_size", 2, "m3", 16, 0, 1),
+        ]
+    )
+    g.append(
+        [
+            _reg("H14:default", 1, "h", 16, 0, 1),
+            _reg("H14:a", 1, "h", 16, 0, 1, routing_group="a"),
+            _reg("H14:b", 1, "h", 32, 0, 1, routing_group="b"),
+            _g("H14:workers", "/workers"),
+            _add("H14:same_id_default", "h", "x", 1, 0, [1]),
+            _add("H14:same_id_a", "h", "x", 1, 0, [1], routing_group="a"),
+            _add("H14:zzz", "h", "y", 1, 0, [1], routing_group="zzz"),
+            _p(
+                "H14:unregister_zzz",
+                "/unregister",
+                {"worker_id": 1, "model_name": "h", "routing_group": "zzz"},
+            ),
+            _g("H14:loads", "/loads"),
+        ]
+    )
+    valid = {"worker_id": 1, "model_name": "j", "block_size": 4, "dp_start": 0, "dp_size": 1}
+    vb = jdump(valid)
+    g.append(
+        [
+            _p("H15:open_brace", "/register", b"{"),
+            _p("H15:empty", "/register", b""),
+            _p("H15:no_ctype", "/register", vb, None),
+            _p("H15:text_plain", "/register", vb, "text/plain"),
+            _p(
+                "H15:charset",
+                "/register",
+                {**valid, "worker_id": 5},
+                "application/json; charset=utf-8",
+            ),
+            _p("H15:plus_json", "/register", {**valid, "worker_id": 6}, "application/vnd.x+json"),
+            _p("H15:upper", "/register", {**valid, "worker_id": 7}, "Application/JSON"),
+            _p("H15:missing", "/register", {k: v for k, v in valid.items() if k != "dp_size"}),
+            _p("H15:negative", "/register", {**valid, "worker_id": -3}),
+            _p("H15:string", "/register", {**valid, "worker_id": "3"}),
+            _p("H15:null_group", "/register", {**valid, "routing_group": None}),
+            _p("H15:bs_2^32", "/register", {**valid, "block_size": 2**32}),
+            _p(
+                "H15:body_limit",
+                "/potential_loads",
+                _sized({"model_name": "j", "sequence_hashes": [1], "pad": ""}, BODY_LIMIT),
+            ),
+            _p(
+                "H15:body_limit+1",
+                "/potential_loads",
+                _sized({"model_name": "j", "sequence_hashes": [1], "pad": ""}, BODY_LIMIT + 1),
+            ),
+            _p("H15:body_limit+1_no_ctype", "/potential_loads", b"x" * (BODY_LIMIT + 1), None),
+            _p("H15:body_limit+1_bad_json", "/potential_loads", b"{" * (BODY_LIMIT + 1)),
+        ]
+    )
+    g.append(
+        [
+            _g("H16:get_nonexistent", "/nonexistent"),
+            _p("H16:post_nonexistent", "/nonexistent", {}),
+            _g("H16:health_slash", "/health/"),
+            _g("H16:unregister_get", "/unregister"),
+            _p("H16:health_post", "/health", {}),
+            _p("H16:workers_post", "/workers", {}),
+            _g("H16:add_get", "/add"),
+            Req("fixed:H16:register_put", "PUT", "/register", vb),
+            Req("fixed:H16:free_delete", "DELETE", "/free"),
+            Req("fixed:H16:add_options", "OPTIONS", "/add"),
+            Req("fixed:H16:head_add", "HEAD", "/add"),
+            _g("H16:percent_encoded_path", "/%61dd"),
+            _p("H16:percent_encoded_path_post", "/%72egister", {**valid, "worker_id": 8}),
+            _g("H16:double_slash", "//workers"),
+            _g("H16:query_on_post_route", "/workers?"),
+        ]
+    )
+    g.append(
+        [
+            _p(
+                "H17:tenant_id",
+                "/register",
+                {**valid, "model_name": "k", "tenant_id": "t1", "extra": 5},
+            ),
+            _g("H17:workers", "/workers?model_name=k"),
+            _add("H17:lora_eot", "k", "r", 1, 0, [1], 4, lora_name="l1", expected_output_tokens=9),
+            _g("H17:loads", "/loads?model_name=k"),
+        ]
+    )
+    g.append(
+        [
+            _reg("H18:setup", 1, "m", 4, 0, 1, routing_group="g0"),
+            _g("H18:group_g1", "/workers?routing_group=g1"),
+            _g("H18:model_zzz", "/workers?model_name=zzz"),
+            _g("H18:tenant", "/workers?tenant_id=g1"),
+            _g("H18:dup_model", "/workers?model_name=m&model_name=n"),
+            _g("H18:dup_model_loads", "/loads?model_name=m&model_name=n"),
+            _g("H18:empty_model", "/workers?model_name"),
+            _g("H18:head_dup", "/workers?model_name=m&model_name=n", "HEAD"),
+        ]
+    )
+    # Order of checks: deserialization (422) before the tracker lookup (404), etc.
+    g.append(
+        [
+            _p(
+                "X:add_no_hashes_no_tracker",
+                "/add",
+                {"model_name": "nt", "request_id": "r", "worker_id": 1, "dp_rank": 0},
+            ),
+            _add("X:add_null_hashes_no_tracker", "nt", "r", 1, 0, None),
+            _p("X:potential_no_hashes_no_tracker", "/potential_loads", {"model_name": "nt"}),
+            _pot("X:potential_null_hashes_no_tracker", "nt", None),
+        ]
+    )
+    # Each of these on servers holding just tracker "nt" (a divergence empties both servers).
+    edge: list[Req] = [
+        _p(
+            "X:add_no_hashes",
+            "/add",
+            {"model_name": "nt", "request_id": "r", "worker_id": 1, "dp_rank": 0},
+        ),
+        _add("X:add_null_hashes", "nt", "r", 1, 0, None),
+        _p("X:potential_no_hashes", "/potential_loads", {"model_name": "nt"}),
+        _pot("X:potential_null_hashes", "nt", None),
+        _add("X:add_null_isl", "nt", "r", 1, 0, [1], None, new_isl_tokens=None),
+        _pot("X:potential_null_isl", "nt", [1], None, new_isl_tokens=None),
+        _p("X:nan_in_extra", "/register", vb[:-1] + b',"extra":NaN}'),
+        _p(
+            "X:infinity_in_extra",
+            "/add",
+            b'{"model_name":"nt","request_id":"inf","worker_id":1,"dp_rank":0,"sequence_hashes":[],"x":-Infinity}',
+        ),
+        _p(
+            "X:minus_zero",
+            "/add",
+            b'{"model_name":"nt","request_id":"z","worker_id":1,"dp_rank":-0,"sequence_hashes":[]}',
+        ),
+        _p(
+            "X:dup_key",
+            "/add",
+            b'{"model_name":"nt","request_id":"d","request_id":"e","worker_id":1,"dp_rank":0,"sequence_hashes":[]}',
+        ),
+        _p(
+            "X:dup_unknown_key",
+            "/add",
+            b'{"model_name":"nt","request_id":"u","worker_id":1,"dp_rank":0,"sequence_hashes":[],"x":1,"x":2}',
+        ),
+        _p("X:type_error_then_eof", "/add", b'{"model_name":5'),
+        _p("X:missing_then_trailing", "/free", b'{"model_name":"nt"} x'),
+        _p("X:valid_then_trailing", "/free", b'{"model_name":"nt","request_id":"r"} x'),
+        _p("X:array_then_eof", "/free", b'["nt"'),
+        _p(
+            "X:deep_129",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":' + b"[" * 129 + b"]" * 129 + b"}",
+        ),
+        _p(
+            "X:deep_128",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":' + b"[" * 128 + b"]" * 128 + b"}",
+        ),
+        _p(
+            "X:deep_127",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":' + b"[" * 127 + b"]" * 127 + b"}",
+        ),
+        _p(
+            "X:deep_obj_200",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":' + b'{"a":' * 200 + b"1" + b"}" * 200 + b"}",
+        ),
+        _p("X:bom", "/free", b'\xef\xbb\xbf{"model_name":"nt","request_id":"r"}'),
+        _p("X:lone_surrogate", "/free", b'{"model_name":"nt","request_id":"\\ud800"}'),
+        _p("X:invalid_utf8", "/free", b'{"model_name":"nt","request_id":"\xff"}'),
+        _p(
+            "X:invalid_utf8_unknown_field",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":"\xff"}',
+        ),
+        _p(
+            "X:nul_in_name",
+            "/add",
+            {
+                "model_name": "nt",
+                "request_id": "a\u0000b",
+                "worker_id": 1,
+                "dp_rank": 0,
+                "sequence_hashes": [],
+            },
+        ),
+        _p(
+            "X:bool_for_int",
+            "/add",
+            {
+                "model_name": "nt",
+                "request_id": "b",
+                "worker_id": True,
+                "dp_rank": 0,
+                "sequence_hashes": [],
+            },
+        ),
+        _p(
+            "X:exp_int",
+            "/add",
+            b'{"model_name":"nt","request_id":"e","worker_id":1e0,"dp_rank":0,"sequence_hashes":[]}',
+        ),
+        _p(
+            "X:big_int_literal",
+            "/add",
+            b'{"model_name":"nt","request_id":"e","worker_id":123456789012345678901234567890,"dp_rank":0,"sequence_hashes":[]}',
+        ),
+        _p(
+            "X:huge_exponent",
+            "/add",
+            b'{"model_name":"nt","request_id":"e","worker_id":1,"dp_rank":0,"sequence_hashes":[],"x":1e400}',
+        ),
+        _p("X:scalar", "/free", b"5"),
+        _p("X:null_body", "/free", b"null"),
+        _p("X:whitespace_only", "/free", b"  \n "),
+    ]
+    g.extend(
+        [_reg("X:setup", 1, "nt", 4, 0, 1), r, _g("X:loads", "/loads?model_name=nt")] for r in edge
+    )
+    if array_bodies:
+        g.append(
+            [
+                _p("Q:array_register", "/register", [5, "arr", "default", 4, 0, 1]),
+                _p("Q:array_add", "/add", ["arr", "default", "r", 5, 0, [1, 2], 3]),
+                _p("Q:array_short", "/register", [5, "arr"]),
+                _g("Q:loads", "/loads?model_name=arr"),
+            ]
+        )
+    return g
+
+
+def _sized(body: dict[str, Any], size: int) -> bytes:
+    raw = jdump(body)
+    pad = size - len(raw)
+    raw = raw.replace(b'"pad":""', b'"pad":"' + b"x" * pad + b'"')
+    assert len(raw) == size
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
 # Driver
 
 
 @dataclass
 class Difference:
-    run: int
+    run: int | str
     index: int
     req: Req
     ref: Resp
     ours: Resp
     mismatches: list[Mismatch]
+
+    @property
+    def family(self) -> tuple[str, ...]:
+        """Coarser grouping: operation kind (first two label parts), statuses, mismatch kinds."""
+        return (":".join(self.req.label.split(":")[:2]), *self.cls[1:])
 
     @property
     def cls(self) -> tuple[str, ...]:
@@ -826,10 +1327,21 @@ class Pair:
         if self.given:
             return
         self.stop()
-        ref = start_reference(log_dir=self.log_dir)
-        self.servers.append(ref)
-        ours = start_ours(log_dir=self.log_dir)
-        self.servers.append(ours)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(start_reference, log_dir=self.log_dir),
+                pool.submit(start_ours, log_dir=self.log_dir),
+            ]
+            errors = []
+            for f in futures:
+                try:
+                    self.servers.append(f.result())
+                except Exception as e:
+                    errors.append(e)
+        if errors:
+            self.stop()
+            raise errors[0]
+        ref, ours = self.servers
         self.ref_url, self.ours_url = ref.url, ours.url
         # fresh connections for the fresh servers
         self.ref_client.close()
@@ -880,6 +1392,8 @@ class Harness:
         self.wording: dict[tuple[str, str], tuple[Req, int]] = {}
         self.wording_total = Counter()
         self.replays = 0
+        self.coverage: dict[str, Counter[int]] = {}
+        self.minimized: set[tuple[str, ...]] = set()
 
     # -- one run ---------------------------------------------------------------------------
 
@@ -887,44 +1401,82 @@ class Harness:
         args = self.args
         rng = random.Random(f"{args.seed}:{run}")
         gen = Generator(rng, array_bodies=args.array_bodies)
+        self._fresh_servers()
+        segment: list[Req] = []
+        for i in range(args.ops):
+            self.step(run, i, gen.next(), segment, gen)
+
+    def run_fixed(self) -> None:
+        """The SPEC §9.6 scenarios and other hand-picked requests, each group on empty servers."""
+        self._fresh_servers()
+        i = 0
+        for group in fixed_scenarios(self.args.array_bodies):
+            if not self.pair.reset():
+                self.pair.start()
+            segment: list[Req] = []
+            for req in group:
+                self.step("fixed", i, req, segment, None)
+                i += 1
+
+    def _fresh_servers(self) -> None:
         if self.pair.given:
             if not self.pair.reset():
                 raise RuntimeError("could not reset the given servers")
         else:
             self.pair.start()
-        segment: list[Req] = []
-        for i in range(args.ops):
-            req = gen.next()
-            ref, ours = self.pair.both(req)
-            self.requests += 1
+
+    def step(
+        self, run: int | str, i: int, req: Req, segment: list[Req], gen: Generator | None
+    ) -> None:
+        """Send one request to both servers and compare; ``segment`` holds the requests since
+        the servers were last empty (it is cleared when they are emptied again)."""
+        args = self.args
+        ref, ours = self.pair.both(req)
+        self.requests += 1
+        family = ":".join(req.label.split(":")[:2])
+        self.coverage.setdefault(family, Counter())[ref.status] += 1
+        if gen is not None:
             gen.observe(req, ref)
-            segment.append(req)
-            mism = compare(req, ref, ours, args.strict_wording)
-            self._note_wording(req, ref, ours)
-            failed = ref.status == -1 or ours.status == -1
-            if not failed and all(m.kind == "wording" for m in mism):
-                continue
-            if not mism:
-                mism = [Mismatch("status", "no answer from either server")]
-            d = Difference(run, i, req, ref, ours, mism)
-            self.diffs.append(d)
-            first = d.cls not in self.classes
-            self.classes.setdefault(d.cls, []).append(d)
-            self.print_diff(d)
-            if first and not args.no_minimize:
-                self.minimize(d, segment[:-1])
-            if (not self.pair.given and not self.pair.alive()) or ref.status == -1 or ours.status == -1:
-                print("  (a server failed; restarting both)")
+        req.statuses = (ref.status, ours.status)  # type: ignore[attr-defined]
+        segment.append(req)
+        mism = compare(req, ref, ours, args.strict_wording)
+        self._note_wording(req, ref, ours)
+        if args.verbose:
+            same = "==" if not mism else "!="
+            print(f"[run {run} op {i}] {same} {req.label}: {req.describe(300)}")
+            print(f"    ref  {ref.describe()[:300]}")
+            if mism:
+                print(f"    ours {ours.describe()[:300]}")
+        failed = ref.status == -1 or ours.status == -1
+        if not failed and all(m.kind == "wording" for m in mism):
+            return
+        if not mism:
+            mism = [Mismatch("status", "no answer from either server")]
+        d = Difference(run, i, req, ref, ours, mism)
+        self.diffs.append(d)
+        self.classes.setdefault(d.cls, []).append(d)
+        first = d.family not in self.minimized
+        self.minimized.add(d.family)
+        self.print_diff(d)
+        if first and not args.no_minimize:
+            self.minimize(d, segment[:-1])
+            # minimization left other state behind: rebuild this segment's state
+            if not self.pair.reset():
                 self.pair.start()
-                gen.model.clear()
-                segment = []
-            elif not (ref.status >= 400 and ours.status >= 400):
-                # The states may have diverged: start over from empty servers.
-                if not self.pair.reset():
-                    print("  (reset failed; restarting both)")
-                    self.pair.start()
-                gen.model.clear()
-                segment = []
+            for r in segment:
+                self.pair.both(r)
+        if (not self.pair.given and not self.pair.alive()) or failed:
+            print("  (a server failed; restarting both)")
+            self.pair.start()
+        elif ref.status >= 400 and ours.status >= 400:
+            return  # both refused: no state changed
+        elif not self.pair.reset():
+            # The states may have diverged: start over from empty servers.
+            print("  (reset failed; restarting both)")
+            self.pair.start()
+        if gen is not None:
+            gen.model.clear()
+        segment.clear()
 
     def _note_wording(self, req: Req, ref: Resp, ours: Resp) -> None:
         if ref.status != ours.status or ref.status < 400:
@@ -952,9 +1504,7 @@ class Harness:
 
     def _replay(self, prefix: list[Req], final: Req, cls: tuple[str, ...], fresh: bool) -> bool:
         self.replays += 1
-        if fresh and not self.pair.given:
-            self.pair.start()
-        elif not self.pair.reset():
+        if (fresh and not self.pair.given) or not self.pair.reset():
             self.pair.start()
         for r in prefix:
             self.pair.both(r)
@@ -971,9 +1521,20 @@ class Harness:
         def fails(cand: list[Req]) -> bool:
             return self._replay(cand, d.req, d.cls, fresh=False)
 
+        # Requests that failed on both servers changed nothing; reads change nothing.
+        mutating = [
+            r
+            for r in cur
+            if r.method == "POST"
+            and r.path.split("?")[0]
+            in ("/register", "/unregister", "/add", "/prefill_complete", "/free")
+            and any(200 <= st < 300 for st in getattr(r, "statuses", (200,)))
+        ]
         if fails([]):
             cur = []
         else:
+            if len(mutating) < len(cur) and fails(mutating):
+                cur = mutating
             n = 2
             while len(cur) >= 2 and time.monotonic() < deadline:
                 chunk = math.ceil(len(cur) / n)
@@ -991,11 +1552,13 @@ class Harness:
                     break
                 else:
                     n = min(len(cur), n * 2)
-        verified = self._replay(cur, d.req, d.cls, fresh=True)
+        # A one-request reproducer ran on reset (verified empty) servers; longer ones are
+        # replayed once more on freshly started servers.
+        verified = not cur or self._replay(cur, d.req, d.cls, fresh=True)
         # show the reproducer with both answers, on a fresh state
         if not self.pair.reset():
             self.pair.start()
-        note = "verified on fresh servers" if verified else "NOT reproduced on fresh servers"
+        note = "reproduced on empty servers" if verified else "NOT reproduced on fresh servers"
         print(f"  minimized reproducer ({len(cur) + 1} requests, {note}):")
         for r in [*cur, d.req]:
             a, b = self.pair.both(r)
@@ -1010,6 +1573,13 @@ class Harness:
     # -- summary ---------------------------------------------------------------------------
 
     def summary(self, elapsed: float) -> None:
+        families: dict[tuple[str, ...], list[Difference]] = {}
+        for ds in self.classes.values():
+            families.setdefault(ds[0].family, []).extend(ds)
+        print()
+        print(f"== {len(families)} difference families (operation kind, statuses, mismatch) ==")
+        for fam, ds in sorted(families.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            print(f"  {fam[0]:40s} ref {fam[1]} vs ours {fam[2]:4s} {fam[3]:8s} x{len(ds)}")
         print()
         print(f"== {len(self.classes)} difference classes ==")
         for cls, ds in sorted(self.classes.items(), key=lambda kv: (-len(kv[1]), kv[0])):
@@ -1018,6 +1588,12 @@ class Harness:
             print(f"    e.g. {d.req.describe(200)}")
             print(f"    ref  {d.ref.describe()[:300]}")
             print(f"    ours {d.ours.describe()[:300]}")
+        if self.args.coverage:
+            print()
+            print("== requests per operation class (reference status: count) ==")
+            for fam, cnt in sorted(self.coverage.items()):
+                stats = ", ".join(f"{st}:{n}" for st, n in sorted(cnt.items()))
+                print(f"  {fam:42s} {sum(cnt.values()):5d}  {stats}")
         same, diff = self.wording_total["same"], self.wording_total["different"]
         print()
         print(
@@ -1049,8 +1625,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also send positional-array bodies (a serde quirk that SPEC §7.3 makes optional)",
     )
+    ap.add_argument("--coverage", action="store_true", help="count requests per class")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every request and answer")
+    ap.add_argument("--no-fixed", action="store_true", help="skip the fixed scenarios")
     ap.add_argument("--no-minimize", action="store_true")
-    ap.add_argument("--minimize-seconds", type=float, default=30.0)
+    ap.add_argument("--minimize-seconds", type=float, default=20.0)
     args = ap.parse_args(argv)
     if (args.ref_url is None) != (args.ours_url is None):
         ap.error("--ref-url and --ours-url go together")
@@ -1058,6 +1637,8 @@ def main(argv: list[str] | None = None) -> int:
     h = Harness(args)
     t0 = time.monotonic()
     try:
+        if not args.no_fixed and args.only_run is None:
+            h.run_fixed()
         runs = [args.only_run] if args.only_run is not None else range(args.runs)
         for run in runs:
             h.run(run)

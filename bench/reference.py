@@ -262,7 +262,10 @@ def _start_checked(make, attempts: int = 3, timeout: float = 30.0) -> Server:
 
 
 def start_reference(
-    *, extra_args: Sequence[str] = (), env: dict[str, str] | None = None, log_dir: Path | None = None
+    *,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
 ) -> Server:
     """Start ``python -m dynamo.slot_tracker --port P`` from the reference venv (installing it if
     missing) and wait until it is healthy. It binds 0.0.0.0:P; only 127.0.0.1 is used."""

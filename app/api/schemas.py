@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+)
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 U64_MAX, U32_MAX = 2**64 - 1, 2**32 - 1
@@ -19,6 +28,19 @@ U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
 Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+
+
+def number(low: float, high: float) -> Any:
+    """A JSON number in ``low..high`` (the schema says so in standard keywords)."""
+    return Annotated[
+        StrictFloat | StrictInt,
+        Field(ge=low, le=high),
+        WithJsonSchema({"type": "number", "minimum": low, "maximum": high}),
+    ]
+
+
+# `sequence_hashes` or `token_ids`: exactly one of the two (the service answers 422 otherwise).
+ONE_PROMPT_FORM = [{"required": ["sequence_hashes"]}, {"required": ["token_ids"]}]
 
 MODEL = Field(description="Model name; with the routing group it selects one tracker.")
 GROUP = Field("default", description="Routing group inside the model (default `default`).")
@@ -49,7 +71,9 @@ class RegisterBody(_Keyed):
         description="Tokens per KV block; fixed per tracker by its first worker."
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(description="Number of data-parallel ranks.")
+    dp_size: U32 = Field(
+        description="Number of data-parallel ranks (a tracker holds at most 16,384 ranks)."
+    )
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -79,9 +103,9 @@ class UnregisterBody(_Keyed):
 
 
 class ReconcileWorker(_Body):
-    worker_id: U64
-    dp_start: U32
-    dp_size: U32
+    worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
+    dp_start: U32 = Field(description="First data-parallel rank of the worker.")
+    dp_size: U32 = Field(description="Number of data-parallel ranks.")
 
 
 class ReconcileBody(_Keyed):
@@ -110,7 +134,7 @@ class AddBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
     new_isl_tokens: U64 = Field(0, description="Prompt tokens still to prefill on this rank.")
-    expected_prefill_ms: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1e12)] | None = Field(
+    expected_prefill_ms: number(0, 1e12) | None = Field(
         None, description="Modeled prefill duration in ms; the prefill tokens then decay linearly."
     )
     track_prefill_tokens: StrictBool | None = Field(
@@ -130,7 +154,8 @@ class AddBody(_Keyed):
                     "sequence_hashes": [1, 2, 3],
                     "new_isl_tokens": 48,
                 }
-            ]
+            ],
+            "oneOf": ONE_PROMPT_FORM,
         }
     )
 
@@ -144,8 +169,14 @@ class RequestBody(_Keyed):
 
 
 class OutputBlockBody(RequestBody):
-    decay_fraction: Annotated[StrictFloat | StrictInt, Field(ge=0, le=1)] | None = Field(
+    decay_fraction: number(0, 1) | None = Field(
         None, description="Weight (0..1) given to the blocks held only by this request."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model_name": "llama", "request_id": "r1", "decay_fraction": 0.5}]
+        }
     )
 
 
@@ -159,7 +190,8 @@ class PotentialLoadsBody(_Keyed):
         json_schema_extra={
             "examples": [
                 {"model_name": "llama", "sequence_hashes": [1, 2, 4], "new_isl_tokens": 48}
-            ]
+            ],
+            "oneOf": ONE_PROMPT_FORM,
         }
     )
 
@@ -170,7 +202,10 @@ class ProjectLoadsBody(_Keyed):
     lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
 
     model_config = ConfigDict(
-        json_schema_extra={"examples": [{"model_name": "llama", "sequence_hashes": [1, 2, 4]}]}
+        json_schema_extra={
+            "examples": [{"model_name": "llama", "sequence_hashes": [1, 2, 4]}],
+            "oneOf": ONE_PROMPT_FORM,
+        }
     )
 
 

@@ -16,8 +16,11 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
     response_schema_conformance,
     status_code_conformance,
+    unsupported_method,
 )
 
 from app.main import create_app
@@ -27,7 +30,16 @@ from app.settings import load_settings
 app = create_app(load_settings(api_key="", redis_url=""))
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 
-CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
+# No 5xx; only documented status codes, content types and response bodies; schema-invalid
+# requests refused with a 4xx; undeclared methods answered 405 with an `Allow` header.
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    unsupported_method,
+]
 EXAMPLE_KEY = ("llama", "default")
 
 

@@ -1,4 +1,4 @@
-"""Test helpers shared by the multi-worker and replica-sync unit tests (ports of the seeds' helpers).
+"""Helpers shared by the multi-worker and replica-sync unit tests (ports of the seeds' helpers).
 
 ``RecordingPublisher`` records everything a tracker publishes; ``naive_potential_loads`` is an
 oracle for ``potential_blocks_and_tokens`` that applies the SPEC §4.9 prefix rule by brute force.
@@ -92,7 +92,7 @@ def naive_overlap(prompts: list[list[int]], query: list[int] | None) -> int:
     best = 0
     for prompt in prompts:
         k = 0
-        for a, b in zip(query, prompt):
+        for a, b in zip(query, prompt, strict=False):
             if a != b:
                 break
             k += 1

@@ -321,7 +321,9 @@ def test_disabled_expiry_requires_explicit_cleanup_for_all_workers(clock: FakeCl
         ("initial", [1, 2], initial_worker),
         ("dynamic", [3], dynamic_worker),
     ]:
-        sequences.add_request(req(request_id, worker, token_sequence, tracking_hint(4)), clock.now())
+        sequences.add_request(
+            req(request_id, worker, token_sequence, tracking_hint(4)), clock.now()
+        )
 
     clock.advance(331)
     sequences.force_expire_requests_across_all_workers()

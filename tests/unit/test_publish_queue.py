@@ -78,7 +78,7 @@ def test_publish_queue_constants() -> None:
     assert MAX_REPLICA_BATCH_DURATION_NS == 1_000_000
 
 
-def test_publish_sender_preserves_lifecycle_order() -> None:
+def test_active_sequence_publish_sender_preserves_lifecycle_order() -> None:
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(3)
     queue.try_send(add_event("ordered"))
     queue.try_send(mark_event("ordered"))
@@ -89,7 +89,7 @@ def test_publish_sender_preserves_lifecycle_order() -> None:
     assert queue.try_recv() is None
 
 
-def test_publish_sender_drops_newest_when_full() -> None:
+def test_active_sequence_publish_sender_drops_newest_when_full() -> None:
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(1)
     queue.try_send(add_event("accepted"))
 
@@ -117,7 +117,7 @@ def _drive_lifecycle(tracker: ActiveSequencesMultiWorker, clock: FakeClock) -> N
     tracker.free("r", clock.now())
 
 
-def test_publish_channel_is_absent_when_replica_sync_disabled() -> None:
+def test_active_sequence_publish_channel_is_absent_when_replica_sync_disabled() -> None:
     # Port intent: with replica sync off, the tracker never hands an event to the publisher.
     clock = FakeClock()
     disabled: EventQueue[ActiveSequenceEvent] = EventQueue(1)
@@ -137,7 +137,7 @@ def test_publish_channel_is_absent_when_replica_sync_disabled() -> None:
     assert [event_name(e) for e in enabled.peek_all()] == ["add", "mark", "free"]
 
 
-def test_publish_sender_classifies_closed_queue_by_cancellation() -> None:
+def test_active_sequence_publish_sender_classifies_closed_queue_by_cancellation() -> None:
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(1)
     queue.close()  # the consumer is gone
 
@@ -207,7 +207,7 @@ async def _next_attempt(publisher: BlockingSingletonPublisher) -> str:
     return await asyncio.wait_for(publisher.attempted.get(), 1.0)
 
 
-async def test_singleton_publisher_serializes_and_stops_on_cancellation(
+async def test_active_sequence_singleton_publisher_serializes_and_stops_on_cancellation(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.ERROR, logger="app.replication.queue")
@@ -272,7 +272,7 @@ def _fake_waiter(clock: FakeClock, waits: list[int]):
     return wait
 
 
-async def test_batch_collection_uses_time_and_count_caps() -> None:
+async def test_active_sequence_batch_collection_uses_time_and_count_caps() -> None:
     clock = FakeClock()
     waits: list[int] = []
     wait = _fake_waiter(clock, waits)

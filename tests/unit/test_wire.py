@@ -44,7 +44,7 @@ def free_event(request_id: str) -> ActiveSequenceEvent:
     return ActiveSequenceEvent(request_id, WorkerWithDpRank(1, 0), FREE, 7, None)
 
 
-def test_wire_format_uses_singletons_only_for_nats() -> None:
+def test_active_sequence_wire_format_uses_singletons_only_for_nats() -> None:
     # Port intent: a singleton (NATS) payload is one event and never a batch; a batch (ZMQ)
     # payload is a batch and never one event.
     event = free_event("request")
@@ -292,7 +292,7 @@ WIRES = pytest.mark.parametrize("wire", ["singleton", "batch"])
 
 
 @WIRES
-async def test_replica_sync_isolated_by_endpoint(wire: str, replicas: list[Replica]) -> None:
+async def test_active_sequence_replica_sync_isolated_by_endpoint(wire: str, replicas: list[Replica]) -> None:
     clock = FakeClock()
     bus_a, bus_b = Bus(wire), Bus(wire)
     workers = {0: (0, 1)}

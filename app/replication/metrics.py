@@ -1,0 +1,93 @@
+"""Prometheus metrics of replication, registered into the app's own registry.
+
+Counters and gauges are read from plain integers at scrape time (the hot path touches no metric
+object); only the lag histogram is observed as records are applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LAG_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class ReplicationCounters:
+    published: int = 0  # records appended to the stream
+    applied: int = 0  # peers' records handed to the service
+    duplicates: int = 0  # records already applied (retried appends, overlap with a snapshot)
+    dropped: int = 0  # records refused by a full (or closed) outbox
+    gaps: int = 0  # times records were found missing (trimmed away or lost)
+    resets: int = 0  # times the stream was found recreated or rolled back
+    resent: int = 0  # records appended again after Redis lost them
+    malformed: int = 0  # stream entries that were not records
+    own_skipped: int = 0  # our own records read back
+    snapshots_written: int = 0
+    bootstraps: int = 0
+
+
+_COUNTERS = (
+    ("published", "Replica records appended to the Redis stream"),
+    ("applied", "Replica records of other instances applied"),
+    ("duplicates", "Replica records skipped as already applied"),
+    ("dropped", "Replica records dropped because the outbox was full"),
+    ("gaps", "Times replica records were found missing from the stream"),
+    ("resets", "Times the Redis stream was found recreated or rolled back"),
+    ("resent", "Replica records appended again after Redis lost them"),
+    ("snapshots_written", "State snapshots written to Redis"),
+    ("bootstraps", "State loads from a snapshot (start and after a gap)"),
+)
+
+
+class _Collector(Collector):
+    def __init__(
+        self,
+        counters: ReplicationCounters,
+        outbox_depth: Callable[[], int],
+        connected: Callable[[], bool],
+    ) -> None:
+        self.counters = counters
+        self.outbox_depth = outbox_depth
+        self.connected = connected
+
+    def collect(self) -> Iterator:
+        for name, doc in _COUNTERS:
+            c = CounterMetricFamily(f"kv_slot_tracker_replication_{name}", doc)
+            c.add_metric([], getattr(self.counters, name))
+            yield c
+        depth = GaugeMetricFamily(
+            "kv_slot_tracker_replication_outbox_depth", "Replica records waiting to be published"
+        )
+        depth.add_metric([], self.outbox_depth())
+        yield depth
+        up = GaugeMetricFamily(
+            "kv_slot_tracker_replication_connected",
+            "1 while Redis answers the reader and publisher",
+        )
+        up.add_metric([], 1 if self.connected() else 0)
+        yield up
+
+
+class ReplicationMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        counters: ReplicationCounters,
+        outbox_depth: Callable[[], int],
+        connected: Callable[[], bool],
+    ) -> None:
+        self.lag = Histogram(
+            "kv_slot_tracker_replication_lag_seconds",
+            "Time from a peer's change (its wall clock) to its application here",
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_Collector(counters, outbox_depth, connected))

@@ -1,0 +1,87 @@
+"""Snapshots of a whole instance in Redis: what a starting (or lagging) instance loads first.
+
+A snapshot is the state of every tracker (``SlotTrackerService.export_state``), the stream id up
+to which that state includes every record, and the sequence ledger matching it. Loading it and
+then reading the stream after that id, skipping records the ledger already counts, gives the
+same state as having read the whole stream.
+
+Stored as one hash ``{ns}:snapshot`` with small fields (``id``, ``at``, ``origin``) next to the
+msgpack blob (``data``), so peers can check its age without fetching it. Writers take turns
+under a ``SET NX PX`` lease and write through a script that checks they still hold it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+
+from app.replication.records import SeqLedger
+from app.replication.stream import WRITE_SNAPSHOT_SCRIPT, NamespaceKeys
+
+SNAPSHOT_FORMAT = 1
+
+
+@dataclass(slots=True)
+class Snapshot:
+    stream_id: str
+    at: int  # wall ns when the state was exported
+    origin: int
+    seqs: SeqLedger
+    trackers: list[dict[str, Any]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "format": SNAPSHOT_FORMAT,
+                "stream_id": self.stream_id,
+                "at": self.at,
+                "origin": self.origin,
+                "seqs": self.seqs.export(),
+                "trackers": self.trackers,
+            }
+        )
+
+    @classmethod
+    def decode(cls, blob: bytes) -> Snapshot:
+        data = msgpack.unpackb(blob, raw=False)
+        if not isinstance(data, dict) or data.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError("unsupported snapshot format")
+        return cls(
+            stream_id=data["stream_id"],
+            at=data["at"],
+            origin=data["origin"],
+            seqs=SeqLedger.load(data["seqs"]),
+            trackers=data["trackers"],
+        )
+
+
+class SnapshotStore:
+    def __init__(self, client: Redis, keys: NamespaceKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self._write = client.register_script(WRITE_SNAPSHOT_SCRIPT)
+
+    async def load(self) -> Snapshot | None:
+        blob = await self.client.hget(self.keys.snapshot, "data")
+        return None if blob is None else Snapshot.decode(blob)
+
+    async def meta(self) -> tuple[str, int] | None:
+        """``(stream id, taken at wall ns)`` of the stored snapshot, without its data."""
+        sid, at = await self.client.hmget(self.keys.snapshot, ["id", "at"])
+        if sid is None or at is None:
+            return None
+        return sid.decode(), int(at)
+
+    async def try_lease(self, token: str, ttl_ms: int) -> bool:
+        return bool(await self.client.set(self.keys.snapshot_lease, token, nx=True, px=ttl_ms))
+
+    async def write(self, snapshot: Snapshot, blob: bytes, lease_token: str = "") -> bool:
+        """Store ``blob`` (``snapshot.encode()``); with a token, only while holding the lease."""
+        done = await self._write(
+            keys=[self.keys.snapshot, self.keys.snapshot_lease],
+            args=[lease_token, snapshot.stream_id, snapshot.at, snapshot.origin, blob],
+        )
+        return bool(done)

@@ -1,0 +1,64 @@
+"""Redis key names and stream ids of one replication namespace.
+
+Every key carries the namespace as a hash tag (``{ns}:...``), so a namespace lives on one cluster
+slot and a script may touch all of its keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START_ID = "0-0"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceKeys:
+    events: str
+    snapshot: str
+    snapshot_lease: str
+
+    @classmethod
+    def of(cls, namespace: str) -> NamespaceKeys:
+        tag = "{" + namespace + "}"
+        return cls(f"{tag}:events", f"{tag}:snapshot", f"{tag}:snapshot-lease")
+
+
+def parse_id(stream_id: str | bytes) -> tuple[int, int]:
+    """``"<ms>-<seq>"`` as a comparable pair."""
+    if isinstance(stream_id, bytes):
+        stream_id = stream_id.decode()
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def id_text(stream_id: str | bytes) -> str:
+    return stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+
+
+# Append a batch of records, but only if the stream still holds the last entry this publisher
+# appended (ARGV[1]; empty = no check). If it does not, Redis lost data (restart without
+# persistence, failover to a replica that lagged) or trimmed it, and the publisher must re-send
+# what it recently published *before* anything newer, so readers see its records in order.
+# A pipeline cannot make the appends conditional; a script does it in the same round trip.
+# ARGV[2] is the trim horizon (MINID, approximate), ARGV[3..] the encoded records.
+APPEND_SCRIPT = """
+local last = ARGV[1]
+if last ~= '' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then
+  return false
+end
+local ids = {}
+for i = 3, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
+end
+redis.call('XTRIM', KEYS[1], 'MINID', '~', ARGV[2])
+return ids
+"""
+
+# Write a snapshot only while holding the lease (KEYS[2] == ARGV[1]; empty ARGV[1] = unfenced).
+WRITE_SNAPSHOT_SCRIPT = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'id', ARGV[2], 'at', ARGV[3], 'origin', ARGV[4], 'data', ARGV[5])
+return 1
+"""

@@ -1,0 +1,466 @@
+"""``GET /dashboard`` in a real browser: a real instance driven over HTTP, headless Chromium.
+
+The module starts ``python -m app`` on a free port with an API key, registers workers and
+adds and frees requests over HTTP, and checks through Selenium that the page's bars appear,
+grow and shrink. It also writes ``docs/dashboard.png``.
+
+Chromium and chromedriver come from the Debian packages ``chromium`` and ``chromium-driver``,
+which ``make test`` installs through ``scripts/ensure_chromium.sh``. Without them these tests
+fail (they never skip): set ``SLOT_TRACKER_CHROMIUM`` / ``SLOT_TRACKER_CHROMEDRIVER`` to use
+binaries elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "docs" / "dashboard.png"
+CHROMIUM = Path(os.environ.get("SLOT_TRACKER_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("SLOT_TRACKER_CHROMEDRIVER", "/usr/bin/chromedriver"))
+CHROME_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--force-color-profile=srgb",
+    "--hide-scrollbars",
+    "--lang=en-US",
+)
+API_KEY = "dashboard-test-key"
+LLAMA = ("llama-3.1-8b", "default")
+MISTRAL = ("mistral-7b", "canary")
+BIG_WORKER = 2**53 + 1  # not exactly representable as a JavaScript number
+WAIT_S = 15
+
+pytestmark = pytest.mark.browser
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    pytest.fail(f"the instance did not answer /health in 30 s:\n{log_path.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real instance (``python -m app``) that requires ``API_KEY``."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    env["SLOT_TRACKER_API_KEY"] = API_KEY
+    for _ in range(3):  # the free port may be taken before the child binds it
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        if wait_healthy(proc, base, log_path):
+            break
+    else:
+        pytest.fail(f"the instance did not start:\n{log_path.read_text()}")
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def api(server: str) -> Iterator[Callable[[str, dict[str, Any]], None]]:
+    """``api(path, body)``: POST with the key; fails the test unless the answer is 200/201."""
+    client = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"})
+
+    def post(path: str, body: dict[str, Any]) -> None:
+        resp = client.post(path, json=body)
+        assert resp.status_code in (200, 201), (path, body, resp.status_code, resp.text)
+
+    try:
+        yield post
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if missing:
+        pytest.fail(
+            f"the dashboard browser tests need headless Chromium, but {', '.join(missing)} "
+            "is missing. Run `scripts/ensure_chromium.sh` (as root: apt-get install chromium "
+            "chromium-driver), which `make test` does, or point SLOT_TRACKER_CHROMIUM and "
+            "SLOT_TRACKER_CHROMEDRIVER at a Chromium and its matching chromedriver.",
+            pytrace=False,
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROME_FLAGS:
+        options.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path_factory.getbasetemp())
+    options.add_argument(f"--user-data-dir={profile}")
+    options.add_argument("--window-size=1280,900")
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# --- reading the page ----------------------------------------------------------------------
+
+READ_GROUP = """
+const [model, group] = arguments;
+const node = [...document.querySelectorAll("section.group")].find(
+  (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+if (!node) return null;
+return [...node.querySelectorAll(".row.rank")].map((row) => ({
+  worker: row.dataset.workerId,
+  dp: Number(row.dataset.dpRank),
+  label: [...row.querySelectorAll(".label > span")].map((s) => s.textContent).join(" | "),
+  metrics: Object.fromEntries([...row.querySelectorAll(".metric")].map((cell) => {
+    const bar = cell.querySelector(".bar");
+    return [cell.dataset.metric, {
+      text: cell.querySelector(".num").textContent,
+      pct: parseFloat(bar.style.width) || 0,
+      px: bar.getBoundingClientRect().width,
+    }];
+  })),
+}));
+"""
+
+
+def read_group(driver: Any, key: tuple[str, str]) -> dict[tuple[str, int], dict] | None:
+    rows = driver.execute_script(READ_GROUP, *key)
+    if rows is None:
+        return None
+    return {(r["worker"], r["dp"]): r for r in rows}
+
+
+def rank_order(driver: Any, key: tuple[str, str]) -> list[tuple[str, int]]:
+    return list(read_group(driver, key) or {})
+
+
+def wait_for(driver: Any, what: str, check: Callable[[], bool]) -> None:
+    """Poll ``check`` until it holds (the page refreshes every second); fail with ``what``."""
+    deadline = time.monotonic() + WAIT_S
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+            last_error = None
+        except (KeyError, TypeError, AssertionError) as exc:
+            last_error = exc
+        time.sleep(0.1)
+    state = {
+        "body": driver.execute_script("return document.body.dataset.state"),
+        "notice": driver.execute_script("return document.getElementById('notice').textContent"),
+        "llama": read_group(driver, LLAMA),
+    }
+    pytest.fail(f"timed out waiting for: {what} (last error: {last_error!r}); page: {state}")
+
+
+def metric(driver: Any, key: tuple[str, str], worker: int, dp: int, name: str) -> dict:
+    return read_group(driver, key)[(str(worker), dp)]["metrics"][name]
+
+
+def shows(driver: Any, worker: int, dp: int, *, blocks: int, prefill: int, requests: int) -> bool:
+    m = read_group(driver, LLAMA)[(str(worker), dp)]["metrics"]
+    return (
+        m["active_decode_blocks"]["text"] == f"{blocks:,}"
+        and m["active_prefill_tokens"]["text"] == f"{prefill:,}"
+        and m["active_requests"]["text"] == f"{requests:,}"
+    )
+
+
+def text_of(driver: Any, element_id: str) -> str:
+    return driver.execute_script(f"return document.getElementById('{element_id}').textContent")
+
+
+def visible(driver: Any, element_id: str) -> bool:
+    return driver.find_element("id", element_id).is_displayed()
+
+
+def save_screenshot(driver: Any) -> None:
+    """Write the whole page, at its natural height, to ``docs/dashboard.png``."""
+    height = driver.execute_script(
+        "return Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)"
+    )
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1280, "height": int(height), "deviceScaleFactor": 1, "mobile": False},
+    )
+    try:
+        time.sleep(0.7)  # let the bar transitions settle
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(SCREENSHOT)), "screenshot failed"
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+# --- the tests -----------------------------------------------------------------------------
+
+
+def test_dashboard_html_is_open_and_api_stays_protected(server: str) -> None:
+    page = httpx.get(f"{server}/dashboard")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "<title>kv-slot-tracker" in page.text
+    # self-contained: nothing is loaded from another origin
+    assert "http://" not in page.text and "https://" not in page.text
+    assert httpx.head(f"{server}/dashboard").status_code == 200
+    assert httpx.get(f"{server}/loads").status_code == 401
+    doc = httpx.get(f"{server}/openapi.json").json()
+    assert "/dashboard" not in doc["paths"]
+
+
+def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
+    d = browser
+    d.get(f"{server}/dashboard?key={API_KEY}")
+    wait_for(
+        d,
+        "the page to load /loads",
+        lambda: d.find_element("tag name", "body").get_attribute("data-state") == "live",
+    )
+    assert "key=" not in d.current_url, "the key must be removed from the address bar"
+    wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
+    assert "No worker ranks registered yet" in text_of(d, "empty")
+    wait_for(d, "readiness in the header", lambda: text_of(d, "ready") == "ready")
+    assert "embedded" in text_of(d, "mode")
+
+    # Registered out of order: the page sorts ranks by worker id, then dp rank.
+    llama, mistral = (
+        dict(zip(("model_name", "routing_group"), LLAMA, strict=True)),
+        dict(zip(("model_name", "routing_group"), MISTRAL, strict=True)),
+    )
+    api("/register", {**llama, "worker_id": 2, "block_size": 16, "dp_start": 0, "dp_size": 1})
+    api("/register", {**llama, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2})
+    api(
+        "/register",
+        {**mistral, "worker_id": BIG_WORKER, "block_size": 32, "dp_start": 0, "dp_size": 2},
+    )
+    wait_for(
+        d,
+        "three sorted llama ranks",
+        lambda: rank_order(d, LLAMA) == [("1", 0), ("1", 1), ("2", 0)],
+    )
+    assert not visible(d, "empty")
+    for rank in [(1, 0), (1, 1), (2, 0)]:
+        assert shows(d, *rank, blocks=0, prefill=0, requests=0)
+        assert metric(d, LLAMA, *rank, "active_decode_blocks")["px"] == 0
+    wait_for(
+        d,
+        "the mistral group",
+        lambda: rank_order(d, MISTRAL) == [(str(BIG_WORKER), 0), (str(BIG_WORKER), 1)],
+    )
+    labels = [r["label"] for r in read_group(d, MISTRAL).values()]
+    assert labels == [f"worker {BIG_WORKER} | dp 0", f"worker {BIG_WORKER} | dp 1"], labels
+
+    # One request on worker 1 / dp 0: its bars appear, at full scale.
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "a1",
+            "worker_id": 1,
+            "dp_rank": 0,
+            "sequence_hashes": [1, 2, 3, 4],
+            "new_isl_tokens": 64,
+        },
+    )
+    wait_for(d, "a1 on 1/0", lambda: shows(d, 1, 0, blocks=4, prefill=64, requests=1))
+    wait_for(
+        d,
+        "1/0 blocks bar at full width",
+        lambda: metric(d, LLAMA, 1, 0, "active_decode_blocks")["pct"] == 100,
+    )
+    assert shows(d, 2, 0, blocks=0, prefill=0, requests=0)
+
+    # Two bigger requests on worker 2: its bars grow from nothing past worker 1's,
+    # which keeps its numbers but now sits lower on the shared scale.
+    before = metric(d, LLAMA, 2, 0, "active_decode_blocks")["px"]
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "b1",
+            "worker_id": 2,
+            "dp_rank": 0,
+            "sequence_hashes": list(range(101, 109)),
+            "new_isl_tokens": 256,
+        },
+    )
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "b2",
+            "worker_id": 2,
+            "dp_rank": 0,
+            "sequence_hashes": [101, 102, 103, 104, 201, 202, 203, 204],
+            "new_isl_tokens": 128,
+        },
+    )
+    wait_for(d, "b1+b2 on 2/0", lambda: shows(d, 2, 0, blocks=12, prefill=384, requests=2))
+    wait_for(
+        d,
+        "2/0 bars grown to full width",
+        lambda: (
+            metric(d, LLAMA, 2, 0, "active_decode_blocks")["px"]
+            > max(before, metric(d, LLAMA, 1, 0, "active_decode_blocks")["px"]) * 2.5
+        ),
+    )
+    assert metric(d, LLAMA, 2, 0, "active_decode_blocks")["pct"] == 100
+    assert round(metric(d, LLAMA, 1, 0, "active_decode_blocks")["pct"], 1) == 33.3
+    assert round(metric(d, LLAMA, 1, 0, "active_prefill_tokens")["pct"], 1) == 16.7
+    assert metric(d, LLAMA, 1, 0, "active_requests")["pct"] == 50
+    assert shows(d, 1, 0, blocks=4, prefill=64, requests=1)
+
+    # Prefill done for a1: its prefill bar empties, its blocks stay.
+    api("/prefill_complete", {**llama, "request_id": "a1"})
+    wait_for(d, "a1 prefill done", lambda: shows(d, 1, 0, blocks=4, prefill=0, requests=1))
+    wait_for(
+        d,
+        "1/0 prefill bar empty",
+        lambda: metric(d, LLAMA, 1, 0, "active_prefill_tokens")["px"] == 0,
+    )
+
+    # Fill in the rest for the screenshot: worker 1 / dp 1, and the mistral ranks with a
+    # modeled prefill duration (its prefill tokens decay, the page shows the time left).
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "c1",
+            "worker_id": 1,
+            "dp_rank": 1,
+            "sequence_hashes": [301, 302, 303, 304, 305, 306],
+            "new_isl_tokens": 96,
+        },
+    )
+    for i, (dp, n) in enumerate([(0, 22), (0, 14), (1, 9)]):
+        api(
+            "/add",
+            {
+                **mistral,
+                "request_id": f"m{i}",
+                "worker_id": BIG_WORKER,
+                "dp_rank": dp,
+                "sequence_hashes": list(range(1000 * (i + 1), 1000 * (i + 1) + n)),
+                "new_isl_tokens": 40 * n,
+                "expected_prefill_ms": 600_000,
+            },
+        )
+    wait_for(d, "c1 on 1/1", lambda: shows(d, 1, 1, blocks=6, prefill=96, requests=1))
+    wait_for(
+        d,
+        "mistral loads",
+        lambda: (
+            [r["metrics"]["active_requests"]["text"] for r in read_group(d, MISTRAL).values()]
+            == ["2", "1"]
+        ),
+    )
+    assert text_of(d, "sum-requests") == "7"
+    save_screenshot(d)
+
+    # Worker 2's requests end: its bars shrink to nothing and worker 1 is the full scale again.
+    api("/free", {**llama, "request_id": "b1"})
+    wait_for(d, "b1 freed", lambda: shows(d, 2, 0, blocks=8, prefill=128, requests=1))
+    api("/free", {**llama, "request_id": "b2"})
+    wait_for(d, "b2 freed", lambda: shows(d, 2, 0, blocks=0, prefill=0, requests=0))
+    wait_for(
+        d, "2/0 blocks bar empty", lambda: metric(d, LLAMA, 2, 0, "active_decode_blocks")["px"] == 0
+    )
+    wait_for(
+        d,
+        "1/1 blocks bar at full width",
+        lambda: metric(d, LLAMA, 1, 1, "active_decode_blocks")["pct"] == 100,
+    )
+    assert round(metric(d, LLAMA, 1, 0, "active_decode_blocks")["pct"], 1) == 66.7
+
+    # A worker that goes away takes its row with it.
+    api("/unregister", {**llama, "worker_id": 2})
+    wait_for(d, "worker 2 gone", lambda: rank_order(d, LLAMA) == [("1", 0), ("1", 1)])
+
+
+def test_page_asks_for_the_key(server: str, api: Callable, browser: Any) -> None:
+    d = browser
+    api(
+        "/register",
+        {"model_name": "key-check", "worker_id": 5, "block_size": 16, "dp_start": 0, "dp_size": 1},
+    )
+    d.get(f"{server}/dashboard")
+    d.execute_script("sessionStorage.clear()")
+    d.refresh()
+    body = lambda: d.find_element("tag name", "body").get_attribute("data-state")  # noqa: E731
+    wait_for(d, "the key prompt", lambda: body() == "needs-key" and visible(d, "keyform"))
+    assert "needs an API key" in text_of(d, "notice")
+    assert "key needed" in text_of(d, "mode")
+    assert text_of(d, "ready") == "ready"  # /ready is open
+
+    field = d.find_element("id", "keyinput")
+    field.send_keys("wrong-key")
+    d.find_element("id", "keysave").click()
+    wait_for(d, "the wrong key refused", lambda: "not accepted" in text_of(d, "notice"))
+    assert body() == "needs-key"
+
+    field.send_keys(API_KEY)
+    d.find_element("id", "keysave").click()
+    wait_for(
+        d,
+        "data with the right key",
+        lambda: body() == "live" and read_group(d, ("key-check", "default")) is not None,
+    )
+    assert not visible(d, "keyform")
+    assert d.execute_script("return sessionStorage.getItem('kv-slot-tracker.api-key')") == API_KEY
+
+    d.find_element("id", "keyclear").click()
+    wait_for(d, "the key forgotten", lambda: body() == "needs-key")
+    assert d.execute_script("return sessionStorage.getItem('kv-slot-tracker.api-key')") is None

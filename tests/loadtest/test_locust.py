@@ -1,0 +1,127 @@
+"""A short headless Locust run of ``loadtest/locustfile.py`` against a real instance.
+
+The instance runs as a subprocess (embedded mode, bearer key on) and so does Locust, so gevent's
+monkey-patching stays out of the test process. The run must exit 0 (no unexpected failure, no
+exception in the locustfile, every rank empty at the end) and its CSV must show traffic on every
+lifecycle route and both expected-failure classes. A run without the key must fail.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
+API_KEY = "loadtest-key"
+
+# Stat names used by the locustfile (not imported: importing locust monkey-patches this process).
+DUPLICATE_ADD = "/add [expect 409 duplicate id]"
+UNKNOWN_RANK_ADD = "/add [expect 404 unknown rank]"
+LIFECYCLE = ["/potential_loads", "/add", "/prefill_complete", "/output_block", "/free"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without settings or workload options that would change the run."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("LOADTEST_")
+        and k not in ("SLOT_TRACKER_REDIS_URL", "SLOT_TRACKER_API_KEY", "SLOT_TRACKER_PORT")
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("instance") / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port)]
+            + ["--log-level", "warning"],
+            cwd=ROOT,
+            env=clean_env(SLOT_TRACKER_API_KEY=API_KEY),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the instance exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the instance did not come up in 30 s:\n{log_path.read_text()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_locust(url: str, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+    cmd += ["-u", "10", "-r", "10", "-t", "5s", "-H", url, "--csv", str(out / "run")]
+    cmd += ["--only-summary", "--lt-check-drained", "--lt-inject-ratio", "0.3"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+
+
+def read_stats(path: Path) -> dict[str, dict[str, str]]:
+    with path.open(newline="") as f:
+        return {row["Name"]: row for row in csv.DictReader(f)}
+
+
+def test_short_run_is_clean_and_covers_the_workload(instance: str, tmp_path: Path) -> None:
+    result = run_locust(instance, tmp_path, clean_env(SLOT_TRACKER_API_KEY=API_KEY))
+    output = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, output
+    assert "LOAD TEST PASSED" in result.stdout, output
+
+    stats = read_stats(tmp_path / "run_stats.csv")
+    total = stats["Aggregated"]
+    assert int(total["Request Count"]) > 0, output
+    assert int(total["Failure Count"]) == 0, output
+    for name in [
+        *LIFECYCLE,
+        "/register",
+        "/batch [add]",
+        "/loads",
+        DUPLICATE_ADD,
+        UNKNOWN_RANK_ADD,
+    ]:
+        assert name in stats, f"no {name} requests: {sorted(stats)}"
+        assert int(stats[name]["Request Count"]) > 0, name
+        assert int(stats[name]["Failure Count"]) == 0, name
+
+
+def test_unexpected_failures_fail_the_run(instance: str, tmp_path: Path) -> None:
+    result = run_locust(instance, tmp_path, clean_env())  # no bearer key: every call is a 401
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "LOAD TEST FAILED" in result.stdout
+    assert "got 401" in result.stdout

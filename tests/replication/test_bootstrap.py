@@ -1,0 +1,201 @@
+"""Snapshots in Redis, late instances, trimmed streams."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from app.replication.redis_bus import RedisReplication
+from app.replication.stream import NamespaceKeys
+from app.service import SlotTrackerService
+from tests.fakes import NS_PER_SECOND, FakeClock
+from tests.replication.helpers import KEY, Cluster, TcpProxy, eventually
+
+pytestmark = pytest.mark.redis
+
+
+def request_ids(node) -> set[str]:
+    t = node.service.trackers.get(KEY)
+    return set(t.request_worker) if t is not None else set()
+
+
+def traffic(node, prefix: str, n: int, free_every: int = 3) -> None:
+    for i in range(n):
+        rid = f"{prefix}{i}"
+        node.add(rid, worker_id=1 + i % 2, hashes=[1, 2, 100 + i], tokens=50 + i, prefill_ms=800)
+        if i % free_every == 1:
+            node.service.free(KEY, rid)
+        elif i % free_every == 2:
+            node.service.prefill_complete(KEY, rid)
+
+
+def assert_same(a, b) -> None:
+    assert a.loads() == b.loads()
+    assert a.service.workers(None, None) == b.service.workers(None, None)
+    query = [1, 2, 105]
+    assert a.service.potential_loads(KEY, query, None, None, 11) == b.service.potential_loads(
+        KEY, query, None, None, 11
+    )
+    assert request_ids(a) == request_ids(b)
+    b.service.tracker(KEY).assert_consistent()
+
+
+async def test_snapshot_round_trip_through_redis(cluster: Cluster) -> None:
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 2)
+    a.service.register(KEY, 2, 4, 0, 1)
+    traffic(a, "r", 60)
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status()["stream_position"] != "0-0")
+    assert await a.rep.write_snapshot()
+    assert a.rep.status()["snapshot_age_seconds"] is not None
+
+    cluster.clocks.advance(0.3)  # some decay happened before the late instance starts
+    b = await cluster.node()
+    assert b.rep.ready()
+    st = b.rep.status()
+    assert st["bootstraps"] == 1
+    assert st["snapshot_stream_id"] == a.rep.status()["snapshot_stream_id"]
+    assert st["applied"] == 0  # everything came from the snapshot
+    assert_same(a, b)
+    assert any(r["active_prefill_tokens"] for r in b.loads())
+    assert any(r["modeled_remaining_prefill_ms"] for r in b.loads())
+    cluster.clocks.advance(0.4)
+    assert_same(a, b)
+
+
+async def test_late_instance_reads_records_after_the_snapshot(cluster: Cluster) -> None:
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 2)
+    a.service.register(KEY, 2, 4, 0, 1)
+    traffic(a, "before-", 30)
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    assert await a.rep.write_snapshot()
+    traffic(a, "after-", 20)
+    a.service.free(KEY, "before-0")
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+
+    b = await cluster.node()
+    assert b.rep.ready()
+    assert_same(a, b)
+    assert b.rep.status()["applied"] == a.rep.status()["published"] - _published_at_snapshot(a)
+
+
+def _published_at_snapshot(node) -> int:
+    # the snapshot covered the registrations and the first traffic() call
+    return 2 + _records_of_traffic(30)
+
+
+def _records_of_traffic(n: int, free_every: int = 3) -> int:
+    return sum(1 + (i % free_every in (1, 2)) for i in range(n))
+
+
+async def test_late_instance_without_snapshot_reads_the_whole_stream(cluster: Cluster) -> None:
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 2)
+    a.service.register(KEY, 2, 4, 0, 1)
+    traffic(a, "r", 25)
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    b = await cluster.node()
+    assert b.rep.ready()
+    assert b.rep.status()["snapshot_age_seconds"] is None
+    assert b.rep.status()["applied"] == a.rep.status()["published"]
+    assert_same(a, b)
+
+
+async def test_snapshot_taken_before_own_records_reach_the_stream(cluster: Cluster) -> None:
+    """State includes records still in the outbox: a loader must not apply them twice."""
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 1)
+    a.service.register(KEY, 2, 4, 0, 1)
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    traffic(a, "q", 12)
+    # no await in between: the publisher has not run, the records are only in the outbox
+    assert a.rep.status()["outbox_depth"] > 0
+    assert await a.rep.write_snapshot()
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+
+    b = await cluster.node()
+    st = b.rep.status()
+    assert st["applied"] == 0
+    assert st["duplicates"] == _records_of_traffic(12)
+    assert_same(a, b)
+
+
+async def test_trimmed_position_bootstraps_again(cluster: Cluster, redis_url: str) -> None:
+    """B is cut off from Redis while A goes on, the stream is trimmed past B's position; on
+    reconnecting B finds records missing, reloads the snapshot that covers them, and converges.
+    Records B accepted while cut off are published and kept."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    proxy = TcpProxy(port)
+    await proxy.start()
+    try:
+        a = await cluster.node()
+        b = await cluster.node(redis_url=proxy.url())
+        a.service.register(KEY, 1, 4, 0, 2)
+        a.service.register(KEY, 2, 4, 0, 1)
+        traffic(a, "early-", 10)
+        await eventually(lambda: request_ids(b) == request_ids(a) and len(b.loads()) == 3)
+
+        proxy.cut()
+        await eventually(lambda: not b.rep.status()["connected"], what="b to notice")
+        traffic(a, "missed-", 15)
+        b.add("b-offline-1", hashes=[7, 7])
+        b.add("b-offline-2", worker_id=2, hashes=[8])
+        await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+        assert await a.rep.write_snapshot()
+        snapshot_id = a.rep.status()["snapshot_stream_id"]
+        traffic(a, "late-", 5)
+        await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+        client = redis.Redis.from_url(redis_url)
+        ms, seq = (int(x) for x in snapshot_id.split("-"))
+        trimmed = client.xtrim(NamespaceKeys.of(cluster.namespace).events, minid=f"{ms}-{seq + 1}")
+        client.close()
+        assert trimmed > 0
+
+        proxy.restore()
+        await eventually(
+            lambda: request_ids(a) == request_ids(b) and "b-offline-2" in request_ids(a),
+            timeout=10,
+            what="convergence after the gap",
+        )
+        await eventually(lambda: a.loads() == b.loads())
+        assert_same(a, b)
+        st = b.rep.status()
+        assert st["gaps"] == 1
+        assert st["bootstraps"] == 2
+        assert {"missed-0", "late-0", "b-offline-1"} <= request_ids(b)
+        assert st["dropped"] == 0
+    finally:
+        await proxy.close()
+
+
+async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
+    wall = FakeClock(time.time_ns())  # entry ids are the server's real time
+    rep = RedisReplication(
+        cluster.settings(stream_retention_seconds=60), CollectorRegistry(), wall_clock=wall.now
+    )
+    service = SlotTrackerService(instance_id=rep.instance_id, replicator=rep)
+    rep.attach(service)
+    await rep.start()
+    try:
+        service.register(KEY, 1, 4, 0, 1)
+        for i in range(300):
+            service.free(KEY, f"none-{i}")  # no-op frees publish nothing
+            service.upsert(KEY, 1, 4, 0, 1 + i % 2)
+        await eventually(lambda: rep.status()["outbox_depth"] == 0)
+        client = redis.Redis.from_url(cluster.redis_url)
+        key = NamespaceKeys.of(cluster.namespace).events
+        published = rep.status()["published"]
+        assert published == 300  # the register and every upsert that changed the range
+        assert client.xlen(key) == published
+        # the stream ids are the server's (real) time; move our wall clock past the retention
+        wall.set(time.time_ns() + 3600 * NS_PER_SECOND)
+        service.upsert(KEY, 1, 4, 0, 3)
+        await eventually(lambda: client.xlen(key) < published, what="old entries to be trimmed")
+        client.close()
+    finally:
+        await rep.stop()

