@@ -28,6 +28,7 @@ from app.service import ServiceError, SlotTrackerService
 from app.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
+JSON_MEDIA = "application/json"
 
 OPEN_PATHS = frozenset(
     {
@@ -48,7 +49,7 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -59,7 +60,9 @@ class BearerAuth:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self.expected):
+        # the scheme is case-insensitive (RFC 7235 §2.1); the key is compared in constant time
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected):
             await self.app(scope, receive, send)
             return
         body = b'{"error":"missing or invalid bearer key"}'
@@ -77,6 +80,20 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
+async def _send_json(send: Send, status: int, body: bytes, head: bool = False) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"" if head else body})
+
+
 class HeadAsGet:
     """Pure ASGI middleware: HEAD is answered like GET without a body, as the reference does.
 
@@ -88,7 +105,14 @@ class HeadAsGet:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if b"%" in scope.get("raw_path", b""):
+            # routes match the path as sent, like the reference: /%61dd is not /add
+            await _send_json(send, 404, b'{"error":"route not found"}', scope["method"] == "HEAD")
+            return
+        if scope["method"] != "HEAD":
             await self.app(scope, receive, send)
             return
 
@@ -237,6 +261,15 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
                 }
             }
         comps = doc.setdefault("components", {}).setdefault("schemas", {})
+        # Query-string errors are answered 400 `ErrorBody` (query_error above), never 422.
+        for item in doc["paths"].values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                schema = responses.get("422", {}).get("content", {}).get(JSON_MEDIA, {})
+                if schema.get("schema", {}).get("$ref", "").endswith("/HTTPValidationError"):
+                    del responses["422"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
         for model in BODY_MODELS:
             sch = model.model_json_schema(ref_template="#/components/schemas/{model}")
             for name, sub in sch.pop("$defs", {}).items():

@@ -43,6 +43,9 @@ WORKER_TYPE = "standalone"
 # a huge ``dp_size`` (the anchor accepts up to 2^32 - 1) must not exhaust the process.
 MAX_RANKS_PER_TRACKER = 16_384
 
+# Most data-parallel ranks one worker may register (the reference's limit).
+MAX_DP_SIZE = 4096
+
 Key = tuple[str, str]
 SHAPE_PREFIX = "Failed to deserialize the JSON body into the target type: "
 
@@ -120,7 +123,7 @@ class SlotTrackerService:
         expiry_seconds: int = 300,
         expiry_check_seconds: int = 30,
         instance_id: int = 0,
-        max_hashes_per_request: int = 65_536,
+        max_hashes_per_request: int = 1_048_576,
         replicator: Replicator | None = None,
     ) -> None:
         self.clock = clock
@@ -177,6 +180,8 @@ class SlotTrackerService:
             raise ServiceError(400, "block_size must be greater than 0")
         if dp_size == 0:
             raise ServiceError(400, "dp_size must be greater than 0")
+        if dp_size > MAX_DP_SIZE:
+            raise ServiceError(400, f"dp_size {dp_size} exceeds the maximum {MAX_DP_SIZE}")
         if dp_start + dp_size > U32_MAX:
             raise ServiceError(400, f"dp range overflows u32: start={dp_start} size={dp_size}")
 
@@ -307,17 +312,20 @@ class SlotTrackerService:
 
     def prompt_hashes(
         self,
-        t: ActiveSequencesMultiWorker,
+        key: Key,
         sequence_hashes: list[int] | None,
         token_ids: list[int] | None,
         lora_name: str | None,
-    ) -> list[int]:
+    ) -> tuple[ActiveSequencesMultiWorker, list[int]]:
+        """The tracker of ``key`` and the prompt's hashes (shape errors before a missing tracker,
+        as the reference validates the body before looking the tracker up)."""
         if sequence_hashes is None and token_ids is None:
             raise ServiceError(422, SHAPE_PREFIX + "missing field `sequence_hashes`")
         if sequence_hashes is not None and token_ids is not None:
             raise ServiceError(
                 422, SHAPE_PREFIX + "give either `sequence_hashes` or `token_ids`, not both"
             )
+        t = self.tracker(key)
         if token_ids is not None:
             hashes = sequence_hashes_for_tokens(token_ids, t.block_size, lora_name)
         else:
@@ -328,12 +336,11 @@ class SlotTrackerService:
                 f"too many block hashes: {len(hashes)} > max_hashes_per_request "
                 f"({self.max_hashes})",
             )
-        return hashes
+        return t, hashes
 
     def add(self, call: AddCall) -> None:
         key = (call.model_name, call.routing_group)
-        t = self.tracker(key)
-        hashes = self.prompt_hashes(t, call.sequence_hashes, call.token_ids, call.lora_name)
+        t, hashes = self.prompt_hashes(key, call.sequence_hashes, call.token_ids, call.lora_name)
         tokens = call.new_isl_tokens
         track = tokens > 0 if call.track_prefill_tokens is None else call.track_prefill_tokens
         duration_ns = None
@@ -431,8 +438,7 @@ class SlotTrackerService:
         lora_name: str | None,
         new_isl_tokens: int,
     ) -> list[dict[str, Any]]:
-        t = self.tracker(key)
-        hashes = self.prompt_hashes(t, sequence_hashes, token_ids, lora_name)
+        t, hashes = self.prompt_hashes(key, sequence_hashes, token_ids, lora_name)
         now = self.clock()
         # the core's potential_blocks_and_tokens, fused into one pass that builds the rows
         over = t.overlaps(hashes)
@@ -442,13 +448,15 @@ class SlotTrackerService:
         for w in t.workers():
             s = slots[w]
             tokens = s.prefill.active_tokens(now) + new_isl_tokens
-            rows.append({
-                "worker_id": w.worker_id,
-                "dp_rank": w.dp_rank,
-                "potential_prefill_tokens": tokens if tokens <= U64_MAX else U64_MAX,
-                "potential_decode_blocks": blocks[w] + q_len - over.get(w, 0),
-                "active_requests": len(s.requests),
-            })
+            rows.append(
+                {
+                    "worker_id": w.worker_id,
+                    "dp_rank": w.dp_rank,
+                    "potential_prefill_tokens": tokens if tokens <= U64_MAX else U64_MAX,
+                    "potential_decode_blocks": blocks[w] + q_len - over.get(w, 0),
+                    "active_requests": len(s.requests),
+                }
+            )
         return rows
 
     def project_loads(
@@ -458,8 +466,7 @@ class SlotTrackerService:
         token_ids: list[int] | None,
         lora_name: str | None,
     ) -> list[dict[str, Any]]:
-        t = self.tracker(key)
-        hashes = self.prompt_hashes(t, sequence_hashes, token_ids, lora_name)
+        t, hashes = self.prompt_hashes(key, sequence_hashes, token_ids, lora_name)
         proj = t.project_worker_loads(hashes, self.clock())
         return [
             {

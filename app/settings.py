@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     api_key: SecretStr = Field(default=SecretStr(""), repr=False)
     log_level: LogLevel = "info"
     max_body_bytes: int = Field(default=2_097_152, gt=0)
-    max_hashes_per_request: int = Field(default=65_536, gt=0)
+    max_hashes_per_request: int = Field(default=1_048_576, gt=0)
 
     # Active request expiry
     expiry_seconds: int = Field(default=300, gt=0)

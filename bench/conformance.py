@@ -350,8 +350,11 @@ def key_of(body: dict[str, Any]) -> tuple[str, str]:
 
 
 class Generator:
-    def __init__(self, rng: random.Random, array_bodies: bool = False) -> None:
+    def __init__(
+        self, rng: random.Random, array_bodies: bool = False, malformed: bool = True
+    ) -> None:
         self.rng = rng
+        self.malformed_weight = 14 if malformed else 0
         self.tree = HashTree(rng)
         self.model = Model()
         self.array_bodies = array_bodies
@@ -708,10 +711,13 @@ class Generator:
             raw = jdump(body)[:-1] + b',"extra":"\xff\xfe"}'
             return self._mutating(Req(tag, "POST", route, raw), route, body)
         if kind == "deep_nesting":
-            depth = rng.choice([126, 127, 128, 129, 130, 200])
+            depth = rng.choice([127, 128, 129, 200, 256, 1000])
+            obj = rng.random() < 0.5
             body["extra"] = "@@"
-            raw = jdump(body).replace(b'"@@"', b"[" * depth + b"]" * depth)
-            return self._mutating(Req(f"{tag}:{depth}", "POST", route, raw), route, None)
+            inner = b'{"a":' * depth + b"1" + b"}" * depth if obj else b"[" * depth + b"]" * depth
+            raw = jdump(body).replace(b'"@@"', inner)
+            shape = "objects" if obj else "arrays"
+            return self._mutating(Req(f"{tag}:{depth} {shape}", "POST", route, raw), route, None)
         if kind == "unknown_route":
             path = rng.choice(UNKNOWN_PATHS)
             method = rng.choice(["GET", "POST"])
@@ -791,7 +797,7 @@ class Generator:
             ("loads", 8),
             ("potential_loads", 12),
             ("health", 1),
-            ("malformed", 14),
+            ("malformed", self.malformed_weight),
         ]
         op = rng.choices([o for o, _ in ops], [w for _, w in ops])[0]
         if op == "malformed":
@@ -815,7 +821,7 @@ class Generator:
         if body is None:
             try:
                 body = json.loads(req.body or b"")
-            except ValueError:
+            except (ValueError, RecursionError):
                 return
             if not isinstance(body, dict):
                 return
@@ -1215,6 +1221,11 @@ def fixed_scenarios(array_bodies: bool = False) -> list[list[Req]]:
             "/free",
             b'{"model_name":"nt","request_id":"r","x":' + b'{"a":' * 200 + b"1" + b"}" * 200 + b"}",
         ),
+        _p(
+            "X:deep_arr_1000",
+            "/free",
+            b'{"model_name":"nt","request_id":"r","x":' + b"[" * 1000 + b"]" * 1000 + b"}",
+        ),
         _p("X:bom", "/free", b'\xef\xbb\xbf{"model_name":"nt","request_id":"r"}'),
         _p("X:lone_surrogate", "/free", b'{"model_name":"nt","request_id":"\\ud800"}'),
         _p("X:invalid_utf8", "/free", b'{"model_name":"nt","request_id":"\xff"}'),
@@ -1400,7 +1411,7 @@ class Harness:
     def run(self, run: int) -> None:
         args = self.args
         rng = random.Random(f"{args.seed}:{run}")
-        gen = Generator(rng, array_bodies=args.array_bodies)
+        gen = Generator(rng, array_bodies=args.array_bodies, malformed=not args.no_malformed)
         self._fresh_servers()
         segment: list[Req] = []
         for i in range(args.ops):
@@ -1423,7 +1434,9 @@ class Harness:
             if not self.pair.reset():
                 raise RuntimeError("could not reset the given servers")
         else:
-            self.pair.start()
+            reusable = self.args.reuse_servers and self.pair.servers and self.pair.alive()
+            if not reusable or not self.pair.reset():
+                self.pair.start()
 
     def step(
         self, run: int | str, i: int, req: Req, segment: list[Req], gen: Generator | None
@@ -1628,6 +1641,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coverage", action="store_true", help="count requests per class")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every request and answer")
     ap.add_argument("--no-fixed", action="store_true", help="skip the fixed scenarios")
+    ap.add_argument(
+        "--no-malformed", action="store_true", help="random runs send well-formed requests only"
+    )
+    ap.add_argument(
+        "--reuse-servers",
+        action="store_true",
+        help="empty the servers between runs instead of restarting them (faster)",
+    )
     ap.add_argument("--no-minimize", action="store_true")
     ap.add_argument("--minimize-seconds", type=float, default=20.0)
     args = ap.parse_args(argv)

@@ -7,6 +7,7 @@ message prefixes.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 import orjson
@@ -58,38 +59,138 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
+# The Rust type each field has in the reference, for serde-like messages.
+_RUST_TYPES = {
+    "worker_id": "u64",
+    "dp_rank": "u32",
+    "block_size": "u32",
+    "dp_start": "u32",
+    "dp_size": "u32",
+    "new_isl_tokens": "usize",
+    "sequence_hashes": "i64",
+    "token_ids": "u32",
+    "expected_output_tokens": "u32",
+}
+
+
+_STRUCT_NAMES = {
+    "RegisterBody": "RegisterRequest",
+    "UnregisterBody": "UnregisterRequest",
+    "AddBody": "AddRequest",
+    "PotentialLoadsBody": "PotentialLoadsRequest",
+    "RequestBody": "LifecycleRequest",
+}
+
+
+def _serde_value(value: Any) -> str:
+    """How serde names an unexpected JSON value: ``integer `5```, ``string "x"``, ``null`` ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value!r}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, dict):
+        return "map"
+    return "value"
+
+
 def _describe(err: dict[str, Any]) -> str:
     loc = _loc(err["loc"])
     typ = err["type"]
-    field = str(err["loc"][-1]) if err["loc"] else ""
+    names = [p for p in err["loc"] if isinstance(p, str)]
+    field = names[-1] if names else ""
     if typ == "missing":
         return f"missing field `{field}`"
-    if loc.startswith(("sequence_hashes", "token_ids")):
-        top = loc.split("[", 1)[0]
+    top = loc.split("[", 1)[0]
+    value = err.get("input")
+    if top in ("sequence_hashes", "token_ids") and "[" not in loc:
         kind = "signed 64-bit sequence hashes" if top == "sequence_hashes" else "u32 token ids"
-        if "[" in loc:
-            expected = "i64" if top == "sequence_hashes" else "u32"
-            return f"{loc}: invalid value: {err['msg']}, expected {expected}"
-        return f"{loc}: invalid type: expected an array of {kind}"
+        return f"{loc}: invalid type: {_serde_value(value)}, expected an array of {kind}"
+    rust = _RUST_TYPES.get(field)
+    if rust is not None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{loc}: invalid value: integer `{value}`, expected {rust}"
+        return f"{loc}: invalid type: {_serde_value(value)}, expected {rust}"
+    if typ.startswith("string") or typ == "literal_error":
+        return f"{loc}: invalid type: {_serde_value(value)}, expected a string"
     return f"{loc}: {err['msg']}" if loc else err["msg"]
 
 
 def shape_error(exc: ValidationError) -> ServiceError:
-    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    errors = exc.errors(include_url=False, include_context=False)
     return ServiceError(422, JSON_SHAPE + _describe(errors[0]))
+
+
+def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
+    """A field name given twice at the top level of the object (serde rejects that).
+
+    A cheap substring count gates the (rare) full check, so ordinary bodies pay ~1 us.
+    """
+    if not any(raw.count(b'"' + name.encode() + b'"') > 1 for name in model.model_fields):
+        return None
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for k, _ in items:
+            if k in seen and not found:
+                found.append(k)
+            seen.add(k)
+        return dict(items)
+
+    try:
+        top = json.loads(raw, object_pairs_hook=pairs)
+    except ValueError:
+        return None
+    if isinstance(top, dict) and found and found[0] in model.model_fields:
+        return found[0]
+    return None
 
 
 def parse_json(raw: bytes, model: type[M]) -> M:
     """Validate JSON bytes; 400 for syntax errors, 422 for shape errors."""
     try:
-        return model.model_validate_json(raw)
+        value = model.model_validate_json(raw)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_context=False, include_input=False)
-        if errors and errors[0]["type"] == "json_invalid":
+        errors = exc.errors(include_url=False, include_context=False)
+        first = errors[0] if errors else {"type": ""}
+        if first["type"] == "json_invalid":
+            end = _first_value_end(raw, first.get("msg", ""))
+            if end is not None:
+                # like the reference, ignore what follows a complete JSON value
+                return parse_json(raw[:end], model)
             raise ServiceError(400, JSON_PARSE + _syntax_message(raw)) from None
-        if errors and errors[0]["type"] == "model_type":
-            raise ServiceError(422, JSON_SHAPE + "invalid type: expected a JSON object") from None
+        if first["type"] == "model_type":
+            raise ServiceError(
+                422,
+                JSON_SHAPE + f"invalid type: {_serde_value(first.get('input'))}, "
+                f"expected struct {_STRUCT_NAMES.get(model.__name__, model.__name__)}",
+            ) from None
         raise shape_error(exc) from None
+    dup = _duplicate_key(raw, model)
+    if dup is not None:
+        raise ServiceError(422, JSON_SHAPE + f"duplicate field `{dup}`")
+    return value
+
+
+def _first_value_end(raw: bytes, msg: str) -> int | None:
+    """Offset just past the first complete JSON value when only trailing bytes are wrong."""
+    if "trailing characters" not in msg:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(raw.decode("utf-8", "strict").lstrip())
+    except ValueError:
+        return None
+    text = raw.decode("utf-8")
+    skipped = len(text) - len(text.lstrip())
+    return len(text[: skipped + end].encode())
 
 
 def parse_object(obj: Any, model: type[M]) -> M:

@@ -63,8 +63,10 @@ def _route(
     ok_status=200,
     summary: str = "",
     errors=(400, 401, 404, 413, 415, 422),
+    other_ok: dict[int, str] | None = None,
 ):
-    BODY_MODELS.append(model)
+    if model not in BODY_MODELS:  # every app built in one process registers the same models
+        BODY_MODELS.append(model)
     return router.post(
         path,
         summary=summary,
@@ -73,6 +75,7 @@ def _route(
         response_model=None,
         responses={
             ok_status: {"model": ok_model, "description": "Success."},
+            **{c: {"model": ok_model, "description": d} for c, d in (other_ok or {}).items()},
             **{c: ERRORS[c] for c in errors},
         },
     )
@@ -144,6 +147,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         200,
         "Register a worker or replace its ranks (201 when created)",
         (400, 401, 409, 413, 415, 422),
+        {201: "Created: the worker id was new."},
     )
     async def upsert(request: Request) -> Response:
         b = await body(request, s.UpsertBody)

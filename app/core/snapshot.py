@@ -27,7 +27,9 @@ to keep large snapshots compact:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 from .prefill import PrefillLoadState
@@ -117,16 +119,18 @@ def restore_tracker(
     for s in data["slots"]:
         worker = WorkerWithDpRank(*s["worker"])
         slot = tracker.slots[worker]
-        touch = slot.blocks.touch
+        requests = slot.requests
+        prompts = []
         for rid, prompt, started_wall, eot, indexed, lora in s["requests"]:
             prompt = list(prompt)
-            for h in prompt:
-                touch(h)
-            slot.requests[rid] = RequestState(prompt, from_wall(started_wall), eot)
+            requests[rid] = RequestState(prompt, from_wall(started_wall), eot)
             if prompt:
+                prompts.append(prompt)
                 trie.add(worker, prompt)
             if indexed:
                 tracker._index(rid, worker, lora)
+        # one reference per prompt position, as if every request had been added in turn
+        slot.blocks.refcount.update(Counter(chain.from_iterable(prompts)))
         prefill = slot.prefill
         since = s["anchor_since"]
         anchor = from_wall(since) if since is not None else 0

@@ -60,7 +60,7 @@ from app.replication.records import (
     random_id,
     resolve_instance_id,
 )
-from app.replication.snapshots import Snapshot, SnapshotStore
+from app.replication.snapshots import Snapshot, SnapshotStore, gc_paused
 from app.replication.stream import APPEND_SCRIPT, START_ID, NamespaceKeys, id_text, parse_id
 from app.settings import Settings
 
@@ -92,6 +92,18 @@ IO_ERRORS = (RedisError, OSError)
 def backoff_delay(attempt: int) -> float:
     """Seconds to wait before retry number ``attempt`` (1, 2, ...): exponential, jittered, capped."""
     return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+def _honour_cancellation() -> None:
+    """Raise if this task was cancelled while redis-py swallowed the cancellation.
+
+    A cancel that lands during a connection health check or a blocking read can be lost inside
+    redis-py (redis-py #2028); the command then returns normally. Loops call this every turn so
+    ``stop()`` always ends them.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _client(url: str, socket_timeout: float, name: str) -> Redis:
@@ -227,12 +239,22 @@ class RedisReplication:
                 log.warning("replication stopped with %d records not published", self._pending())
             except Exception:  # the task's own failure; it is logged below by gather
                 pass
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()
         for client in (self._client, self._reader):
             if client is not None:
                 await client.aclose()
+
+    async def _cancel_tasks(self) -> None:
+        """Cancel every task, again and again: redis-py may swallow one cancellation."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_FLUSH_TIMEOUT_S
+        pending = {t for t in self._tasks if not t.done()}
+        while pending and loop.time() < deadline:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.05)
+        if pending:
+            log.warning("replication tasks did not stop: %s", [t.get_name() for t in pending])
 
     # -- write path ------------------------------------------------------------------------
 
@@ -274,6 +296,7 @@ class RedisReplication:
         max_events = self.settings.replication_batch_events
         max_ns = self.settings.replication_batch_ms * NS_PER_MS
         while True:
+            _honour_cancellation()
             batch, stop = await collect_batch(
                 self._outbox, max_events=max_events, max_duration_ns=max_ns, clock=self.clock
             )
@@ -287,6 +310,7 @@ class RedisReplication:
         payloads = [encode_record(r) for r in batch]
         attempt = 0
         while True:
+            _honour_cancellation()
             try:
                 await self._append_payloads(payloads)
                 break
@@ -342,6 +366,7 @@ class RedisReplication:
     async def _read_loop(self) -> None:
         attempt = 0
         while True:
+            _honour_cancellation()
             try:
                 if not self._bootstrapped:
                     await self._bootstrap()
@@ -409,7 +434,8 @@ class RedisReplication:
             self._seqs = SeqLedger()
             self._last_id = START_ID
         else:
-            self.service.restore_state(snapshot.trackers)
+            with gc_paused(freeze=True):
+                self.service.restore_state(snapshot.trackers)
             self._seqs = snapshot.seqs.copy()
             self._last_id = snapshot.stream_id
             self._note_snapshot(snapshot.stream_id, snapshot.at)
@@ -481,7 +507,8 @@ class RedisReplication:
         self._last_id = position
         if not batch:
             return
-        self.service.apply_remote(batch)
+        with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
+            self.service.apply_remote(batch)
         self.counters.applied += len(batch)
         observe = self.metrics.lag.observe
         lag_ns = 0
@@ -520,6 +547,7 @@ class RedisReplication:
         interval = self.settings.snapshot_interval_seconds
         while True:
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+            _honour_cancellation()
             try:
                 await self._snapshot_tick(interval * 1000)
             except asyncio.CancelledError:
@@ -560,8 +588,9 @@ class RedisReplication:
         if self._store is None or not self._can_snapshot():
             return False
         started = self.clock()
-        snapshot = self.take_snapshot()
-        blob = snapshot.encode()
+        with gc_paused():
+            snapshot = self.take_snapshot()
+            blob = snapshot.encode()
         if not await self._store.write(snapshot, blob, lease_token):
             return False
         self.counters.snapshots_written += 1

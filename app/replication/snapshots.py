@@ -12,6 +12,9 @@ under a ``SET NX PX`` lease and write through a script that checks they still ho
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,29 @@ from app.replication.records import SeqLedger
 from app.replication.stream import WRITE_SNAPSHOT_SCRIPT, NamespaceKeys
 
 SNAPSHOT_FORMAT = 1
+
+
+@contextmanager
+def gc_paused(freeze: bool = False) -> Iterator[None]:
+    """No cyclic garbage collection while a snapshot's objects are built or walked.
+
+    A snapshot creates or visits millions of small objects; the collector would otherwise run
+    full passes over them repeatedly (measured: restoring 10,000 requests took 6x longer).
+    The block is synchronous, so the pause is as long as the work itself.
+
+    ``freeze``: afterwards move every tracked object to the permanent generation
+    (``gc.freeze``), so the state just built is not rescanned by the next full collections.
+    Tracker state holds no reference cycles; it is freed by reference counting as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 @dataclass(slots=True)
@@ -66,7 +92,10 @@ class SnapshotStore:
 
     async def load(self) -> Snapshot | None:
         blob = await self.client.hget(self.keys.snapshot, "data")
-        return None if blob is None else Snapshot.decode(blob)
+        if blob is None:
+            return None
+        with gc_paused():
+            return Snapshot.decode(blob)
 
     async def meta(self) -> tuple[str, int] | None:
         """``(stream id, taken at wall ns)`` of the stored snapshot, without its data."""

@@ -299,7 +299,6 @@ async def test_u32_bounds(client: httpx.AsyncClient, post: PostJson) -> None:
     before = await state(client)
     for field in ["block_size", "dp_start", "dp_size"]:
         rejected(await post("/register", {**body, field: U32_MAX + 1}), 422, JSON_SHAPE)
-    assert await post("/register", {**body, "worker_id": 6, "dp_start": U32_MAX}) is not None
     resp = await post("/register", {**body, "worker_id": 6, "dp_start": U32_MAX})
     assert rejected(resp, 400) == f"dp range overflows u32: start={U32_MAX} size=1"
     add = {**VALID["/add"], "worker_id": 5}
@@ -480,8 +479,6 @@ MALFORMED = [
     b'{"model_name":"m" "request_id":"r1"}',
     b"{model_name: 'm'}",
     b"{'model_name': 'm'}",
-    b'{"model_name":"m","request_id":"r1"} trailing',
-    b'{"model_name":"m","request_id":"r1"}{}',
     b'{"model_name":"m","request_id":"r1","worker_id":01}',
     b'{"model_name":"m","request_id":"r1\n"}',
     b'{"model_name":"m","request_id":"\\x41"}',
@@ -500,6 +497,23 @@ MALFORMED = [
 ]
 
 
+async def test_bytes_after_a_complete_json_value_are_ignored_like_the_reference(
+    client: httpx.AsyncClient,
+) -> None:
+    """The reference decodes the first JSON value and ignores what follows it."""
+    reg = b'{"worker_id":1,"model_name":"tr","block_size":4,"dp_start":0,"dp_size":1}'
+    for tail in (b" trailing", b"{}", b"]", b","):
+        resp = await post_raw(client, "/unregister", reg + tail, "application/json")
+        assert resp.status_code == 404, (tail, resp.text)
+    resp = await post_raw(client, "/register", reg + b" x", "application/json")
+    assert (resp.status_code, resp.json()) == (201, {"status": "ok"})
+    resp = await post_raw(
+        client, "/register", b'{"model_name":"tr","worker_id":2} x', "application/json"
+    )
+    assert resp.status_code == 422
+    assert resp.json()["error"].endswith("missing field `block_size`")
+
+
 @pytest.mark.parametrize("route", list(VALID))
 async def test_malformed_json_is_400_and_changes_nothing(
     client: httpx.AsyncClient, seeded: Any, route: str
@@ -511,6 +525,27 @@ async def test_malformed_json_is_400_and_changes_nothing(
         wrong = problem(resp, 400, JSON_PARSE)
         if wrong:
             failures[repr(content[:40])] = wrong
+    assert failures == {}
+
+
+async def test_non_finite_numbers_are_rejected(client: httpx.AsyncClient, seeded: Any) -> None:
+    """``NaN`` and ``Infinity`` are not JSON; in an integer field they are never accepted."""
+    failures = {}
+    for literal in [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400"]:
+        for field in [b"worker_id", b"dp_rank", b"new_isl_tokens"]:
+            body = (
+                b'{"model_name":"m","request_id":"r2","worker_id":1,"dp_rank":1,'
+                b'"sequence_hashes":[],"' + field + b'":' + literal + b"}"
+            )
+            resp = await post_raw(client, "/add", body, "application/json")
+            wrong = problem(resp, 400) and problem(resp, 422)
+            if wrong:
+                failures[(literal, field)] = wrong
+        body = b'{"model_name":"m","sequence_hashes":[' + literal + b"]}"
+        resp = await post_raw(client, "/potential_loads", body, "application/json")
+        wrong = problem(resp, 400) and problem(resp, 422)
+        if wrong:
+            failures[(literal, b"sequence_hashes")] = wrong
     assert failures == {}
 
 

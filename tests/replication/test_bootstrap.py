@@ -199,3 +199,58 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
         client.close()
     finally:
         await rep.stop()
+
+
+async def test_periodic_snapshots_take_turns_under_a_lease(cluster: Cluster) -> None:
+    a = await cluster.node(snapshot_interval_seconds=1)
+    b = await cluster.node(snapshot_interval_seconds=1)
+    a.service.register(KEY, 1, 4, 0, 1)
+    a.service.register(KEY, 2, 4, 0, 1)
+    traffic(a, "r", 5)
+    written = lambda: a.rep.counters.snapshots_written + b.rep.counters.snapshots_written  # noqa: E731
+    await eventually(lambda: written() >= 1, timeout=5, what="a periodic snapshot")
+    # the instance that did not write learns the snapshot's age on its next round
+    await eventually(
+        lambda: all(n.rep.status()["snapshot_age_seconds"] is not None for n in (a, b)),
+        timeout=5,
+    )
+    # a lease lasts one interval: at most one snapshot per interval for the namespace
+    assert written() <= 2
+    late = await cluster.node()
+    assert late.rep.status()["bootstraps"] == 1
+    assert_same(a, late)
+
+
+async def test_snapshot_write_is_fenced_by_the_lease(cluster: Cluster) -> None:
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 1)
+    store = a.rep._store
+    assert await store.try_lease("token-a", 10_000)
+    assert not await store.try_lease("token-b", 10_000)
+    assert not await a.rep.write_snapshot("token-b")  # lost the lease: nothing written
+    assert await store.meta() is None
+    assert await a.rep.write_snapshot("token-a")
+    assert (await store.meta())[0] == a.rep.status()["snapshot_stream_id"]
+
+
+async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
+    """A restarted process keeps its instance id but numbers its records afresh; peers and the
+    process itself keep everything its previous life published."""
+    first = await cluster.node(instance_id=42)
+    peer = await cluster.node()
+    first.service.register(KEY, 1, 4, 0, 1)
+    first.service.register(KEY, 2, 4, 0, 1)
+    traffic(first, "old-", 9)
+    await eventually(lambda: request_ids(peer) == request_ids(first) != set())
+    await first.rep.stop()
+
+    second = await cluster.node(instance_id=42)
+    assert second.rep.instance_id == 42
+    assert second.rep.incarnation != first.rep.incarnation
+    assert request_ids(second) == request_ids(peer)  # its previous life, read back
+    second.add("new-0", hashes=[5, 6])
+    second.service.free(KEY, "old-0")
+    await eventually(lambda: request_ids(peer) == request_ids(second))
+    assert "new-0" in request_ids(peer) and "old-0" not in request_ids(peer)
+    assert peer.rep.status()["gaps"] == 0
+    assert_same(peer, second)
