@@ -22,9 +22,7 @@ RANKS = [WorkerWithDpRank(w, r) for w in range(16) for r in range(4)]
 
 
 def make_tracker() -> ActiveSequencesMultiWorker:
-    return ActiveSequencesMultiWorker(
-        None, 16, WORKERS, False, 0, "bench", clock=time.monotonic_ns
-    )
+    return ActiveSequencesMultiWorker(None, 16, WORKERS, False, 0, "bench", clock=time.monotonic_ns)
 
 
 def prompt(rng: random.Random, prefix: list[int], length: int) -> list[int]:
@@ -99,7 +97,9 @@ def bench_replica_batch() -> float:
             rid = f"rep-{b}-{i}"
             w = rng.choice(RANKS)
             p = prompt(rng, rng.choice(prefixes), 32)
-            events.append(ActiveSequenceEvent(rid, w, AddRequest(p, True, None, PrefillLoadHint(64)), 9))
+            events.append(
+                ActiveSequenceEvent(rid, w, AddRequest(p, True, None, PrefillLoadHint(64)), 9)
+            )
             events.append(ActiveSequenceEvent(rid, w, MARK_PREFILL_COMPLETED, 9))
             if i < 84:
                 events.append(ActiveSequenceEvent(rid, w, FREE, 9))
@@ -119,7 +119,9 @@ def main() -> None:
     add_free = bench_add_free()
     pot = bench_potential_loads()
     batch = bench_replica_batch()
-    print(f"add+free (32-block prompt, 16-block shared prefix, 500 active): {add_free * 1e6:.1f} us")
+    print(
+        f"add+free (32-block prompt, 16-block shared prefix, 500 active): {add_free * 1e6:.1f} us"
+    )
     print(f"potential loads (64 ranks, 256-block prompt, 500 active):      {pot * 1e6:.1f} us")
     print(f"replica batch apply (256 events + flush, 500 active):         {batch * 1e3:.3f} ms")
 

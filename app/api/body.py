@@ -174,10 +174,21 @@ def parse_json(raw: bytes, model: type[M]) -> M:
                 f"expected struct {_STRUCT_NAMES.get(model.__name__, model.__name__)}",
             ) from None
         raise shape_error(exc) from None
+    if (b"NaN" in raw or b"Infinity" in raw) and _not_strict_json(raw):
+        # pydantic's parser takes NaN/Infinity literals (even in ignored fields); JSON has none
+        raise ServiceError(400, JSON_PARSE + _syntax_message(raw))
     dup = _duplicate_key(raw, model)
     if dup is not None:
         raise ServiceError(422, JSON_SHAPE + f"duplicate field `{dup}`")
     return value
+
+
+def _not_strict_json(raw: bytes) -> bool:
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return True
+    return False
 
 
 def _first_value_end(raw: bytes, msg: str) -> int | None:

@@ -160,6 +160,7 @@ class RedisReplication:
         self._settled = asyncio.Event()
         self._check_stream = False
         self._last_lag_ms: float | None = None
+        self._snapshot_soon = asyncio.Event()  # Redis lost data: write one without waiting
 
         # snapshots
         self._snapshot_at: int | None = None
@@ -335,10 +336,17 @@ class RedisReplication:
             ids = await self._append(keys=key, args=["", self._trim_horizon(), *payloads])
         self._last_appended = id_text(ids[-1])
         now = self.wall_clock()
-        self._recent.extend((now, p) for p in payloads)
+        recent = self._recent
+        recent.extend((now, p) for p in payloads)
+        horizon = now - self._resend_window_ns()
+        while recent[0][0] < horizon:
+            recent.popleft()
+
+    def _resend_window_ns(self) -> int:
+        return min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
 
     async def _resend_recent(self) -> None:
-        window = min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
+        window = self._resend_window_ns()
         horizon = self.wall_clock() - window
         recent = self._recent
         while recent and recent[0][0] < horizon:
@@ -360,6 +368,7 @@ class RedisReplication:
             )
             self._last_appended = id_text(ids[-1])
         self.counters.resent += len(payloads)
+        self._snapshot_soon.set()
 
     # -- read path -------------------------------------------------------------------------
 
@@ -404,13 +413,19 @@ class RedisReplication:
         assert self._store is not None
         self._not_ready_reason = "loading the snapshot and catching up with the stream"
         started = self.clock()
-        snapshot = await self._store.load()
-        self._restore(snapshot)
+        snapshot = await self._load_snapshot()
+        try:
+            self._restore(snapshot)
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("ignoring a snapshot that does not restore (%r); reading the stream", e)
+            snapshot = None
+            self._restore(None)
         read = 0
-        while True:
+        while True:  # until a read comes back short, without having had to reposition
+            bootstraps = self.counters.bootstraps
             n = await self._read_once(None)
             read += n
-            if n < READ_COUNT:
+            if n < READ_COUNT and self.counters.bootstraps == bootstraps:
                 break
         self._bootstrapped = True
         self._not_ready_reason = ""
@@ -457,6 +472,7 @@ class RedisReplication:
         if last is None or parse_id(last) < parse_id(self._last_id):
             restart_from = START_ID if last is None else last
             self.counters.resets += 1
+            self._snapshot_soon.set()
             log.warning(
                 "the replica stream was %s (Redis restarted or failed over); reading on from %s "
                 "instead of %s",
@@ -517,10 +533,21 @@ class RedisReplication:
             observe(lag_ns / NS_PER_S)
         self._last_lag_ms = lag_ns / NS_PER_MS
 
-    async def _on_gap(self, key: tuple[int, int], seq: int, missing: int) -> None:
+    async def _load_snapshot(self) -> Snapshot | None:
+        """The stored snapshot; None when there is none or it cannot be decoded."""
         assert self._store is not None
-        snapshot = await self._store.load()
+        try:
+            return await self._store.load()
+        except IO_ERRORS:
+            raise
+        except Exception as e:  # a snapshot written by an incompatible version, or garbage
+            log.error("ignoring an unreadable snapshot: %r", e)
+            return None
+
+    async def _on_gap(self, key: tuple[int, int], seq: int, missing: int) -> None:
+        snapshot = await self._load_snapshot()
         self.counters.gaps += 1
+        self._snapshot_soon.set()  # peers starting now should not find the same hole
         if snapshot is not None and snapshot.seqs.get(key) >= seq - 1:
             log.warning(
                 "replication gap: %d record(s) of instance %d before seq %d are no longer in "
@@ -546,32 +573,53 @@ class RedisReplication:
     async def _snapshot_loop(self) -> None:
         interval = self.settings.snapshot_interval_seconds
         while True:
-            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._snapshot_soon.wait(), interval * random.uniform(0.8, 1.2)
+                )
+            urgent = self._snapshot_soon.is_set()
+            self._snapshot_soon.clear()
             _honour_cancellation()
             try:
-                await self._snapshot_tick(interval * 1000)
+                done = await self._snapshot_tick(interval * 1000)
             except asyncio.CancelledError:
                 raise
             except IO_ERRORS as e:
                 log.debug("snapshot round skipped: %s", e)
+                done = False
             except Exception:
                 log.exception("snapshot round failed")
+                done = False
+            if urgent and not done:  # e.g. the reader has not checked the stream yet
+                await asyncio.sleep(1.0)
+                self._snapshot_soon.set()
 
-    async def _snapshot_tick(self, lease_ms: int) -> None:
+    async def _snapshot_tick(self, lease_ms: int) -> bool:
+        """Write a snapshot if it is our turn; else note the age of the stored one.
+
+        True when a snapshot exists afterwards that is at most this round old.
+        """
         assert self._store is not None
         self._seqs.prune(self.wall_clock() - LEDGER_FORGET_NS)
         if self._can_snapshot():
             token = f"{self.instance_id}:{self.incarnation}:{random_id()}"
             if await self._store.try_lease(token, lease_ms):
-                await self.write_snapshot(token)
-                return
+                return await self.write_snapshot(token)
         meta = await self._store.meta()
-        if meta is not None:
-            self._note_snapshot(*meta)
+        if meta is None:
+            return False
+        self._note_snapshot(*meta)
+        return True
 
     def _can_snapshot(self) -> bool:
-        """Only a caught-up state that includes all our own accepted records is worth saving."""
-        return self._bootstrapped and self._seqs.get(self._own_key) >= self._replay_target
+        """Only a caught-up state that includes all our own accepted records is worth saving,
+        and only with a stream position checked against the server we are talking to."""
+        return (
+            self._bootstrapped
+            and bool(self._reader_ok)
+            and not self._check_stream
+            and self._seqs.get(self._own_key) >= self._replay_target
+        )
 
     def take_snapshot(self) -> Snapshot:
         """This instance's state with the stream position and ledger that match it."""

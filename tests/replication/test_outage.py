@@ -6,8 +6,10 @@ import asyncio
 import random
 
 import pytest
+import redis
 
-from tests.replication.helpers import KEY, Cluster, Node, RedisServer, eventually
+from app.replication.stream import NamespaceKeys
+from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
 
 pytestmark = pytest.mark.redis
 
@@ -87,3 +89,44 @@ async def test_redis_restart_mid_traffic_loses_nothing(
         node.service.tracker(KEY).assert_consistent()
     # the loss was noticed: the publishers re-sent what Redis forgot
     assert a.rep.status()["resent"] > 0 and b.rep.status()["resent"] > 0
+
+
+async def test_lost_stream_is_detected_read_again_and_snapshotted(
+    cluster: Cluster, redis_url: str
+) -> None:
+    """The stream and snapshot vanish (Redis lost its data) while B is cut off: on reconnecting
+    B reads the new stream from its start, A re-sends what it had recently published, and a
+    fresh snapshot is written without waiting for the interval."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    proxy = TcpProxy(port)
+    await proxy.start()
+    try:
+        a = await cluster.node()
+        b = await cluster.node(redis_url=proxy.url())
+        a.service.register(KEY, 1, 4, 0, 1)
+        a.service.register(KEY, 2, 4, 0, 1)
+        traffic = Traffic([a, b])
+        for _ in range(20):
+            traffic.step()
+        await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
+        assert await a.rep.write_snapshot()
+
+        proxy.cut()
+        await eventually(lambda: not b.rep.status()["connected"])
+        keys = NamespaceKeys.of(cluster.namespace)
+        client = redis.Redis.from_url(redis_url)
+        client.delete(keys.events, keys.snapshot)
+        proxy.restore()
+        await eventually(lambda: b.rep.status()["resets"] == 1, what="b to notice the reset")
+        assert b.rep.status()["stream_position"] == "0-0"
+
+        for _ in range(10):
+            traffic.step()
+        await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
+        assert a.rep.status()["resent"] > 0
+        assert b.rep.status()["gaps"] == 0
+        # someone wrote a new snapshot right away (the interval is an hour in these tests)
+        await eventually(lambda: client.hget(keys.snapshot, "id") is not None, timeout=5)
+        client.close()
+    finally:
+        await proxy.close()

@@ -292,7 +292,9 @@ WIRES = pytest.mark.parametrize("wire", ["singleton", "batch"])
 
 
 @WIRES
-async def test_active_sequence_replica_sync_isolated_by_endpoint(wire: str, replicas: list[Replica]) -> None:
+async def test_active_sequence_replica_sync_isolated_by_endpoint(
+    wire: str, replicas: list[Replica]
+) -> None:
     clock = FakeClock()
     bus_a, bus_b = Bus(wire), Bus(wire)
     workers = {0: (0, 1)}
