@@ -22,8 +22,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app import __version__
 from app.api import schemas
 from app.api.dashboard import build_dashboard_router
+from app.api.fast import FastPath
+from app.api.operations import Operations
 from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
-from app.observability import build_registry
+from app.observability import HttpMetrics, build_registry
 from app.service import ServiceError, SlotTrackerService
 from app.settings import Settings, load_settings
 
@@ -233,12 +235,18 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     async def replication_status() -> Response:
         return json_response(replication.status())
 
-    app.include_router(build_router(service, settings.max_body_bytes))
+    ops = Operations(service)
+    app.include_router(build_router(service, ops, settings.max_body_bytes))
     app.include_router(build_dashboard_router())
 
+    http_metrics = HttpMetrics(registry)
     Instrumentator(
         registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
-    ).instrument(app).expose(app, include_in_schema=True, should_gzip=False)
+    ).add(http_metrics.instrumentation).instrument(app).expose(
+        app, include_in_schema=True, should_gzip=False
+    )
+    # inside authentication, outside the instrumentator (it records into the same metrics)
+    app.add_middleware(FastPath, ops=ops, metrics=http_metrics, max_body=settings.max_body_bytes)
 
     api_key = settings.api_key.get_secret_value()
     if api_key:

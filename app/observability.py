@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,3 +83,42 @@ def build_registry(service: SlotTrackerService) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(TrackerCollector(service))
     return registry
+
+
+class HttpMetrics:
+    """HTTP request counts and latencies, shared by the FastAPI routes (through the
+    instrumentator) and the lean ASGI path, so every request lands in the same series."""
+
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "http_requests_total",
+            "HTTP requests by method, route and status class",
+            ["method", "handler", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "http_request_duration_seconds",
+            "HTTP request latency by method and route",
+            ["method", "handler"],
+            buckets=self.BUCKETS,
+            registry=registry,
+        )
+        self._children: dict[tuple[str, str, int], tuple] = {}
+
+    def observe(self, method: str, handler: str, status: int, seconds: float) -> None:
+        key = (method, handler, status)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(method, handler, f"{status // 100}xx"),
+                self.latency.labels(method, handler),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def instrumentation(self, info) -> None:
+        """A prometheus-fastapi-instrumentator instrumentation function."""
+        status = info.response.status_code if info.response is not None else 500
+        self.observe(info.method, info.modified_handler, status, info.modified_duration)

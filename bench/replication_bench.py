@@ -4,8 +4,9 @@ recovers the whole state.
 1. Propagation latency: 1,000 adds on instance A, one at a time on an otherwise idle system;
    for each, the time from the call returning on A to the request being in B's tracker.
    Both instances live in this one process on one event loop (A's publisher and B's reader
-   share a core), against a real Redis; the figure covers outbox batching (replication_batch_ms),
-   the append script, the blocking XREAD wake-up, decoding and applying.
+   share a core), against a real Redis; the figure covers outbox batching (replication_batch_ms,
+   measured with the default and with 0), the append script, the blocking XREAD wake-up,
+   decoding and applying.
 2. Recovery with 10,000 active requests (16 workers x 4 ranks, 32-block prompts sharing
    16-block prefixes, prefill hints): A writes a snapshot, then 1,000 more records follow;
    a late instance B starts and the time until ``ready()`` is measured (load + restore of the
@@ -233,13 +234,17 @@ async def main() -> None:
         redis_url=args.redis_url, namespace=namespace, snapshot_interval_seconds=3600
     )
     try:
-        lat = await propagation(settings, args.adds)
-        print(
-            f"propagation A->B, {args.adds} adds one at a time (one process, one event loop): "
-            f"p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms, max {lat['max_ms']:.2f} ms, "
-            f"mean {lat['mean_ms']:.2f} ms"
-        )
-        cleanup(args.redis_url, namespace)
+        for batch_ms in (settings.replication_batch_ms, 0):
+            lat = await propagation(
+                settings.model_copy(update={"replication_batch_ms": batch_ms}), args.adds
+            )
+            print(
+                f"propagation A->B, {args.adds} adds one at a time, replication_batch_ms="
+                f"{batch_ms} (one process, one event loop): p50 {lat['p50_ms']:.2f} ms, "
+                f"p99 {lat['p99_ms']:.2f} ms, max {lat['max_ms']:.2f} ms, "
+                f"mean {lat['mean_ms']:.2f} ms"
+            )
+            cleanup(args.redis_url, namespace)
         rec = await recovery(settings, args.active)
         print(
             f"snapshot of {args.active} active requests: export {rec['snapshot_export_ms']:.0f} ms, "

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel
 
 from app.api import schemas as s
-from app.api.body import parse_json, parse_object, read_body
-from app.service import AddCall, ServiceError, SlotTrackerService
+from app.api.body import read_body
+from app.api.operations import Operations
+from app.service import ServiceError, SlotTrackerService
 
 JSON = "application/json"
-OK = b'{"status":"ok"}'
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": s.ErrorBody, "description": desc}
@@ -36,10 +36,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 def json_response(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type=JSON)
-
-
-def ok(status: int = 200) -> Response:
-    return Response(OK, status_code=status, media_type=JSON)
 
 
 def body_doc(model: type[BaseModel]) -> dict[str, Any]:
@@ -81,37 +77,6 @@ def _route(
     )
 
 
-def key_of(body: Any) -> tuple[str, str]:
-    return (body.model_name, body.routing_group)
-
-
-def to_u64(h: int) -> int:
-    return h & 0xFFFF_FFFF_FFFF_FFFF
-
-
-def hashes_u64(hashes: list[int] | None) -> list[int] | None:
-    if hashes is None:
-        return None
-    return [h & 0xFFFF_FFFF_FFFF_FFFF if h < 0 else h for h in hashes]
-
-
-def add_call(b: s.AddBody) -> AddCall:
-    return AddCall(
-        b.model_name,
-        b.routing_group,
-        b.request_id,
-        b.worker_id,
-        b.dp_rank,
-        hashes_u64(b.sequence_hashes),
-        b.token_ids,
-        b.new_isl_tokens,
-        b.expected_prefill_ms,
-        b.track_prefill_tokens,
-        b.expected_output_tokens,
-        b.lora_name,
-    )
-
-
 def _single_query(request: Request, name: str) -> str | None:
     values = request.query_params.getlist(name)
     if len(values) > 1:
@@ -119,11 +84,12 @@ def _single_query(request: Request, name: str) -> str | None:
     return values[0] if values else None
 
 
-def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
+def build_router(service: SlotTrackerService, ops: Operations, max_body: int) -> APIRouter:
     router = APIRouter()
 
-    async def body(request: Request, model):
-        return parse_json(await read_body(request, max_body), model)
+    async def run(name: str, request: Request) -> Response:
+        status, payload = ops.run(name, await read_body(request, max_body))
+        return Response(payload, status_code=status, media_type=JSON)
 
     @_route(
         router,
@@ -135,9 +101,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         (400, 401, 409, 413, 415, 422),
     )
     async def register(request: Request) -> Response:
-        b = await body(request, s.RegisterBody)
-        service.register(key_of(b), b.worker_id, b.block_size, b.dp_start, b.dp_size)
-        return ok(201)
+        return await run("register", request)
 
     @_route(
         router,
@@ -150,9 +114,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         {201: "Created: the worker id was new."},
     )
     async def upsert(request: Request) -> Response:
-        b = await body(request, s.UpsertBody)
-        created = service.upsert(key_of(b), b.worker_id, b.block_size, b.dp_start, b.dp_size)
-        return ok(201 if created else 200)
+        return await run("upsert", request)
 
     @_route(
         router,
@@ -163,9 +125,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Remove a worker with all its ranks and requests",
     )
     async def unregister(request: Request) -> Response:
-        b = await body(request, s.UnregisterBody)
-        service.unregister(key_of(b), b.worker_id)
-        return ok()
+        return await run("unregister", request)
 
     @_route(
         router,
@@ -177,16 +137,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         (400, 401, 409, 413, 415, 422),
     )
     async def reconcile(request: Request) -> Response:
-        b = await body(request, s.ReconcileBody)
-        added, removed = service.reconcile(
-            key_of(b), b.block_size, [(w.worker_id, w.dp_start, w.dp_size) for w in b.workers]
-        )
-        return json_response(
-            {
-                "added": [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in added],
-                "removed": [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in removed],
-            }
-        )
+        return await run("reconcile", request)
 
     @router.get(
         "/workers",
@@ -215,9 +166,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         (400, 401, 404, 409, 413, 415, 422),
     )
     async def add(request: Request) -> Response:
-        b = await body(request, s.AddBody)
-        service.add(add_call(b))
-        return ok(201)
+        return await run("add", request)
 
     @_route(
         router,
@@ -228,15 +177,11 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Mark a request's prefill as done",
     )
     async def prefill_complete(request: Request) -> Response:
-        b = await body(request, s.RequestBody)
-        service.prefill_complete(key_of(b), b.request_id)
-        return ok()
+        return await run("prefill_complete", request)
 
     @_route(router, "/free", s.RequestBody, s.StatusOk, 200, "Free a request (unknown ids succeed)")
     async def free(request: Request) -> Response:
-        b = await body(request, s.RequestBody)
-        service.free(key_of(b), b.request_id)
-        return ok()
+        return await run("free", request)
 
     @_route(
         router,
@@ -247,9 +192,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Add a generated (output) block to a request",
     )
     async def output_block(request: Request) -> Response:
-        b = await body(request, s.OutputBlockBody)
-        service.output_block(key_of(b), b.request_id, b.decay_fraction)
-        return ok()
+        return await run("output_block", request)
 
     @router.get(
         "/loads",
@@ -277,12 +220,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Load of every rank if a prompt went there",
     )
     async def potential_loads(request: Request) -> Response:
-        b = await body(request, s.PotentialLoadsBody)
-        return json_response(
-            service.potential_loads(
-                key_of(b), hashes_u64(b.sequence_hashes), b.token_ids, b.lora_name, b.new_isl_tokens
-            )
-        )
+        return await run("potential_loads", request)
 
     @_route(
         router,
@@ -293,12 +231,7 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Projected load of every rank for a prompt",
     )
     async def project_loads(request: Request) -> Response:
-        b = await body(request, s.ProjectLoadsBody)
-        return json_response(
-            service.project_loads(
-                key_of(b), hashes_u64(b.sequence_hashes), b.token_ids, b.lora_name
-            )
-        )
+        return await run("project_loads", request)
 
     @router.get(
         "/lora_counts",
@@ -318,37 +251,6 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
             {"model_name": key[0], "routing_group": key[1], "lora_counts": service.lora_counts(key)}
         )
 
-    batch_ops: dict[str, type[BaseModel]] = {
-        "add": s.BatchAdd,
-        "prefill_complete": s.BatchPrefillComplete,
-        "free": s.BatchFree,
-        "output_block": s.BatchOutputBlock,
-    }
-
-    def run_op(op: Any) -> dict[str, Any]:
-        try:
-            if not isinstance(op, dict):
-                raise ServiceError(422, "operation must be a JSON object")
-            name = op.get("op")
-            model = batch_ops.get(name) if isinstance(name, str) else None
-            if model is None:
-                raise ServiceError(
-                    422, "`op` must be one of add, prefill_complete, free, output_block"
-                )
-            b: Any = parse_object(op, model)
-            if name == "add":
-                service.add(add_call(b))
-                return {"status": 201}
-            if name == "prefill_complete":
-                service.prefill_complete(key_of(b), b.request_id)
-            elif name == "free":
-                service.free(key_of(b), b.request_id)
-            else:
-                service.output_block(key_of(b), b.request_id, b.decay_fraction)
-            return {"status": 200}
-        except ServiceError as e:
-            return {"status": e.status, "error": e.message}
-
     @_route(
         router,
         "/batch",
@@ -358,9 +260,6 @@ def build_router(service: SlotTrackerService, max_body: int) -> APIRouter:
         "Apply many lifecycle operations in one call",
     )
     async def batch(request: Request) -> Response:
-        b = await body(request, s.BatchBody)
-        if len(b.operations) > service.max_hashes:
-            raise ServiceError(422, "too many operations in one batch")
-        return json_response({"results": [run_op(op) for op in b.operations]})
+        return await run("batch", request)
 
     return router

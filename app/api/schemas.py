@@ -72,7 +72,8 @@ class RegisterBody(_Keyed):
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
     dp_size: U32 = Field(
-        description="Number of data-parallel ranks (a tracker holds at most 16,384 ranks)."
+        description="Number of data-parallel ranks: at most 4,096 per worker, and a tracker "
+        "holds at most 16,384 ranks in all."
     )
 
     model_config = ConfigDict(
@@ -105,7 +106,7 @@ class UnregisterBody(_Keyed):
 class ReconcileWorker(_Body):
     worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(description="Number of data-parallel ranks.")
+    dp_size: U32 = Field(description="Number of data-parallel ranks (at most 4,096).")
 
 
 class ReconcileBody(_Keyed):

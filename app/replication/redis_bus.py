@@ -238,8 +238,8 @@ class RedisReplication:
                 await asyncio.wait_for(asyncio.shield(pub), STOP_FLUSH_TIMEOUT_S)
             except TimeoutError:
                 log.warning("replication stopped with %d records not published", self._pending())
-            except Exception:  # the task's own failure; it is logged below by gather
-                pass
+            except Exception:
+                log.exception("replication publisher failed")
         await self._cancel_tasks()
         for client in (self._client, self._reader):
             if client is not None:

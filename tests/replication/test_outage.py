@@ -105,6 +105,7 @@ async def test_lost_stream_is_detected_read_again_and_snapshotted(
         b = await cluster.node(redis_url=proxy.url())
         a.service.register(KEY, 1, 4, 0, 1)
         a.service.register(KEY, 2, 4, 0, 1)
+        await eventually(lambda: len(b.loads()) == 2)
         traffic = Traffic([a, b])
         for _ in range(20):
             traffic.step()

@@ -1,0 +1,189 @@
+"""HTTP benchmarks of kv-slot-tracker next to Dynamo's Rust slot tracker, in the same run.
+
+Both servers are started here (the reference from its own virtualenv, see bench/reference.py),
+given the same topology (16 workers x 4 ranks, block size 16), and loaded in turn (A B A B ...)
+with wrk: 1 thread, 32 connections, wrk pinned to CPU 0 and the server to CPU 1. wrk is used
+because it is a fast C load generator whose Lua scripts can build distinct request ids; a Python
+generator would measure itself.
+
+Figures:
+  lifecycle   /add + /free alternating, 32-block prompts sharing a 16-block prefix
+  potential   /potential_loads, 64 ranks, 256-block prompt, 200 active requests
+  batch       /batch with 100 lifecycle operations per call (ours only; ops/s)
+  p99         latency at half of our measured lifecycle maximum, open loop (bench/openloop.py)
+  memory      resident size with 100,000 active requests of 32 blocks
+
+Run:  .venv/bin/python bench/http_bench.py [--duration 10] [--rounds 2] [--only lifecycle,...]
+Needs: wrk (apt-get install wrk), taskset, the reference venv (python bench/reference.py ensure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench.reference import Server, start_ours, start_reference  # noqa: E402
+
+WRK = HERE / "wrk"
+WORKERS, RANKS_PER_WORKER = 16, 4
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def pin(pid: int, cpu: int) -> None:
+    if shutil.which("taskset"):
+        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)],
+                       check=False, capture_output=True)
+
+
+def setup_topology(url: str) -> None:
+    for w in range(WORKERS):
+        status, body = post(url, "/register", {"worker_id": w, "model_name": "bench",
+                                               "block_size": 16, "dp_start": 0,
+                                               "dp_size": RANKS_PER_WORKER})
+        assert status in (201, 409), body
+
+
+def setup_active(url: str, n: int = 200) -> None:
+    rng = random.Random(5)
+    prefix = [7000001 * i for i in range(1, 129)]
+    for i in range(n):
+        rank = rng.randrange(WORKERS * RANKS_PER_WORKER)
+        hashes = prefix[: rng.choice([32, 64, 128])] + [rng.getrandbits(62) for _ in range(32)]
+        status, body = post(url, "/add", {"model_name": "bench", "request_id": f"act{i}",
+                                          "worker_id": rank // 4, "dp_rank": rank % 4,
+                                          "sequence_hashes": hashes, "new_isl_tokens": 100})
+        assert status == 201, body
+
+
+def wrk(url: str, script: str, duration: int, env: dict | None = None,
+        connections: int = 32) -> dict:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s",
+           str(WRK / script), url]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                         check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+    p99_ms = None
+    if p99:
+        value, unit = float(p99.group(1)), p99.group(2)
+        p99_ms = value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+    return {"rps": rps, "non2xx": int(non2xx.group(1)) if non2xx else 0, "p99_ms": p99_ms,
+            "raw": out}
+
+
+def rss_mb(pid: int) -> float:
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total / 1024
+
+
+def children(pid: int) -> list[int]:
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return [int(x) for x in out.split()]
+
+
+def started(kind: str) -> Server:
+    server = start_reference() if kind == "ref" else start_ours()
+    pin(server.pid, 1)
+    for c in children(server.pid):
+        pin(c, 1)
+    return server
+
+
+def bench_throughput(kind: str, workload: str, duration: int, round_no: int) -> dict:
+    with started(kind) as s:
+        setup_topology(s.url)
+        script = {"lifecycle": "lifecycle.lua", "potential": "potential.lua",
+                  "batch": "batch.lua"}[workload]
+        if workload == "potential":
+            setup_active(s.url)
+        wrk(s.url, script, 2, {"WRK_TAG": f"warm{round_no}"})  # warm-up
+        return wrk(s.url, script, duration, {"WRK_TAG": f"r{round_no}"})
+
+
+def bench_memory(kind: str, count: int) -> dict:
+    with started(kind) as s:
+        setup_topology(s.url)
+        before = rss_mb(s.pid)
+        expected_secs = max(10, count // 2000)
+        wrk(s.url, "fill.lua", expected_secs, {"FILL_COUNT": str(count)}, connections=16)
+        loads = json.loads(urllib.request.urlopen(s.url + "/loads?model_name=bench").read())
+        blocks = sum(r["active_decode_blocks"] for r in loads)
+        time.sleep(1)
+        return {"rss_before_mb": before, "rss_after_mb": rss_mb(s.pid), "blocks": blocks}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="lifecycle,potential,batch,memory")
+    ap.add_argument("--fill", type=int, default=100_000)
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    results: dict[str, dict[str, list[float]]] = {}
+    for workload in ("lifecycle", "potential"):
+        if workload not in only:
+            continue
+        for r in range(args.rounds):
+            for kind in ("ref", "ours"):
+                res = bench_throughput(kind, workload, args.duration, r)
+                results.setdefault(workload, {}).setdefault(kind, []).append(res["rps"])
+                print(f"{workload:10s} round {r} {kind:4s} {res['rps']:10.0f} req/s "
+                      f"p99 {res['p99_ms']} ms non-2xx {res['non2xx']}", flush=True)
+    for workload, by_kind in results.items():
+        ref, ours = statistics.median(by_kind["ref"]), statistics.median(by_kind["ours"])
+        print(f"SUMMARY {workload}: ref {ref:.0f} req/s, ours {ours:.0f} req/s, "
+              f"ratio {ours / ref:.3f}")
+    if "batch" in only:
+        rps = [bench_throughput("ours", "batch", args.duration, r)["rps"]
+               for r in range(args.rounds)]
+        ops = statistics.median(rps) * 100
+        ref = statistics.median(results.get("lifecycle", {}).get("ref", [float("nan")]))
+        print(f"SUMMARY batch: ours {statistics.median(rps):.0f} calls/s = {ops:.0f} ops/s, "
+              f"ratio to reference single calls {ops / ref:.2f}")
+    if "memory" in only:
+        for kind in ("ref", "ours"):
+            m = bench_memory(kind, args.fill)
+            print(f"SUMMARY memory {kind}: {m['rss_after_mb']:.0f} MB with {args.fill} requests "
+                  f"({m['blocks']} active blocks; {m['rss_before_mb']:.0f} MB before)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
