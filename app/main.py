@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -126,6 +127,15 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send_without_body)
 
 
+# FastAPI's native OpenTelemetry probes global providers and the environment on every request
+# unless switched off; nothing here uses it, and it costs as much as the tracker work.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
 def make_replication(settings: Settings, registry) -> Any:
     if settings.redis_url:
         from app.replication.redis_bus import RedisReplication
@@ -176,6 +186,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         "superset of Dynamo's standalone slot tracker API.",
         lifespan=lifespan,
         redirect_slashes=False,  # `/health/` is a 404, as in the reference
+        **_NO_NATIVE_TELEMETRY,
     )
     app.state.settings = settings
     app.state.service = service
