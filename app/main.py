@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import logging
 import random
@@ -23,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app import __version__
 from app.api import schemas
 from app.api.dashboard import build_dashboard_router
-from app.api.fast import FastPath
+from app.api.fast import FastPath, bearer_ok
 from app.api.operations import Operations
 from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
 from app.observability import HttpMetrics, build_registry
@@ -58,14 +57,7 @@ class BearerAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                given = value
-                break
-        # the scheme is case-insensitive (RFC 7235 §2.1); the key is compared in constant time
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected):
+        if bearer_ok(scope, self.expected):
             await self.app(scope, receive, send)
             return
         body = b'{"error":"missing or invalid bearer key"}'
@@ -127,6 +119,20 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, send_without_body)
 
 
+class SlotTrackerApp(FastAPI):
+    """FastAPI, with the hot POST routes handed to the lean path (``app.api.fast``) first."""
+
+    fast_path: FastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_path
+        name = fast.route_for(scope) if fast is not None else None
+        if name is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await fast.serve(name, scope, receive, send)  # type: ignore[union-attr]
+
+
 # FastAPI's native OpenTelemetry probes global providers and the environment on every request
 # unless switched off; nothing here uses it, and it costs as much as the tracker work.
 _NO_NATIVE_TELEMETRY: dict[str, Any] = (
@@ -178,7 +184,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
                 await sweeper
             await replication.stop()
 
-    app = FastAPI(
+    app = SlotTrackerApp(
         title="kv-slot-tracker",
         version=__version__,
         description="Tracks active requests, KV blocks and prefill tokens of every LLM worker "
@@ -250,16 +256,15 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     app.include_router(build_router(service, ops, settings.max_body_bytes))
     app.include_router(build_dashboard_router())
 
+    api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
     Instrumentator(
         registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
     ).add(http_metrics.instrumentation).instrument(app).expose(
         app, include_in_schema=True, should_gzip=False
     )
-    # inside authentication, outside the instrumentator (it records into the same metrics)
-    app.add_middleware(FastPath, ops=ops, metrics=http_metrics, max_body=settings.max_body_bytes)
+    app.fast_path = FastPath(ops, http_metrics, settings.max_body_bytes, api_key)
 
-    api_key = settings.api_key.get_secret_value()
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(HeadAsGet)  # outermost: also strips the body of a 401

@@ -437,7 +437,10 @@ class SlotTrackerService:
         token_ids: list[int] | None,
         lora_name: str | None,
         new_isl_tokens: int,
-    ) -> list[dict[str, Any]]:
+    ) -> list[tuple[int, int, int, int, int]]:
+        """Per rank, sorted: ``(worker_id, dp_rank, potential_prefill_tokens,
+        potential_decode_blocks, active_requests)``; tuples, as this answers every routing
+        decision and the API encodes them directly."""
         t, hashes = self.prompt_hashes(key, sequence_hashes, token_ids, lora_name)
         now = self.clock()
         # the core's potential_blocks_and_tokens, fused into one pass that builds the rows
@@ -449,13 +452,13 @@ class SlotTrackerService:
             s = slots[w]
             tokens = s.prefill.active_tokens(now) + new_isl_tokens
             rows.append(
-                {
-                    "worker_id": w.worker_id,
-                    "dp_rank": w.dp_rank,
-                    "potential_prefill_tokens": tokens if tokens <= U64_MAX else U64_MAX,
-                    "potential_decode_blocks": blocks[w] + q_len - over.get(w, 0),
-                    "active_requests": len(s.requests),
-                }
+                (
+                    w.worker_id,
+                    w.dp_rank,
+                    tokens if tokens <= U64_MAX else U64_MAX,
+                    blocks[w] + q_len - over.get(w, 0),
+                    len(s.requests),
+                )
             )
         return rows
 

@@ -33,9 +33,15 @@ def key_of(body: Any) -> tuple[str, str]:
 
 def hashes_u64(hashes: list[int] | None) -> list[int] | None:
     """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
-    if hashes is None:
-        return None
+    if not hashes or min(hashes) >= 0:
+        return hashes
     return [h & _U64 if h < 0 else h for h in hashes]
+
+
+_POTENTIAL_ROW = (
+    b'{"worker_id":%d,"dp_rank":%d,"potential_prefill_tokens":%d,'
+    b'"potential_decode_blocks":%d,"active_requests":%d}'
+)
 
 
 def add_call(b: s.AddBody) -> AddCall:
@@ -143,7 +149,7 @@ class Operations:
         rows = self.service.potential_loads(
             key_of(b), hashes_u64(b.sequence_hashes), b.token_ids, b.lora_name, b.new_isl_tokens
         )
-        return 200, orjson.dumps(rows)
+        return 200, b"[" + b",".join([_POTENTIAL_ROW % row for row in rows]) + b"]"
 
     def project_loads(self, raw: bytes) -> Result:
         b = parse_json(raw, s.ProjectLoadsBody)
