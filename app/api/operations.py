@@ -7,17 +7,20 @@ identically whichever path serves it. Validation errors and service errors becom
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from app.api import schemas as s
 from app.api.body import parse_json, parse_object
 from app.service import AddCall, ServiceError, SlotTrackerService
 
 OK = b'{"status":"ok"}'
+_CREATED = b'{"status":201}'
+_DONE = b'{"status":200}'
 _U64 = 0xFFFF_FFFF_FFFF_FFFF
 
 Result = tuple[int, bytes]
@@ -160,8 +163,20 @@ class Operations:
 
     # -- batch ----------------------------------------------------------------------------
 
-    def _batch_op(self, op: Any) -> dict[str, Any]:
+    def _apply(self, name: str, b: Any) -> bytes:
         service = self.service
+        if name == "add":
+            service.add(add_call(b))
+            return _CREATED
+        if name == "prefill_complete":
+            service.prefill_complete(key_of(b), b.request_id)
+        elif name == "free":
+            service.free(key_of(b), b.request_id)
+        else:
+            service.output_block(key_of(b), b.request_id, b.decay_fraction)
+        return _DONE
+
+    def _batch_op(self, op: Any) -> bytes:
         try:
             if not isinstance(op, dict):
                 raise ServiceError(422, "operation must be a JSON object")
@@ -171,22 +186,32 @@ class Operations:
                 raise ServiceError(
                     422, "`op` must be one of add, prefill_complete, free, output_block"
                 )
-            b: Any = parse_object(op, model)
-            if name == "add":
-                service.add(add_call(b))
-                return {"status": 201}
-            if name == "prefill_complete":
-                service.prefill_complete(key_of(b), b.request_id)
-            elif name == "free":
-                service.free(key_of(b), b.request_id)
-            else:
-                service.output_block(key_of(b), b.request_id, b.decay_fraction)
-            return {"status": 200}
+            return self._apply(name, parse_object(op, model))
         except ServiceError as e:
-            return {"status": e.status, "error": e.message}
+            return orjson.dumps({"status": e.status, "error": e.message})
+
+    def _strict_op(self, b: Any) -> bytes:
+        try:
+            return self._apply(b.op, b)
+        except ServiceError as e:
+            return orjson.dumps({"status": e.status, "error": e.message})
 
     def batch(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.BatchBody)
-        if len(b.operations) > self.service.max_hashes:
+        ops = None
+        if b"NaN" not in raw and b"Infinity" not in raw:
+            # one validation pass when every operation is well formed (the common case)
+            with contextlib.suppress(ValidationError):
+                ops = s.StrictBatchBody.model_validate_json(raw).operations
+        if ops is not None:
+            self._check_size(len(ops))
+            results = [self._strict_op(b) for b in ops]
+        else:
+            # malformed somewhere: validate each operation alone so the others still apply
+            loose = parse_json(raw, s.BatchBody).operations
+            self._check_size(len(loose))
+            results = [self._batch_op(op) for op in loose]
+        return 200, b'{"results":[' + b",".join(results) + b"]}"
+
+    def _check_size(self, n: int) -> None:
+        if n > self.service.max_hashes:
             raise ServiceError(422, "too many operations in one batch")
-        return 200, orjson.dumps({"results": [self._batch_op(op) for op in b.operations]})

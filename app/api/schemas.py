@@ -231,6 +231,12 @@ BatchOperation = Annotated[
 ]
 
 
+class StrictBatchBody(_Body):
+    """A batch whose operations are all well formed: validated in one pass (the common case)."""
+
+    operations: list[BatchOperation]
+
+
 class BatchBody(_Body):
     operations: list[dict[str, Any]] = Field(
         description="Lifecycle operations applied in order, each independently: objects with "
