@@ -136,6 +136,20 @@ def bench_throughput(kind: str, workload: str, duration: int, round_no: int) -> 
         return wrk(s.url, script, duration, {"WRK_TAG": f"r{round_no}"})
 
 
+def bench_p99(kind: str, duration: int) -> dict:
+    """Closed-loop maximum first, then an open-loop run at half of it on the same server."""
+    with started(kind) as s:
+        setup_topology(s.url)
+        peak = wrk(s.url, "lifecycle.lua", duration, {"WRK_TAG": "peak"})["rps"]
+        cmd = [sys.executable, str(HERE / "openloop.py"), s.url, "--rate", str(peak / 2),
+               "--seconds", str(duration), "--tag", "half"]
+        if shutil.which("taskset"):
+            cmd = ["taskset", "-c", "0", *cmd]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        res = json.loads(out.strip().splitlines()[-1])
+        return {"peak_rps": peak, **res}
+
+
 def bench_memory(kind: str, count: int) -> dict:
     with started(kind) as s:
         setup_topology(s.url)
@@ -152,7 +166,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="lifecycle,potential,batch,memory")
+    ap.add_argument("--only", default="lifecycle,potential,batch,p99,memory")
     ap.add_argument("--fill", type=int, default=100_000)
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -177,6 +191,12 @@ def main() -> int:
         ref = statistics.median(results.get("lifecycle", {}).get("ref", [float("nan")]))
         print(f"SUMMARY batch: ours {statistics.median(rps):.0f} calls/s = {ops:.0f} ops/s, "
               f"ratio to reference single calls {ops / ref:.2f}")
+    if "p99" in only:
+        for kind in ("ref", "ours"):
+            r = bench_p99(kind, args.duration)
+            print(f"SUMMARY p99 {kind}: peak {r['peak_rps']:.0f} req/s; at {r['achieved_rps']:.0f} "
+                  f"req/s open loop: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                  f"max {r['max_ms']:.2f} ms, errors {r['errors']}")
     if "memory" in only:
         for kind in ("ref", "ours"):
             m = bench_memory(kind, args.fill)

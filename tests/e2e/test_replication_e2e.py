@@ -1,0 +1,329 @@
+"""Replication between real service processes through Redis.
+
+Each test starts its own ``python -m app`` processes (``tests/e2e/conftest.py``) on a namespace
+of its own, drives them over HTTP with ``app.client.SlotTrackerClient`` and checks what every
+instance answers against ``tests/e2e/traffic.Expected``, a model of the traffic sent that does
+not use the service's code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from app.client import BatchBuilder
+from tests.e2e.conftest import FleetFactory
+from tests.e2e.servers import Fleet, ProxyThread, ServerProcess, wait_until
+from tests.e2e.traffic import (
+    Expected,
+    Rank,
+    Traffic,
+    load_rows,
+    load_view,
+    potential_rows,
+)
+from tests.replication.helpers import RedisServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+
+CONVERGE_S = 10.0
+
+M1, M2 = "llama", "qwen"
+# (model, group, block size, worker id, dp_start, dp_size)
+TOPOLOGY = [
+    (M1, "default", 16, 1, 0, 2),
+    (M1, "default", 16, 2, 4, 1),
+    (M1, "default", 16, 3, 0, 2),
+    (M2, "blue", 32, 1, 1, 2),
+]
+RANKS = [
+    Rank(model, group, wid, rank)
+    for model, group, _, wid, start, size in TOPOLOGY
+    for rank in range(start, start + size)
+]
+
+
+def register_topology(server: ServerProcess, fleet_servers: list[ServerProcess]) -> None:
+    """Register ``TOPOLOGY`` on ``server`` and wait until every instance has it."""
+    for model, group, block, wid, start, size in TOPOLOGY:
+        server.client.register(wid, model, block, start, size, routing_group=group)
+    expected = workers(server)
+    wait_until(
+        lambda: all(workers(s) == expected for s in fleet_servers),
+        CONVERGE_S,
+        "the topology on every instance",
+    )
+
+
+def workers(server: ServerProcess) -> list[dict[str, Any]]:
+    return [w.model_dump() for w in server.client.workers()]
+
+
+def describe(servers: list[ServerProcess], expected: Expected | None) -> str:
+    """Per rank, the load every instance reports next to the expected one."""
+    lines = []
+    want = {(r["model_name"], r["routing_group"], r["worker_id"], r["dp_rank"]): r for r in (
+        expected.loads() if expected else []
+    )}  # fmt: skip
+    got = {}
+    for s in servers:
+        try:
+            got[s.name] = {
+                (r["model_name"], r["routing_group"], r["worker_id"], r["dp_rank"]): r
+                for r in load_view(load_rows(s))
+            }
+        except Exception as e:  # the description must not hide the failure
+            got[s.name] = {("error", str(e), 0, 0): {}}
+    fields = ("active_requests", "active_decode_blocks", "active_prefill_tokens")
+    for rank in sorted(set(want).union(*got.values()), key=str):
+        values = {"expected": want.get(rank)} | {n: g.get(rank) for n, g in got.items()}
+        shown = {n: tuple(v[f] for f in fields) if v else None for n, v in values.items()}
+        marker = "  " if len(set(shown.values())) == 1 else "!!"
+        lines.append(f"{marker} {rank}: {shown}")
+    lines.append(f"(values are {fields})")
+    for s in servers:
+        lines.append(f"{s.name}: {s.status()}")
+    return "\n".join(lines)
+
+
+def wait_converged(
+    servers: list[ServerProcess], traffic: Traffic, expected: Expected | None = None
+) -> list[dict[str, Any]]:
+    """Wait until every instance answers the same ``/loads`` and ``/potential_loads``, equal to
+    the expected state; returns the ``/loads`` rows."""
+    expected = expected or traffic.expected
+    queries = traffic.queries()
+    want_loads = expected.loads()
+    want_potential = [expected.potential(*q) for q in queries]
+
+    def probe() -> list[dict[str, Any]] | None:
+        rows = [load_rows(s) for s in servers]
+        if any(r != rows[0] for r in rows[1:]) or load_view(rows[0]) != want_loads:
+            return None
+        for query, want in zip(queries, want_potential, strict=True):
+            if any(potential_rows(s, *query) != want for s in servers):
+                return None
+        return rows[0]
+
+    return wait_until(
+        probe,
+        CONVERGE_S,
+        "identical /loads and /potential_loads, equal to the traffic sent",
+        0.02,
+        lambda: describe(servers, expected),
+    )
+
+
+def test_topology_registered_on_one_instance_appears_on_all(fleet: Fleet) -> None:
+    a, b, c = fleet.servers
+    for model, group, block, wid, start, size in TOPOLOGY:
+        a.client.register(wid, model, block, start, size, routing_group=group)
+
+    def same() -> bool:
+        rows = [workers(s) for s in fleet.servers]
+        return rows[0] == rows[1] == rows[2]
+
+    wait_until(same, CONVERGE_S, "identical /workers")
+    assert workers(c) == [
+        {"worker_id": wid, "model_name": m, "routing_group": g, "block_size": bs,
+         "dp_start": start, "dp_size": size}
+        for m, g, bs, wid, start, size in TOPOLOGY
+    ]  # fmt: skip
+
+    # changes made on other instances travel too, and a registered rank takes traffic anywhere
+    assert b.client.upsert(3, M1, 16, 0, 4) is False
+    c.client.unregister(2, M1)
+    c.client.register(5, M2, 32, 0, 1, routing_group="blue")
+    wait_until(same, CONVERGE_S, "identical /workers after changes on b and c")
+    assert [(w["model_name"], w["worker_id"], w["dp_size"]) for w in workers(a)] == [
+        (M1, 1, 2),
+        (M1, 3, 4),
+        (M2, 1, 2),
+        (M2, 5, 1),
+    ]
+    c.client.add(M1, "on-new-rank", 3, 3, [1, 2], new_isl_tokens=9)
+    wait_until(
+        lambda: all(
+            any(r.worker_id == 3 and r.dp_rank == 3 and r.active_requests == 1
+                for r in s.client.loads(M1))
+            for s in (a, b)
+        ),
+        CONVERGE_S,
+        "a request on a rank registered through another instance",
+    )  # fmt: skip
+
+
+def test_random_lifecycle_traffic_converges_on_every_instance(fleet: Fleet) -> None:
+    register_topology(fleet.servers[0], fleet.servers)
+    traffic = Traffic(fleet.servers, RANKS, seed=20240611)
+    for _ in range(4):
+        traffic.run(100)
+        # some calls went to another instance than the request's owner, and every instance
+        # ends up with the same state, which is the one the traffic implies
+        wait_converged(fleet.servers, traffic)
+    assert traffic.calls["add"] > 150 and traffic.calls["free"] > 80
+    assert traffic.calls["duplicate_add"] > 0 and traffic.calls["prefill_complete"] > 30
+    crossed = [r for r in traffic.live() if len(r.known_by) > 1]
+    assert crossed, "no lifecycle call crossed instances"
+
+
+def restart_and_watch(fleet: Fleet, server: ServerProcess, reference: ServerProcess) -> list:
+    """Restart ``server`` and poll ``/ready`` as fast as possible until 200; right then its
+    ``/loads`` must already equal ``reference``'s (nothing else is in flight): readiness means
+    caught up. Returns the distinct ``/ready`` answers seen, in order."""
+    want = load_rows(reference)
+    fleet.restart(server, wait=False)
+    seen: list[int | None] = []
+    deadline = time.monotonic() + 30
+    while True:
+        status = server.readiness()
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == 200:
+            break
+        assert server.alive, server.log_tail()
+        assert time.monotonic() < deadline, f"not ready after 30 s: {seen}\n{server.log_tail()}"
+        time.sleep(0.002)
+    assert load_rows(server) == want, "ready before it caught up:\n" + describe(
+        [reference, server], None
+    )
+    return seen
+
+
+def test_instance_killed_and_restarted_recovers_identical_loads(
+    fleet_factory: FleetFactory,
+) -> None:
+    fleet = fleet_factory(snapshot_interval_seconds=1)
+    fleet.spawn(3)
+    a, b, c = fleet.servers
+    register_topology(a, fleet.servers)
+    traffic = Traffic(fleet.servers, RANKS, seed=7)
+    traffic.run(200)
+    wait_converged(fleet.servers, traffic)
+    # a snapshot covers part of the state, the stream the rest
+    wait_until(lambda: a.status().get("snapshot_stream_id"), 10, "a snapshot")
+
+    c.kill()  # SIGKILL: no shutdown, no flush
+    traffic.run(100, targets=[0, 1])  # includes frees of requests c added
+    wait_converged([a, b], traffic)
+    seen = restart_and_watch(fleet, c, a)
+    assert seen[-1] == 200 and 200 not in seen[:-1]
+    wait_converged(fleet.servers, traffic)
+    status = c.status()
+    assert status["ready"] and status["bootstraps"] >= 1
+
+    # the restarted instance takes part in traffic again, in both directions
+    traffic.run(100)
+    wait_converged(fleet.servers, traffic)
+
+    # restarted while Redis is out of reach: alive but not ready (503) until it has caught up
+    c.kill()
+    traffic.run(50, targets=[0, 1])
+    proxy = ProxyThread(int(fleet.redis_url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        proxy.cut()
+        fleet.restart(c, wait=False, REDIS_URL=proxy.url)
+        wait_until(lambda: c.readiness() == 503, 30, "c to answer /ready with 503", 0.01)
+        body = c.client.readiness()
+        assert body.status == "not_ready" and "Redis" in (body.reason or ""), body
+        assert c.client.health()
+        time.sleep(0.5)
+        assert c.readiness() == 503
+        proxy.restore()
+        c.wait_ready(timeout=15)
+        wait_converged(fleet.servers, traffic)
+    finally:
+        c.kill()
+        proxy.close()
+
+
+def test_redis_restart_loses_no_event(
+    fleet_factory: FleetFactory, own_redis: RedisServer
+) -> None:
+    fleet = fleet_factory(redis_url=own_redis.url)
+    fleet.spawn(3)
+    register_topology(fleet.servers[0], fleet.servers)
+    traffic = Traffic(fleet.servers, RANKS, seed=99)
+    traffic.run(150)  # here lifecycle calls may cross instances
+    wait_converged(fleet.servers, traffic)
+
+    own_redis.stop()
+    # every instance keeps answering from its local state; each call goes to the instance that
+    # added the request (no instance can learn about another's requests now)
+    base = traffic.expected.copy()
+    traffic.local = {i: base.copy() for i in range(3)}
+    traffic.run(90, cross=False)
+    for i, server in enumerate(fleet.servers):
+        assert load_view(load_rows(server)) == traffic.local[i].loads(), server.name
+        assert server.readiness() == 200
+    wait_until(
+        lambda: all(s.status()["connected"] is False for s in fleet.servers),
+        10,
+        "every instance to notice that Redis is gone",
+    )
+    traffic.run(90, cross=False)
+    for i, server in enumerate(fleet.servers):
+        assert load_view(load_rows(server)) == traffic.local[i].loads(), server.name
+    traffic.local = None
+
+    own_redis.start()  # same port, empty: the stream and the snapshot are gone
+    rows = wait_converged(fleet.servers, traffic)
+    per_rank = {(r["model_name"], r["routing_group"], r["worker_id"], r["dp_rank"]): r for r in rows}
+    for rank in RANKS:
+        row = per_rank[(rank.model, rank.group, rank.worker_id, rank.dp_rank)]
+        assert row["active_requests"] == traffic.added[rank] - traffic.freed[rank], rank
+    statuses = [s.status() for s in fleet.servers]
+    assert all(st["connected"] and st["dropped"] == 0 and st["gaps"] == 0 for st in statuses), (
+        statuses
+    )
+
+    # business as usual afterwards, and an instance started now finds everything
+    traffic.run(60)
+    late = fleet.spawn(1)[0]
+    traffic.servers = fleet.servers
+    wait_converged(fleet.servers, traffic)
+    assert load_rows(late) == load_rows(fleet.servers[0])
+
+
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "stream-only"])
+def test_instance_started_late_catches_up(fleet_factory: FleetFactory, snapshot: bool) -> None:
+    fleet = fleet_factory(snapshot_interval_seconds=1 if snapshot else 3600)
+    a, b = fleet.spawn(2)
+    register_topology(a, [a, b])
+    traffic = Traffic([a, b], RANKS, seed=31 if snapshot else 32)
+    traffic.run(200)
+    # a large batch too: many records in one stream round trip
+    batch = BatchBuilder()
+    for i in range(300):
+        rank = RANKS[i % len(RANKS)]
+        batch.add(rank.model, f"bulk{i}", rank.worker_id, rank.dp_rank, [i, i + 1],
+                  new_isl_tokens=3, routing_group=rank.group)  # fmt: skip
+    assert {r.status for r in a.client.batch(batch)} == {201}
+    for i in range(0, 300, 2):
+        rank = RANKS[i % len(RANKS)]
+        b.client.free(rank.model, f"bulk{i}", routing_group=rank.group) if False else None
+    wait_converged([a, b], traffic, expected=None) if False else None
+    want = wait_until(
+        lambda: (rows := [load_rows(a), load_rows(b)])[0] == rows[1] and rows[0],
+        CONVERGE_S,
+        "a and b to agree",
+    )
+    if snapshot:
+        wait_until(lambda: a.status().get("snapshot_stream_id"), 10, "a snapshot")
+        traffic.run(50)  # and some records after it
+        want = wait_until(
+            lambda: (rows := [load_rows(a), load_rows(b)])[0] == rows[1] and rows[0],
+            CONVERGE_S,
+            "a and b to agree",
+        )
+    else:
+        assert a.status()["snapshot_stream_id"] is None
+
+    (c,) = fleet.spawn(1, wait=False)
+    seen = restart_like_watch(c)
+    assert seen[-1] == 200
+    assert load_rows(c) == want, describe([a, c], None)
+    assert workers(c) == workers(a)
