@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     stream_retention_seconds: int = Field(default=3600, gt=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
     replication_batch_events: int = Field(default=256, gt=0)
-    replication_batch_ms: int = Field(default=1, ge=0)
+    replication_batch_ms: int = Field(default=0, ge=0)
 
     @field_validator("log_level", mode="before")
     @classmethod

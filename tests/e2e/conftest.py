@@ -53,9 +53,7 @@ def fleet_factory(
     fleets: list[Fleet] = []
     request.node.e2e_fleets = fleets
 
-    def make(
-        *, redis_url: str = redis_url, namespace: str | None = None, **options: Any
-    ) -> Fleet:
+    def make(*, redis_url: str = redis_url, namespace: str | None = None, **options: Any) -> Fleet:
         ns = namespace or f"e2e-{uuid.uuid4().hex[:12]}"
         fleet = Fleet(redis_url, ns, tmp_path / "logs", **options)
         fleets.append(fleet)

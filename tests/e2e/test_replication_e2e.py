@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import redis
 
-from app.client import BatchBuilder
 from tests.e2e.conftest import FleetFactory
 from tests.e2e.servers import Fleet, ProxyThread, ServerProcess, wait_until
 from tests.e2e.traffic import (
@@ -167,15 +166,16 @@ def test_random_lifecycle_traffic_converges_on_every_instance(fleet: Fleet) -> N
     assert traffic.calls["add"] > 150 and traffic.calls["free"] > 80
     assert traffic.calls["duplicate_add"] > 0 and traffic.calls["prefill_complete"] > 30
     crossed = [r for r in traffic.live() if len(r.known_by) > 1]
+    print("CALLS", traffic.calls, len(traffic.live()), len(crossed), sum(traffic.added.values()))
+    print(load_rows(fleet.servers[0]))
     assert crossed, "no lifecycle call crossed instances"
 
 
-def restart_and_watch(fleet: Fleet, server: ServerProcess, reference: ServerProcess) -> list:
-    """Restart ``server`` and poll ``/ready`` as fast as possible until 200; right then its
-    ``/loads`` must already equal ``reference``'s (nothing else is in flight): readiness means
-    caught up. Returns the distinct ``/ready`` answers seen, in order."""
+def watch_until_ready(server: ServerProcess, reference: ServerProcess) -> list[int | None]:
+    """Poll ``server``'s ``/ready`` as fast as possible from its start until 200; right then its
+    ``/loads`` must already equal ``reference``'s (no traffic is in flight): ready means caught
+    up. Returns the distinct ``/ready`` answers seen in order (None: not listening yet)."""
     want = load_rows(reference)
-    fleet.restart(server, wait=False)
     seen: list[int | None] = []
     deadline = time.monotonic() + 30
     while True:
@@ -187,16 +187,15 @@ def restart_and_watch(fleet: Fleet, server: ServerProcess, reference: ServerProc
         assert server.alive, server.log_tail()
         assert time.monotonic() < deadline, f"not ready after 30 s: {seen}\n{server.log_tail()}"
         time.sleep(0.002)
-    assert load_rows(server) == want, "ready before it caught up:\n" + describe(
-        [reference, server], None
-    )
+    rows = load_rows(server)
+    assert rows == want, "ready before it caught up:\n" + describe([reference, server], None)
     return seen
 
 
 def test_instance_killed_and_restarted_recovers_identical_loads(
-    fleet_factory: FleetFactory,
+    fleet_factory: FleetFactory, own_redis: RedisServer
 ) -> None:
-    fleet = fleet_factory(snapshot_interval_seconds=1)
+    fleet = fleet_factory(redis_url=own_redis.url, snapshot_interval_seconds=1)
     fleet.spawn(3)
     a, b, c = fleet.servers
     register_topology(a, fleet.servers)
@@ -207,26 +206,28 @@ def test_instance_killed_and_restarted_recovers_identical_loads(
     wait_until(lambda: a.status().get("snapshot_stream_id"), 10, "a snapshot")
 
     c.kill()  # SIGKILL: no shutdown, no flush
-    traffic.run(100, targets=[0, 1])  # includes frees of requests c added
+    traffic.run(100, targets=[0, 1])  # includes frees of requests that c added
     wait_converged([a, b], traffic)
-    seen = restart_and_watch(fleet, c, a)
-    assert seen[-1] == 200 and 200 not in seen[:-1]
+    fleet.restart(c, wait=False)  # same port, namespace and instance id
+    seen = watch_until_ready(c, a)
+    print("SEEN restart", seen, time.monotonic() - c.started_at)
+    assert seen[-1] == 200 and 200 not in seen[:-1], seen
     wait_converged(fleet.servers, traffic)
-    status = c.status()
-    assert status["ready"] and status["bootstraps"] >= 1
 
     # the restarted instance takes part in traffic again, in both directions
     traffic.run(100)
     wait_converged(fleet.servers, traffic)
 
-    # restarted while Redis is out of reach: alive but not ready (503) until it has caught up
+    # restarted while Redis is out of its reach: alive, but 503 until it has caught up
     c.kill()
     traffic.run(50, targets=[0, 1])
-    proxy = ProxyThread(int(fleet.redis_url.rsplit(":", 1)[1].split("/")[0]))
+    wait_converged([a, b], traffic)
+    proxy = ProxyThread(own_redis.port)
     try:
         proxy.cut()
         fleet.restart(c, wait=False, REDIS_URL=proxy.url)
         wait_until(lambda: c.readiness() == 503, 30, "c to answer /ready with 503", 0.01)
+        print("503 body", c.client.readiness(), load_rows(c))
         body = c.client.readiness()
         assert body.status == "not_ready" and "Redis" in (body.reason or ""), body
         assert c.client.health()
@@ -240,9 +241,7 @@ def test_instance_killed_and_restarted_recovers_identical_loads(
         proxy.close()
 
 
-def test_redis_restart_loses_no_event(
-    fleet_factory: FleetFactory, own_redis: RedisServer
-) -> None:
+def test_redis_restart_loses_no_event(fleet_factory: FleetFactory, own_redis: RedisServer) -> None:
     fleet = fleet_factory(redis_url=own_redis.url)
     fleet.spawn(3)
     register_topology(fleet.servers[0], fleet.servers)
@@ -251,8 +250,8 @@ def test_redis_restart_loses_no_event(
     wait_converged(fleet.servers, traffic)
 
     own_redis.stop()
-    # every instance keeps answering from its local state; each call goes to the instance that
-    # added the request (no instance can learn about another's requests now)
+    # Every instance keeps answering from its local state. Each call goes to the instance that
+    # added the request: no instance can learn about another's new requests now.
     base = traffic.expected.copy()
     traffic.local = {i: base.copy() for i in range(3)}
     traffic.run(90, cross=False)
@@ -269,23 +268,21 @@ def test_redis_restart_loses_no_event(
         assert load_view(load_rows(server)) == traffic.local[i].loads(), server.name
     traffic.local = None
 
-    own_redis.start()  # same port, empty: the stream and the snapshot are gone
+    own_redis.start()  # same port, but empty: the stream and the snapshot are gone
     rows = wait_converged(fleet.servers, traffic)
-    per_rank = {(r["model_name"], r["routing_group"], r["worker_id"], r["dp_rank"]): r for r in rows}
+    by_rank = {(r["model_name"], r["routing_group"], r["worker_id"], r["dp_rank"]): r for r in rows}
     for rank in RANKS:
-        row = per_rank[(rank.model, rank.group, rank.worker_id, rank.dp_rank)]
+        row = by_rank[(rank.model, rank.group, rank.worker_id, rank.dp_rank)]
         assert row["active_requests"] == traffic.added[rank] - traffic.freed[rank], rank
     statuses = [s.status() for s in fleet.servers]
-    assert all(st["connected"] and st["dropped"] == 0 and st["gaps"] == 0 for st in statuses), (
-        statuses
-    )
+    assert all(st["connected"] and st["dropped"] == 0 for st in statuses), statuses
 
     # business as usual afterwards, and an instance started now finds everything
     traffic.run(60)
-    late = fleet.spawn(1)[0]
-    traffic.servers = fleet.servers
     wait_converged(fleet.servers, traffic)
-    assert load_rows(late) == load_rows(fleet.servers[0])
+    fleet.spawn(1)
+    traffic.run(60)
+    wait_converged(fleet.servers, traffic)
 
 
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "stream-only"])
@@ -293,37 +290,66 @@ def test_instance_started_late_catches_up(fleet_factory: FleetFactory, snapshot:
     fleet = fleet_factory(snapshot_interval_seconds=1 if snapshot else 3600)
     a, b = fleet.spawn(2)
     register_topology(a, [a, b])
-    traffic = Traffic([a, b], RANKS, seed=31 if snapshot else 32)
-    traffic.run(200)
-    # a large batch too: many records in one stream round trip
-    batch = BatchBuilder()
-    for i in range(300):
-        rank = RANKS[i % len(RANKS)]
-        batch.add(rank.model, f"bulk{i}", rank.worker_id, rank.dp_rank, [i, i + 1],
-                  new_isl_tokens=3, routing_group=rank.group)  # fmt: skip
-    assert {r.status for r in a.client.batch(batch)} == {201}
-    for i in range(0, 300, 2):
-        rank = RANKS[i % len(RANKS)]
-        b.client.free(rank.model, f"bulk{i}", routing_group=rank.group) if False else None
-    wait_converged([a, b], traffic, expected=None) if False else None
-    want = wait_until(
-        lambda: (rows := [load_rows(a), load_rows(b)])[0] == rows[1] and rows[0],
-        CONVERGE_S,
-        "a and b to agree",
-    )
+    traffic = Traffic(fleet.servers, RANKS, seed=31 if snapshot else 32)
+    traffic.run(150)
+    traffic.batch_add(0, 400)  # many records in one round trip
+    traffic.run(100)
+    wait_converged([a, b], traffic)
     if snapshot:
         wait_until(lambda: a.status().get("snapshot_stream_id"), 10, "a snapshot")
-        traffic.run(50)  # and some records after it
-        want = wait_until(
-            lambda: (rows := [load_rows(a), load_rows(b)])[0] == rows[1] and rows[0],
-            CONVERGE_S,
-            "a and b to agree",
-        )
+        traffic.run(50)  # and records after it
+        wait_converged([a, b], traffic)
     else:
         assert a.status()["snapshot_stream_id"] is None
 
     (c,) = fleet.spawn(1, wait=False)
-    seen = restart_like_watch(c)
+    seen = watch_until_ready(c, a)
     assert seen[-1] == 200
-    assert load_rows(c) == want, describe([a, c], None)
     assert workers(c) == workers(a)
+    traffic.run(100)  # c takes part
+    wait_converged(fleet.servers, traffic)
+
+
+def test_namespaces_on_one_redis_are_isolated(fleet_factory: FleetFactory) -> None:
+    blue, green = fleet_factory(), fleet_factory()
+    blue.spawn(2, wait=False)
+    green.spawn(2)
+    for s in blue.servers:
+        s.wait_ready()
+    # the same model names, worker ids and request ids in both, different block sizes
+    register_topology(blue.servers[0], blue.servers)
+    g0 = green.servers[0]
+    g0.client.register(1, M1, 64, 0, 1)
+    g0.client.register(9, M1, 64, 0, 3)
+    green_ranks = [Rank(M1, "default", 1, 0)] + [Rank(M1, "default", 9, r) for r in range(3)]
+    wait_until(lambda: workers(green.servers[1]) == workers(g0), CONVERGE_S, "green topology")
+
+    blue_traffic = Traffic(blue.servers, RANKS, seed=5)
+    green_traffic = Traffic(green.servers, green_ranks, seed=5)
+    for _ in range(3):
+        blue_traffic.run(80)
+        green_traffic.run(80)
+    wait_converged(blue.servers, blue_traffic)
+    wait_converged(green.servers, green_traffic)
+
+    assert [w["worker_id"] for w in workers(green.servers[1])] == [1, 9]
+    assert {w["block_size"] for w in workers(green.servers[1])} == {64}
+    assert {(w["model_name"], w["block_size"]) for w in workers(blue.servers[1])} == {
+        (M1, 16),
+        (M2, 32),
+    }
+    # each instance applied exactly what its peer in the namespace published, nothing more
+    for fleet in (blue, green):
+
+        def balanced(fleet: Fleet = fleet) -> bool:
+            s0, s1 = (s.status() for s in fleet.servers)
+            return s0["applied"] == s1["published"] and s1["applied"] == s0["published"]
+
+        wait_until(balanced, CONVERGE_S, "applied == published", describe=fleet.statuses)
+    client = redis.Redis.from_url(blue.redis_url)
+    try:
+        for fleet in (blue, green):
+            keys = {k.decode() for k in client.scan_iter(match="{" + fleet.namespace + "}:*")}
+            assert f"{{{fleet.namespace}}}:events" in keys, keys
+    finally:
+        client.close()

@@ -310,7 +310,9 @@ class Traffic:
         deadline = time.monotonic() + 10
         while True:
             try:
-                server.client.prefill_complete(req.rank.model, req.rid, routing_group=req.rank.group)
+                server.client.prefill_complete(
+                    req.rank.model, req.rid, routing_group=req.rank.group
+                )
                 break
             except NotFound:
                 if time.monotonic() > deadline:
