@@ -54,15 +54,24 @@ def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
 
 def pin(pid: int, cpu: int) -> None:
     if shutil.which("taskset"):
-        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(pid)],
-                       check=False, capture_output=True)
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", str(cpu), str(pid)], check=False, capture_output=True
+        )
 
 
 def setup_topology(url: str) -> None:
     for w in range(WORKERS):
-        status, body = post(url, "/register", {"worker_id": w, "model_name": "bench",
-                                               "block_size": 16, "dp_start": 0,
-                                               "dp_size": RANKS_PER_WORKER})
+        status, body = post(
+            url,
+            "/register",
+            {
+                "worker_id": w,
+                "model_name": "bench",
+                "block_size": 16,
+                "dp_start": 0,
+                "dp_size": RANKS_PER_WORKER,
+            },
+        )
         assert status in (201, 409), body
 
 
@@ -72,20 +81,39 @@ def setup_active(url: str, n: int = 200) -> None:
     for i in range(n):
         rank = rng.randrange(WORKERS * RANKS_PER_WORKER)
         hashes = prefix[: rng.choice([32, 64, 128])] + [rng.getrandbits(62) for _ in range(32)]
-        status, body = post(url, "/add", {"model_name": "bench", "request_id": f"act{i}",
-                                          "worker_id": rank // 4, "dp_rank": rank % 4,
-                                          "sequence_hashes": hashes, "new_isl_tokens": 100})
+        status, body = post(
+            url,
+            "/add",
+            {
+                "model_name": "bench",
+                "request_id": f"act{i}",
+                "worker_id": rank // 4,
+                "dp_rank": rank % 4,
+                "sequence_hashes": hashes,
+                "new_isl_tokens": 100,
+            },
+        )
         assert status == 201, body
 
 
-def wrk(url: str, script: str, duration: int, env: dict | None = None,
-        connections: int = 32) -> dict:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s",
-           str(WRK / script), url]
+def wrk(
+    url: str, script: str, duration: int, env: dict | None = None, connections: int = 32
+) -> dict:
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{duration}s",
+        "--latency",
+        "-s",
+        str(WRK / script),
+        url,
+    ]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
-                         check=True).stdout
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=True
+    ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
@@ -93,8 +121,12 @@ def wrk(url: str, script: str, duration: int, env: dict | None = None,
     if p99:
         value, unit = float(p99.group(1)), p99.group(2)
         p99_ms = value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
-    return {"rps": rps, "non2xx": int(non2xx.group(1)) if non2xx else 0, "p99_ms": p99_ms,
-            "raw": out}
+    return {
+        "rps": rps,
+        "non2xx": int(non2xx.group(1)) if non2xx else 0,
+        "p99_ms": p99_ms,
+        "raw": out,
+    }
 
 
 def rss_mb(pid: int) -> float:
@@ -128,8 +160,9 @@ def started(kind: str) -> Server:
 def bench_throughput(kind: str, workload: str, duration: int, round_no: int) -> dict:
     with started(kind) as s:
         setup_topology(s.url)
-        script = {"lifecycle": "lifecycle.lua", "potential": "potential.lua",
-                  "batch": "batch.lua"}[workload]
+        script = {"lifecycle": "lifecycle.lua", "potential": "potential.lua", "batch": "batch.lua"}[
+            workload
+        ]
         if workload == "potential":
             setup_active(s.url)
         wrk(s.url, script, 2, {"WRK_TAG": f"warm{round_no}"})  # warm-up
@@ -141,8 +174,17 @@ def bench_p99(kind: str, duration: int) -> dict:
     with started(kind) as s:
         setup_topology(s.url)
         peak = wrk(s.url, "lifecycle.lua", duration, {"WRK_TAG": "peak"})["rps"]
-        cmd = [sys.executable, str(HERE / "openloop.py"), s.url, "--rate", str(peak / 2),
-               "--seconds", str(duration), "--tag", "half"]
+        cmd = [
+            sys.executable,
+            str(HERE / "openloop.py"),
+            s.url,
+            "--rate",
+            str(peak / 2),
+            "--seconds",
+            str(duration),
+            "--tag",
+            "half",
+        ]
         if shutil.which("taskset"):
             cmd = ["taskset", "-c", "0", *cmd]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -178,30 +220,42 @@ def main() -> int:
             for kind in ("ref", "ours"):
                 res = bench_throughput(kind, workload, args.duration, r)
                 results.setdefault(workload, {}).setdefault(kind, []).append(res["rps"])
-                print(f"{workload:10s} round {r} {kind:4s} {res['rps']:10.0f} req/s "
-                      f"p99 {res['p99_ms']} ms non-2xx {res['non2xx']}", flush=True)
+                print(
+                    f"{workload:10s} round {r} {kind:4s} {res['rps']:10.0f} req/s "
+                    f"p99 {res['p99_ms']} ms non-2xx {res['non2xx']}",
+                    flush=True,
+                )
     for workload, by_kind in results.items():
         ref, ours = statistics.median(by_kind["ref"]), statistics.median(by_kind["ours"])
-        print(f"SUMMARY {workload}: ref {ref:.0f} req/s, ours {ours:.0f} req/s, "
-              f"ratio {ours / ref:.3f}")
+        print(
+            f"SUMMARY {workload}: ref {ref:.0f} req/s, ours {ours:.0f} req/s, "
+            f"ratio {ours / ref:.3f}"
+        )
     if "batch" in only:
-        rps = [bench_throughput("ours", "batch", args.duration, r)["rps"]
-               for r in range(args.rounds)]
+        rps = [
+            bench_throughput("ours", "batch", args.duration, r)["rps"] for r in range(args.rounds)
+        ]
         ops = statistics.median(rps) * 100
         ref = statistics.median(results.get("lifecycle", {}).get("ref", [float("nan")]))
-        print(f"SUMMARY batch: ours {statistics.median(rps):.0f} calls/s = {ops:.0f} ops/s, "
-              f"ratio to reference single calls {ops / ref:.2f}")
+        print(
+            f"SUMMARY batch: ours {statistics.median(rps):.0f} calls/s = {ops:.0f} ops/s, "
+            f"ratio to reference single calls {ops / ref:.2f}"
+        )
     if "p99" in only:
         for kind in ("ref", "ours"):
             r = bench_p99(kind, args.duration)
-            print(f"SUMMARY p99 {kind}: peak {r['peak_rps']:.0f} req/s; at {r['achieved_rps']:.0f} "
-                  f"req/s open loop: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
-                  f"max {r['max_ms']:.2f} ms, errors {r['errors']}")
+            print(
+                f"SUMMARY p99 {kind}: peak {r['peak_rps']:.0f} req/s; at {r['achieved_rps']:.0f} "
+                f"req/s open loop: p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                f"max {r['max_ms']:.2f} ms, errors {r['errors']}"
+            )
     if "memory" in only:
         for kind in ("ref", "ours"):
             m = bench_memory(kind, args.fill)
-            print(f"SUMMARY memory {kind}: {m['rss_after_mb']:.0f} MB with {args.fill} requests "
-                  f"({m['blocks']} active blocks; {m['rss_before_mb']:.0f} MB before)")
+            print(
+                f"SUMMARY memory {kind}: {m['rss_after_mb']:.0f} MB with {args.fill} requests "
+                f"({m['blocks']} active blocks; {m['rss_before_mb']:.0f} MB before)"
+            )
     return 0
 
 

@@ -63,7 +63,9 @@ async def run(url: str, rate: float, seconds: float, connections: int, tag: str)
     requests = []
     for i in range(total):
         k = i // 2
-        requests.append(add_request(host, k, tag) if i % 2 == 0 else free_request(host, k - 16, tag))
+        requests.append(
+            add_request(host, k, tag) if i % 2 == 0 else free_request(host, k - 16, tag)
+        )
     latencies: list[float] = []
     errors = 0
     next_index = 0

@@ -32,6 +32,18 @@ ENV_PREFIX = "SLOT_TRACKER_"
 
 T = TypeVar("T")
 
+# Run as ``python -c _ORPHAN_GUARD python -m app ...``: asks Linux to SIGKILL the process when
+# the process that started it dies (pytest killed hard, a bench interrupted), then becomes the
+# service. The setting survives exec. Elsewhere it only execs.
+_ORPHAN_GUARD = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
 
 def wait_until(
     probe: Callable[[], T | None],
@@ -40,7 +52,7 @@ def wait_until(
     interval: float = 0.01,
     describe: Callable[[], str] | None = None,
 ) -> T:
-    """Call ``probe`` until it returns something other than None/False; return that value.
+    """Call ``probe`` until it returns a true value (not None, False, 0 or empty); return it.
 
     Fails after ``timeout`` seconds with ``what`` and, if given, ``describe()`` (the state that
     explains why the condition did not hold).
@@ -48,7 +60,7 @@ def wait_until(
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
-        if value is not None and value is not False:
+        if value:
             return value
         if time.monotonic() > deadline:
             detail = f"\n{describe()}" if describe is not None else ""
@@ -59,8 +71,16 @@ def wait_until(
 class ServerProcess:
     """One ``python -m app`` process; can be killed and started again on the same port."""
 
-    def __init__(self, name: str, port: int, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        env: dict[str, str],
+        log_path: Path,
+        die_with_parent: bool = True,
+    ) -> None:
         self.name = name
+        self.die_with_parent = die_with_parent
         self.port = port
         self.env = env
         self.log_path = log_path
@@ -86,8 +106,11 @@ class ServerProcess:
             log.write(f"==== {self.name}: starting on port {self.port}\n".encode())
             log.flush()
             self.started_at = time.monotonic()
+            command = [PYTHON, "-m", "app", "--port", str(self.port)]
+            if self.die_with_parent and sys.platform == "linux":
+                command = [PYTHON, "-c", _ORPHAN_GUARD, *command]
             self.proc = subprocess.Popen(
-                [PYTHON, "-m", "app", "--port", str(self.port)],
+                command,
                 cwd=REPO,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -174,8 +197,10 @@ class Fleet:
         *,
         snapshot_interval_seconds: int = 2,
         env: dict[str, str] | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         self.redis_url = redis_url
+        self.die_with_parent = die_with_parent
         self.namespace = namespace
         self.log_dir = log_dir
         self.servers: list[ServerProcess] = []
@@ -202,7 +227,8 @@ class Fleet:
             i = len(self.servers)
             name = f"{self.namespace[-6:]}-{chr(ord('a') + i)}"
             env = self._env({"INSTANCE_ID": str(1000 + i), **overrides})
-            server = ServerProcess(name, free_port(), env, self.log_dir / f"{name}.log")
+            log = self.log_dir / f"{name}.log"
+            server = ServerProcess(name, free_port(), env, log, self.die_with_parent)
             self.servers.append(server)
             server.start()
             new.append(server)

@@ -82,8 +82,8 @@ class Prompts:
             [rng.randrange(1 << 20) for _ in range(rng.randint(2, 6))] for _ in range(families)
         ]
 
-    def blocks(self) -> list[int]:
-        rng = self.rng
+    def blocks(self, rng: random.Random | None = None) -> list[int]:
+        rng = rng or self.rng
         if rng.random() < 0.1:
             return [rng.randrange(1 << 30) for _ in range(rng.randint(0, 4))]
         family = rng.choice(self.families)
@@ -322,6 +322,7 @@ class Traffic:
                     ) from None
                 time.sleep(0.001)
         self.calls["prefill_complete"] += 1
+        self.calls["crossed"] += 1
         req.known_by.add(target)
         self._mirror(target, "prefill_complete", req.rank.key, req.rid)
         return True
@@ -364,7 +365,8 @@ class Traffic:
 
     def queries(self, count: int = 6) -> list[tuple[Key, tuple[int, ...], int]]:
         """``/potential_loads`` queries: live prompts, their prefixes and extensions, fresh
-        prompts and the empty prompt, over every key."""
+        prompts and the empty prompt, over every key. (Drawn from a random generator of their
+        own: checking does not change the traffic that follows.)"""
         rng = random.Random(self.n)
         keys = sorted({r.key for r in self.ranks})
         out: list[tuple[Key, tuple[int, ...], int]] = [(k, (), 0) for k in keys]
@@ -377,5 +379,5 @@ class Traffic:
                     blocks = blocks + [rng.randrange(4)]
                 out.append((base.rank.key, chain(blocks), rng.randint(1, 500)))
             else:
-                out.append((rng.choice(keys), chain(self.prompts.blocks()), rng.randint(1, 500)))
+                out.append((rng.choice(keys), chain(self.prompts.blocks(rng)), rng.randint(1, 500)))
         return out
