@@ -17,7 +17,9 @@ Each reply is one batch: records of this process are skipped, records already ap
 dropped by ``(origin, incarnation, seq)``, and the rest go to ``service.apply_remote`` in one
 call (which keeps the producer's time for decay and request age, and flushes effects once).
 Dense sequence numbers make missing records visible: when they were trimmed away or lost, the
-reader loads a snapshot that covers them (a *gap*, counted) or, if none does, logs and goes on.
+reader loads a snapshot that covers them (a *gap*, counted) or, if none does, logs and goes on
+(and writes no snapshot for a round, since its ledger now claims records its state lacks). A
+starting instance does not go on: it waits for a snapshot (see Outages).
 
 Snapshots. Every ``snapshot_interval_seconds`` one instance (under a ``SET NX PX`` lease) writes
 the state of all trackers, the stream id it covers and the sequence ledger. A starting instance
@@ -26,7 +28,12 @@ ready. Its own earlier records that the loaded state lacks are applied like a pe
 
 Outages. Reads keep being answered from local state and writes keep being accepted (into the
 outbox). Both tasks reconnect with backoff; the reader resumes from its last id, and re-reads
-from the start when it finds the stream recreated or rolled back.
+from the start when it finds the stream recreated or rolled back, or its own last entry gone.
+Redis losing data (noticed by a publisher's refused append or by a reader) sets the reset
+marker and asks for a snapshot at once, without the lease if need be. Until one is written,
+starting instances stay not ready (for at most a minute): the stream then holds only the
+re-sent recent records, each instance's in its own order, so replaying it could miss older
+records or see a free before its add.
 """
 
 from __future__ import annotations
@@ -82,11 +89,17 @@ CLIENT_RETRIES = 2
 START_WAIT_S = 10.0  # start() returns after this even if still catching up (then not ready)
 STOP_FLUSH_TIMEOUT_S = 2.0
 RESEND_WINDOW_NS = 30 * NS_PER_S
+BOOTSTRAP_RETRY_S = 0.5  # while waiting for a snapshot that a running instance is to write
+SNAPSHOT_WAIT_NS = 60 * NS_PER_S  # then bootstrap anyway (no instance able to write one is up)
 DROP_LOG_INTERVAL_NS = 30 * NS_PER_S
 DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
 LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
 
 IO_ERRORS = (RedisError, OSError)
+
+
+class BootstrapPending(Exception):
+    """Bootstrapping now would miss records that only running instances hold: retry later."""
 
 
 def backoff_delay(attempt: int) -> float:
@@ -161,6 +174,8 @@ class RedisReplication:
         self._check_stream = False
         self._last_lag_ms: float | None = None
         self._snapshot_soon = asyncio.Event()  # Redis lost data: write one without waiting
+        self._waiting_since: int | None = None  # bootstrap waits for a snapshot since then
+        self._no_snapshot_until = 0  # clock ns; after a gap that no snapshot covered
 
         # snapshots
         self._snapshot_at: int | None = None
@@ -327,7 +342,7 @@ class RedisReplication:
         return str(max(0, self.wall_clock() // NS_PER_MS - retention_ms))
 
     async def _append_payloads(self, payloads: list[bytes]) -> None:
-        key = [self.keys.events]
+        key = [self.keys.events, self.keys.reset]
         ids = await self._append(
             keys=key, args=[self._last_appended, self._trim_horizon(), *payloads]
         )
@@ -346,12 +361,19 @@ class RedisReplication:
         return min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
 
     async def _resend_recent(self) -> None:
+        """Re-send the records of the resend window after Redis lost our last one.
+
+        Older records now exist only in the instances' memory: whatever happens here, ask for a
+        snapshot right away (an instance with the full state writes one) so that starting
+        instances, which wait for it, need not wait for the periodic round.
+        """
         window = self._resend_window_ns()
         horizon = self.wall_clock() - window
         recent = self._recent
         while recent and recent[0][0] < horizon:
             recent.popleft()
         self._last_appended = ""
+        self._snapshot_soon.set()
         if not recent:
             return
         payloads = [p for _, p in recent]
@@ -364,11 +386,11 @@ class RedisReplication:
         step = self.settings.replication_batch_events
         for i in range(0, len(payloads), step):
             ids = await self._append(
-                keys=[self.keys.events], args=["", self._trim_horizon(), *payloads[i : i + step]]
+                keys=[self.keys.events, self.keys.reset],
+                args=["", self._trim_horizon(), *payloads[i : i + step]],
             )
             self._last_appended = id_text(ids[-1])
         self.counters.resent += len(payloads)
-        self._snapshot_soon.set()
 
     # -- read path -------------------------------------------------------------------------
 
@@ -385,6 +407,11 @@ class RedisReplication:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
+            except BootstrapPending as e:
+                attempt = 0
+                self._not_ready_reason = str(e)
+                self._settled.set()  # start() returns; ready() stays False meanwhile
+                await asyncio.sleep(BOOTSTRAP_RETRY_S)
             except IO_ERRORS as e:
                 attempt += 1
                 self._check_stream = True
@@ -413,6 +440,13 @@ class RedisReplication:
         assert self._store is not None
         self._not_ready_reason = "loading the snapshot and catching up with the stream"
         started = self.clock()
+        # checked before loading: a snapshot written in between clears the marker
+        why = (
+            "Redis lost data and no snapshot was written since: the stream alone may lack "
+            "records or hold them out of order"
+        )
+        if await self._store.reset_pending() and self._wait_for_snapshot(why):
+            raise BootstrapPending(f"waiting for a snapshot: {why}")
         snapshot = await self._load_snapshot()
         try:
             self._restore(snapshot)
@@ -427,6 +461,7 @@ class RedisReplication:
             read += n
             if n < READ_COUNT and self.counters.bootstraps == bootstraps:
                 break
+        self._waiting_since = None
         self._bootstrapped = True
         self._not_ready_reason = ""
         self._settled.set()
@@ -437,6 +472,22 @@ class RedisReplication:
             read,
             self._last_id,
         )
+
+    def _wait_for_snapshot(self, why: str) -> bool:
+        """Whether to keep waiting for a snapshot (one that a running instance is to write)
+        rather than go on without one: True until we have waited ``SNAPSHOT_WAIT_NS``."""
+        now = self.clock()
+        if self._waiting_since is None:
+            self._waiting_since = now
+            log.warning("replication: %s; waiting for a snapshot", why)
+        if now - self._waiting_since < SNAPSHOT_WAIT_NS:
+            return True
+        log.error(
+            "replication waited %d s for a snapshot in vain (%s); going on without it",
+            SNAPSHOT_WAIT_NS // NS_PER_S,
+            why,
+        )
+        return False
 
     def _restore(self, snapshot: Snapshot | None) -> None:
         """Replace local state by ``snapshot`` (empty without one); read on from its id.
@@ -459,28 +510,39 @@ class RedisReplication:
         self.counters.bootstraps += 1
 
     async def _check_stream_reset(self) -> None:
-        """After a reconnect: did the stream disappear or roll back behind our position?"""
-        assert self._reader is not None
+        """After a reconnect: did the stream disappear, roll back behind our position, or lose
+        our own last entry? The last catches a stream that a peer's re-sent records recreated
+        meanwhile: its ids are newer than our position, but it holds nothing from before."""
+        assert self._reader is not None and self._store is not None
         try:
             info = await self._reader.xinfo_stream(self.keys.events)
             last = id_text(info["last-generated-id"])
         except ResponseError:  # no such key
             last = None
+        own = self._last_appended
+        own_lost = (
+            bool(own)
+            and last is not None
+            and not await self._reader.xrange(self.keys.events, own, own)
+        )
         self._check_stream = False
         if self._last_id == START_ID:
             return
-        if last is None or parse_id(last) < parse_id(self._last_id):
-            restart_from = START_ID if last is None else last
-            self.counters.resets += 1
-            self._snapshot_soon.set()
-            log.warning(
-                "the replica stream was %s (Redis restarted or failed over); reading on from %s "
-                "instead of %s",
-                "recreated" if last is None else "rolled back",
-                restart_from,
-                self._last_id,
-            )
-            self._last_id = restart_from
+        rolled_back = last is not None and parse_id(last) < parse_id(self._last_id)
+        if last is not None and not rolled_back and not own_lost:
+            return
+        restart_from = last if rolled_back and last is not None else START_ID
+        self.counters.resets += 1
+        await self._store.mark_reset()  # starting instances wait for a snapshot
+        self._snapshot_soon.set()
+        log.warning(
+            "the replica stream was %s (Redis restarted or failed over); reading on from %s "
+            "instead of %s",
+            "rolled back" if rolled_back else "recreated",
+            restart_from,
+            self._last_id,
+        )
+        self._last_id = restart_from
 
     async def _ingest(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Filter one XREAD reply and apply it as one batch."""
@@ -546,9 +608,11 @@ class RedisReplication:
 
     async def _on_gap(self, key: tuple[int, int], seq: int, missing: int) -> None:
         snapshot = await self._load_snapshot()
-        self.counters.gaps += 1
-        self._snapshot_soon.set()  # peers starting now should not find the same hole
+        if self._waiting_since is None:  # not again for each retry while waiting
+            self.counters.gaps += 1
         if snapshot is not None and snapshot.seqs.get(key) >= seq - 1:
+            self._waiting_since = None
+            self._snapshot_soon.set()  # peers starting now should not find the same hole
             log.warning(
                 "replication gap: %d record(s) of instance %d before seq %d are no longer in "
                 "the stream; bootstrapping again from snapshot %s",
@@ -559,6 +623,20 @@ class RedisReplication:
             )
             self._restore(snapshot)
             return
+        # Likely Redis lost data and the instances that hold these records have not written a
+        # snapshot yet. A starting instance waits for one rather than be ready with (and spread)
+        # a partial state; a running one waits too while a reset is known to be pending.
+        why = (
+            f"{missing} record(s) of instance {key[0]} before seq {seq} are not in the stream "
+            "and no snapshot covers them"
+        )
+        if not self._bootstrapped:
+            if self._wait_for_snapshot(why):
+                raise BootstrapPending(f"waiting for a snapshot: {why}")
+        elif await self._store.reset_pending() and self._wait_for_snapshot(why):
+            await asyncio.sleep(BOOTSTRAP_RETRY_S)
+            return  # the next read meets the gap again and looks for the snapshot again
+        self._waiting_since = None
         log.error(
             "replication gap: %d record(s) of instance %d before seq %d are no longer in the "
             "stream and no snapshot covers them; going on without them",
@@ -567,6 +645,10 @@ class RedisReplication:
             seq,
         )
         self._seqs.advance(key, seq - 1, self.wall_clock())
+        # our ledger now claims records our state lacks: no snapshot from us for a round, so
+        # that an instance holding them (which saw the reset too) writes the next one
+        interval_ns = self.settings.snapshot_interval_seconds * NS_PER_S
+        self._no_snapshot_until = self.clock() + interval_ns
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -581,7 +663,7 @@ class RedisReplication:
             self._snapshot_soon.clear()
             _honour_cancellation()
             try:
-                done = await self._snapshot_tick(interval * 1000)
+                done = await self._snapshot_tick(interval * 1000, urgent)
             except asyncio.CancelledError:
                 raise
             except IO_ERRORS as e:
@@ -594,10 +676,12 @@ class RedisReplication:
                 await asyncio.sleep(1.0)
                 self._snapshot_soon.set()
 
-    async def _snapshot_tick(self, lease_ms: int) -> bool:
+    async def _snapshot_tick(self, lease_ms: int, urgent: bool = False) -> bool:
         """Write a snapshot if it is our turn; else note the age of the stored one.
 
-        True when a snapshot exists afterwards that is at most this round old.
+        True when a snapshot exists afterwards that is at most this round old. ``urgent``: also
+        write one without the lease while Redis lost data and no snapshot was written since;
+        starting instances wait for it, and the lease holder may not be about to write one.
         """
         assert self._store is not None
         self._seqs.prune(self.wall_clock() - LEDGER_FORGET_NS)
@@ -605,6 +689,8 @@ class RedisReplication:
             token = f"{self.instance_id}:{self.incarnation}:{random_id()}"
             if await self._store.try_lease(token, lease_ms):
                 return await self.write_snapshot(token)
+        if urgent and await self._store.reset_pending():
+            return await self.write_snapshot()  # False if we cannot: the loop asks again soon
         meta = await self._store.meta()
         if meta is None:
             return False
@@ -613,12 +699,16 @@ class RedisReplication:
 
     def _can_snapshot(self) -> bool:
         """Only a caught-up state that includes all our own accepted records is worth saving,
-        and only with a stream position checked against the server we are talking to."""
+        only with a stream position checked against the server we are talking to, and neither
+        while we wait at a gap nor soon after we went on past records that no snapshot covered
+        (the ledger would claim records the state lacks)."""
         return (
             self._bootstrapped
             and bool(self._reader_ok)
             and not self._check_stream
             and self._seqs.get(self._own_key) >= self._replay_target
+            and self._waiting_since is None
+            and self.clock() >= self._no_snapshot_until
         )
 
     def take_snapshot(self) -> Snapshot:

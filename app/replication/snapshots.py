@@ -8,6 +8,11 @@ same state as having read the whole stream.
 Stored as one hash ``{ns}:snapshot`` with small fields (``id``, ``at``, ``origin``) next to the
 msgpack blob (``data``), so peers can check its age without fetching it. Writers take turns
 under a ``SET NX PX`` lease and write through a script that checks they still hold it.
+
+When an instance finds that Redis lost data (its own last record is gone, or the stream was
+recreated or rolled back), it sets ``{ns}:reset``: the stream may now begin with records re-sent
+out of their original cross-instance order, or after a gap, so a starting instance waits for a
+snapshot written after that (each write deletes the key) instead of replaying the stream.
 """
 
 from __future__ import annotations
@@ -104,13 +109,21 @@ class SnapshotStore:
             return None
         return sid.decode(), int(at)
 
+    async def reset_pending(self) -> bool:
+        """Whether Redis lost data (a reset was detected) and no snapshot was written since."""
+        return bool(await self.client.exists(self.keys.reset))
+
+    async def mark_reset(self) -> None:
+        """Note a reset: starting instances wait for the next snapshot (``write`` clears it)."""
+        await self.client.set(self.keys.reset, "1")
+
     async def try_lease(self, token: str, ttl_ms: int) -> bool:
         return bool(await self.client.set(self.keys.snapshot_lease, token, nx=True, px=ttl_ms))
 
     async def write(self, snapshot: Snapshot, blob: bytes, lease_token: str = "") -> bool:
         """Store ``blob`` (``snapshot.encode()``); with a token, only while holding the lease."""
         done = await self._write(
-            keys=[self.keys.snapshot, self.keys.snapshot_lease],
+            keys=[self.keys.snapshot, self.keys.snapshot_lease, self.keys.reset],
             args=[lease_token, snapshot.stream_id, snapshot.at, snapshot.origin, blob],
         )
         return bool(done)

@@ -16,11 +16,12 @@ class NamespaceKeys:
     events: str
     snapshot: str
     snapshot_lease: str
+    reset: str  # exists while Redis lost data and no snapshot has been written since
 
     @classmethod
     def of(cls, namespace: str) -> NamespaceKeys:
         tag = "{" + namespace + "}"
-        return cls(f"{tag}:events", f"{tag}:snapshot", f"{tag}:snapshot-lease")
+        return cls(f"{tag}:events", f"{tag}:snapshot", f"{tag}:snapshot-lease", f"{tag}:reset")
 
 
 def parse_id(stream_id: str | bytes) -> tuple[int, int]:
@@ -40,10 +41,14 @@ def id_text(stream_id: str | bytes) -> str:
 # persistence, failover to a replica that lagged) or trimmed it, and the publisher must re-send
 # what it recently published *before* anything newer, so readers see its records in order.
 # A pipeline cannot make the appends conditional; a script does it in the same round trip.
+# Refusing also sets the reset marker (KEYS[2]): the stream may now begin with re-sent records
+# that are not in their original order across instances, so starting instances must wait for a
+# snapshot written after this (which deletes the marker) rather than replay the stream.
 # ARGV[2] is the trim horizon (MINID, approximate), ARGV[3..] the encoded records.
 APPEND_SCRIPT = """
 local last = ARGV[1]
 if last ~= '' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then
+  redis.call('SET', KEYS[2], '1')
   return false
 end
 local ids = {}
@@ -55,10 +60,12 @@ return ids
 """
 
 # Write a snapshot only while holding the lease (KEYS[2] == ARGV[1]; empty ARGV[1] = unfenced).
+# A snapshot written now is one written after any reset so far: it clears the marker (KEYS[3]).
 WRITE_SNAPSHOT_SCRIPT = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then
   return 0
 end
 redis.call('HSET', KEYS[1], 'id', ARGV[2], 'at', ARGV[3], 'origin', ARGV[4], 'data', ARGV[5])
+redis.call('DEL', KEYS[3])
 return 1
 """
