@@ -407,9 +407,10 @@ def test_instance_started_right_after_redis_lost_its_data_catches_up(
 @pytest.mark.xfail(
     reason="after Redis restarts empty, each instance re-sends its own recent records in its "
     "own order, so a free of a request added elsewhere can precede the add in the new stream; "
-    "an instance replaying that stream keeps the request until it expires (see the docstring)",
+    "an instance replaying that stream keeps the request until it expires (see the docstring); "
+    "whether the free lands first depends on timing, so the test may pass",
     raises=AssertionError,
-    strict=True,
+    strict=False,
 )
 def test_instance_replaying_the_resent_stream_sees_each_free_after_its_add(
     fleet_factory: FleetFactory, own_redis: RedisServer
