@@ -407,10 +407,9 @@ class RedisReplication:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
-            except BootstrapPending as e:
+            except BootstrapPending as e:  # start() keeps waiting (up to START_WAIT_S)
                 attempt = 0
                 self._not_ready_reason = str(e)
-                self._settled.set()  # start() returns; ready() stays False meanwhile
                 await asyncio.sleep(BOOTSTRAP_RETRY_S)
             except IO_ERRORS as e:
                 attempt += 1
@@ -525,15 +524,17 @@ class RedisReplication:
             and last is not None
             and not await self._reader.xrange(self.keys.events, own, own)
         )
-        self._check_stream = False
         if self._last_id == START_ID:
+            self._check_stream = False
             return
         rolled_back = last is not None and parse_id(last) < parse_id(self._last_id)
         if last is not None and not rolled_back and not own_lost:
+            self._check_stream = False
             return
+        await self._store.mark_reset()  # starting instances wait for a snapshot
+        self._check_stream = False
         restart_from = last if rolled_back and last is not None else START_ID
         self.counters.resets += 1
-        await self._store.mark_reset()  # starting instances wait for a snapshot
         self._snapshot_soon.set()
         log.warning(
             "the replica stream was %s (Redis restarted or failed over); reading on from %s "

@@ -277,7 +277,7 @@ def test_redis_restart_loses_no_event(fleet_factory: FleetFactory, own_redis: Re
     assert all(st["connected"] and st["dropped"] == 0 for st in statuses), statuses
 
     # business as usual afterwards, and an instance started now finds everything; it is
-    # started once a snapshot exists in the new Redis (before that, see the two xfail tests)
+    # started once a snapshot exists in the new Redis (before that, see the last two tests)
     traffic.run(60)
     wait_converged(fleet.servers, traffic)
     client = redis.Redis.from_url(own_redis.url)
@@ -360,25 +360,17 @@ def test_namespaces_on_one_redis_are_isolated(fleet_factory: FleetFactory) -> No
         client.close()
 
 
-@pytest.mark.xfail(
-    reason="an instance bootstrapping right after Redis restarted empty, before a survivor "
-    "re-wrote the snapshot, is ready with a partial state, and its snapshot misleads later "
-    "instances (see the test's docstring)",
-    raises=AssertionError,
-    strict=False,
-)
 def test_instance_started_right_after_redis_lost_its_data_catches_up(
     fleet_factory: FleetFactory, own_redis: RedisServer
 ) -> None:
     """Redis restarts without its data; the survivors re-send only their records of the last
     30 s (the resend window), so older ones exist only in their memory until one of them writes
-    a snapshot again: at the next periodic round (up to ~36 s away with the defaults), or
-    within a second or two if a survivor's reader happens to notice the reset, which it does
-    not when another survivor's re-sent records recreated the stream first. An instance that
-    starts meanwhile finds a stream that begins after a gap and no snapshot: it logs "no
-    snapshot covers them; going on without them", reports ready with the partial state (here:
-    no topology, no requests), and then writes a snapshot of that state claiming to cover the
-    gap, which every instance started later loads.
+    a snapshot again. An instance that starts meanwhile finds a stream that begins after a gap
+    and no snapshot. It must neither report ready with that partial state (here: no topology,
+    no requests) nor write a snapshot of it claiming to cover the gap, which every instance
+    started later would load; it waits for the snapshot that a survivor writes as soon as it
+    notices the loss, also when it had nothing to re-send, and also when another survivor's
+    re-sent records recreated the stream first (its own last entry is gone, not the stream).
 
     ``stream_retention_seconds=2`` only shortens the 30 s resend window (it is the minimum of
     the two) so that the test need not wait 30 s; the stream is tiny, so nothing is trimmed.
@@ -404,27 +396,18 @@ def test_instance_started_right_after_redis_lost_its_data_catches_up(
     wait_converged(fleet.servers, traffic, timeout=5)
 
 
-@pytest.mark.xfail(
-    reason="after Redis restarts empty, each instance re-sends its own recent records in its "
-    "own order, so a free of a request added elsewhere can precede the add in the new stream; "
-    "an instance replaying that stream keeps the request until it expires (see the docstring); "
-    "whether the free lands first depends on timing, so the test may pass",
-    raises=AssertionError,
-    strict=False,
-)
 def test_instance_replaying_the_resent_stream_sees_each_free_after_its_add(
     fleet_factory: FleetFactory, own_redis: RedisServer
 ) -> None:
     """Requests added on a and freed on b; Redis restarts empty; b publishes first, so its
     re-sent records (the frees, and marks) open the new stream and a's (the registrations and
-    the adds) follow. An instance that bootstraps from that stream ignores each free (unknown
-    request) and then applies the add: the request stays active on it until it expires
-    (300 s), and so do its prefill tokens.
+    the adds) follow. An instance that replayed that stream would ignore each free (unknown
+    request) and then apply the add: the request would stay active on it until it expires
+    (300 s), and so would its prefill tokens. A starting instance must bootstrap from a
+    snapshot written after the reset instead.
 
-    The window is natural but short: until a survivor writes a snapshot of the new stream
-    (within about a second when nothing delays it; the e2e suite ran into it by chance). The
-    test holds the snapshot lease itself so that no instance can write one, which makes the
-    outcome deterministic.
+    The test holds the snapshot lease itself, as an instance could, and drops what an instance
+    wrote before: the survivors, which noticed the loss, must write a snapshot anyway.
     """
     fleet = fleet_factory(redis_url=own_redis.url, snapshot_interval_seconds=3600)
     a, b = fleet.spawn(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -254,3 +255,33 @@ async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
     assert "new-0" in request_ids(peer) and "old-0" not in request_ids(peer)
     assert peer.rep.status()["gaps"] == 0
     assert_same(peer, second)
+
+
+async def test_instance_started_after_a_reset_waits_for_a_snapshot(
+    cluster: Cluster, redis_url: str
+) -> None:
+    """While Redis lost data and no snapshot was written since (the reset marker is set), the
+    stream alone may lack records or hold them out of order: a starting instance stays not
+    ready until a running one writes a snapshot, then starts from it."""
+    a = await cluster.node()
+    a.service.register(KEY, 1, 4, 0, 1)
+    a.service.register(KEY, 2, 4, 0, 1)
+    traffic(a, "r", 9)
+    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    keys = NamespaceKeys.of(cluster.namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(keys.reset, "1")  # what an instance does when it notices the loss
+        b = await cluster.node(start=False)
+        starting = asyncio.create_task(b.rep.start())
+        await asyncio.sleep(1.0)
+        assert not b.rep.ready()
+        assert "waiting for a snapshot" in b.rep.status()["not_ready_reason"]
+        assert await a.rep.write_snapshot()
+        assert not client.exists(keys.reset)  # a snapshot written after the reset clears it
+        await starting
+        assert b.rep.ready()
+        assert b.rep.status()["applied"] == 0  # everything came from the snapshot
+        assert_same(a, b)
+    finally:
+        client.close()

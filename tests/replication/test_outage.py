@@ -131,3 +131,42 @@ async def test_lost_stream_is_detected_read_again_and_snapshotted(
         client.close()
     finally:
         await proxy.close()
+
+
+async def test_stream_recreated_by_a_peer_is_detected_by_the_own_last_entry(
+    cluster: Cluster, redis_url: str
+) -> None:
+    """Redis loses the stream while B is cut off, and A's next append recreates it: its ids are
+    newer than B's position, so only B's own last entry being gone tells B that this is not the
+    stream it was reading. B reads it from its start and asks for a snapshot."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    proxy = TcpProxy(port)
+    await proxy.start()
+    keys = NamespaceKeys.of(cluster.namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        a = await cluster.node()
+        b = await cluster.node(redis_url=proxy.url())
+        a.service.register(KEY, 1, 4, 0, 1)
+        a.service.register(KEY, 2, 4, 0, 1)
+        await eventually(lambda: len(b.loads()) == 2)
+        traffic = Traffic([a, b])
+        for _ in range(20):
+            traffic.step()
+        await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
+
+        proxy.cut()
+        await eventually(lambda: not b.rep.status()["connected"])
+        client.delete(keys.events, keys.snapshot)
+        a.add("after-the-loss", hashes=[9])
+        traffic.live["after-the-loss"] = a
+        await eventually(lambda: a.rep.status()["outbox_depth"] == 0 and client.exists(keys.events))
+        proxy.restore()
+        await eventually(lambda: b.rep.status()["resets"] == 1, what="b to notice the reset")
+        await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
+        assert b.rep.status()["gaps"] == 0
+        await eventually(lambda: client.hget(keys.snapshot, "id") is not None, timeout=5)
+        await eventually(lambda: not client.exists(keys.reset), timeout=5)
+    finally:
+        client.close()
+        await proxy.close()
