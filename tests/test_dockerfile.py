@@ -16,16 +16,15 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.servers import free_port, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -124,44 +123,11 @@ def test_dockerignore_admits_what_is_copied() -> None:
         assert (ROOT / path).exists(), f"{path} is copied into the image but does not exist"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
-    env["SLOT_TRACKER_API_KEY"] = "k"  # /health must stay open with a key
-    port = free_port()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the instance did not start:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    # /health must stay open with a key
+    with live_server(tmp_path_factory.mktemp("server"), SLOT_TRACKER_API_KEY="k") as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def run_healthcheck(port: int) -> subprocess.CompletedProcess:

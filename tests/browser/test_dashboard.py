@@ -13,9 +13,6 @@ binaries elsewhere.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.servers import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
@@ -53,58 +52,11 @@ WAIT_S = 15
 pytestmark = pytest.mark.browser
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> bool:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    pytest.fail(f"the instance did not answer /health in 30 s:\n{log_path.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of a real instance (``python -m app``) that requires ``API_KEY``."""
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
-    env["SLOT_TRACKER_API_KEY"] = API_KEY
-    for _ in range(3):  # the free port may be taken before the child binds it
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning"],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        if wait_healthy(proc, base, log_path):
-            break
-    else:
-        pytest.fail(f"the instance did not start:\n{log_path.read_text()}")
-    try:
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with live_server(tmp_path_factory.mktemp("server"), SLOT_TRACKER_API_KEY=API_KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

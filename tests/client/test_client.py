@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
@@ -49,6 +48,7 @@ from app.client import (
 from app.main import create_app
 from app.settings import load_settings
 from tests.fakes import FakeClock
+from tests.servers import free_port, live_server
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -60,48 +60,6 @@ U64_MAX = 2**64 - 1
 
 
 # -- fixtures ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(log_dir: Path, **env: str) -> Iterator[str]:
-    """Run ``python -m app`` on a free port until the block ends; yields its base URL.
-
-    SLOT_TRACKER_* variables of the test environment are dropped, so the instance is always an
-    embedded one configured only by ``env``.
-    """
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
-    port = free_port()
-    log_path = log_dir / f"server-{port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [PYTHON, "-m", "app", "--port", str(port), "--log-level", "warning"],
-            cwd=REPO,
-            env={**clean, **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with SlotTrackerClient(url, timeout=0.5) as probe:
-            deadline = time.monotonic() + 30
-            while not probe.health():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"service did not start:\n{log_path.read_text()}", pytrace=False)
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

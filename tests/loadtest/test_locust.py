@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.servers import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
@@ -28,12 +27,6 @@ API_KEY = "loadtest-key"
 DUPLICATE_ADD = "/add [expect 409 duplicate id]"
 UNKNOWN_RANK_ADD = "/add [expect 404 unknown rank]"
 LIFECYCLE = ["/potential_loads", "/add", "/prefill_complete", "/output_block", "/free"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -50,39 +43,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("instance") / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port)]
-            + ["--log-level", "warning"],
-            cwd=ROOT,
-            env=clean_env(SLOT_TRACKER_API_KEY=API_KEY),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the instance exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the instance did not come up in 30 s:\n{log_path.read_text()}")
-            time.sleep(0.1)
+    with live_server(tmp_path_factory.mktemp("instance"), SLOT_TRACKER_API_KEY=API_KEY) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_locust(url: str, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
