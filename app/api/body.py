@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.types import Receive, Scope
 
 from app.service import ServiceError
 
@@ -33,20 +34,36 @@ def is_json_content_type(value: str | None) -> bool:
     return mime.startswith("application/") and mime.endswith("+json")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    if not is_json_content_type(request.headers.get("content-type")):
+async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, after the content-type (415) and size (413) checks.
+
+    Works on the raw ASGI scope and receive channel, so the FastAPI routes and the lean path
+    (``app.api.fast``) read bodies the same way.
+    """
+    content_type = declared = None
+    for key, value in scope["headers"]:
+        if key == b"content-type" and content_type is None:
+            content_type = value
+        elif key == b"content-length" and declared is None:
+            declared = value
+    if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
         raise ServiceError(415, CONTENT_TYPE)
-    declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ServiceError(413, TOO_LARGE)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body"):
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > limit:
             raise ServiceError(413, TOO_LARGE)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if len(body) > limit:
+        raise ServiceError(413, TOO_LARGE)
+    return body
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    return await read_asgi_body(request.scope, request.receive, limit)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -207,7 +224,7 @@ def _first_value_end(raw: bytes, msg: str) -> int | None:
 def parse_object(obj: Any, model: type[M]) -> M:
     """Validate an already-decoded JSON value (used for batch operations)."""
     try:
-        return model.model_validate(obj, strict=None)
+        return model.model_validate(obj)
     except ValidationError as exc:
         raise shape_error(exc) from None
 

@@ -19,9 +19,10 @@ from time import perf_counter
 
 from starlette.types import Receive, Scope, Send
 
-from app.api.body import CONTENT_TYPE, TOO_LARGE, is_json_content_type
+from app.api.body import read_asgi_body
 from app.api.operations import Operations, error_body
 from app.observability import HttpMetrics
+from app.service import ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -88,24 +89,8 @@ class FastPath:
         self.metrics.observe("POST", scope["path"], status, perf_counter() - start)
 
     async def _run(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes]:
-        content_type = declared = None
-        for key, value in scope["headers"]:
-            if key == b"content-type":
-                content_type = value
-            elif key == b"content-length":
-                declared = value
-        if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
-            return 415, error_body(CONTENT_TYPE)
-        limit = self.max_body
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return 413, error_body(TOO_LARGE)
-        message = await receive()
-        body = message.get("body", b"")
-        while message.get("more_body"):
-            message = await receive()
-            body += message.get("body", b"")
-            if len(body) > limit:
-                return 413, error_body(TOO_LARGE)
-        if len(body) > limit:
-            return 413, error_body(TOO_LARGE)
+        try:
+            body = await read_asgi_body(scope, receive, self.max_body)
+        except ServiceError as e:
+            return e.status, error_body(e.message)
         return self.ops.run(name, body)
