@@ -1,7 +1,7 @@
 """Typed Python client of the kv-slot-tracker HTTP API, synchronous and asynchronous.
 
 ``SlotTrackerClient`` and ``AsyncSlotTrackerClient`` expose one method per route and return the
-response models of :mod:`app.api.schemas`, so a caller works with validated objects instead of
+response models of :mod:`app.http.schemas`, so a caller works with validated objects instead of
 dicts, and the client cannot drift from what the service documents in its OpenAPI schema.
 
 Design:
@@ -35,7 +35,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 import httpx
 from pydantic import TypeAdapter, ValidationError
 
-from app.api.schemas import (
+from app.http.schemas import (
     I64_MAX,
     I64_MIN,
     U64_MAX,
@@ -245,7 +245,7 @@ def _without_none(body: dict[str, Any]) -> dict[str, Any]:
 
 class WorkerRange(Protocol):
     """Anything with ``worker_id``, ``dp_start`` and ``dp_size``, such as the ``WorkerRow``s of
-    ``workers()`` or ``app.api.schemas.ReconcileWorker``."""
+    ``workers()`` or ``app.http.schemas.ReconcileWorker``."""
 
     @property
     def worker_id(self) -> int: ...

@@ -23,7 +23,6 @@ class TrackerCollector(Collector):
 
     def collect(self) -> Iterator:
         svc = self.service
-        now = svc.clock()
         blocks = GaugeMetricFamily(
             "kv_slot_tracker_active_decode_blocks",
             "Active KV blocks per worker rank",
@@ -42,20 +41,20 @@ class TrackerCollector(Collector):
             "1 for every registered worker rank (the series goes away with the rank)",
             labels=RANK_LABELS,
         )
-        for (model, group), t in sorted(svc.trackers.items()):
-            for w in t.workers():
-                labels = [model, group, str(w.worker_id), str(w.dp_rank)]
-                slot = t.slots[w]
-                blocks.add_metric(labels, t.blocks[w])
-                tokens.add_metric(labels, slot.prefill.active_tokens(now))
-                requests.add_metric(labels, len(slot.requests))
+        per_key = svc.rank_loads(None, None)
+        for (model, group), rows in per_key:
+            for worker_id, dp_rank, n_tokens, n_blocks, n_requests, _ in rows:
+                labels = [model, group, str(worker_id), str(dp_rank)]
+                blocks.add_metric(labels, n_blocks)
+                tokens.add_metric(labels, n_tokens)
+                requests.add_metric(labels, n_requests)
                 registered.add_metric(labels, 1)
         yield from (blocks, tokens, requests, registered)
 
         trackers = GaugeMetricFamily(
             "kv_slot_tracker_trackers", "Live (model, routing group) trackers"
         )
-        trackers.add_metric([], len(svc.trackers))
+        trackers.add_metric([], len(per_key))
         yield trackers
 
         added = CounterMetricFamily(
@@ -71,18 +70,21 @@ class TrackerCollector(Collector):
         expired = CounterMetricFamily(
             "kv_slot_tracker_requests_expired", "Requests freed by expiry", labels=KEY_LABELS
         )
-        for (model, group), c in sorted(svc.stats.counters.items()):
+        for (model, group), c in svc.counters():
             added.add_metric([model, group], c.added)
             freed.add_metric([model, group], c.freed)
             expired.add_metric([model, group], c.expired)
         yield from (added, freed, expired)
 
 
-def build_registry(service: SlotTrackerService) -> CollectorRegistry:
+def build_registry() -> CollectorRegistry:
     """A registry of this app's own (never the process-global one)."""
-    registry = CollectorRegistry(auto_describe=True)
+    return CollectorRegistry(auto_describe=True)
+
+
+def watch_service(registry: CollectorRegistry, service: SlotTrackerService) -> None:
+    """Expose the service's trackers and counters in ``registry`` (read at scrape time)."""
     registry.register(TrackerCollector(service))
-    return registry
 
 
 class HttpMetrics:

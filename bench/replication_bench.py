@@ -34,7 +34,8 @@ from prometheus_client import CollectorRegistry
 
 from app.replication.redis_bus import RedisReplication
 from app.replication.snapshots import gc_paused
-from app.service import AddCall, SlotTrackerService
+from app.service import SlotTrackerService
+from app.service import commands as c
 from app.settings import Settings
 
 KEY = ("bench-model", "default")
@@ -68,7 +69,9 @@ async def propagation(settings: Settings, n: int = 1_000) -> dict[str, float]:
     await a.rep.start()
     await b.rep.start()
     try:
-        a.service.register(KEY, 1, BLOCK_SIZE, 0, RANKS)
+        a.service.register(
+            c.Register(model_name=KEY[0], worker_id=1, block_size=BLOCK_SIZE, dp_size=RANKS)
+        )
         while not b.service.trackers:
             await asyncio.sleep(0.001)
         seen: dict[str, int] = {}
@@ -93,7 +96,7 @@ async def propagation(settings: Settings, n: int = 1_000) -> dict[str, float]:
             arrived.clear()
             start = time.perf_counter_ns()
             a.service.add(
-                AddCall(*KEY, rid, 1, i % RANKS,
+                c.Add(model_name=KEY[0], request_id=rid, worker_id=1, dp_rank=i % RANKS,
                         sequence_hashes=[rng.getrandbits(63) for _ in range(32)],
                         new_isl_tokens=512)
             )  # fmt: skip
@@ -101,7 +104,7 @@ async def propagation(settings: Settings, n: int = 1_000) -> dict[str, float]:
                 await arrived.wait()
                 arrived.clear()
             latencies.append((seen[rid] - start) / 1e6)
-            a.service.free(KEY, rid)
+            a.service.free(c.Free(model_name=KEY[0], request_id=rid))
             await asyncio.sleep(0.002)  # idle between adds
         return {
             "p50_ms": statistics.median(latencies),
@@ -141,12 +144,15 @@ def compare_loads(a: Instance, b: Instance) -> tuple[bool, int]:
 
 def fill(inst: Instance, n: int, rng: random.Random) -> None:
     for w in range(WORKERS):
-        inst.service.register(KEY, w, BLOCK_SIZE, 0, RANKS)
+        inst.service.register(
+            c.Register(model_name=KEY[0], worker_id=w, block_size=BLOCK_SIZE, dp_size=RANKS)
+        )
     prefixes = [[rng.getrandbits(63) for _ in range(16)] for _ in range(64)]
     for i in range(n):
         hashes = rng.choice(prefixes) + [rng.getrandbits(63) for _ in range(16)]
         inst.service.add(
-            AddCall(*KEY, f"req-{i}", rng.randrange(WORKERS), rng.randrange(RANKS),
+            c.Add(model_name=KEY[0], request_id=f"req-{i}", worker_id=rng.randrange(WORKERS),
+                  dp_rank=rng.randrange(RANKS),
                     sequence_hashes=hashes, new_isl_tokens=rng.randrange(1, 2048),
                     expected_prefill_ms=rng.choice([None, 250.0, 1200.0]))
         )  # fmt: skip
@@ -176,10 +182,11 @@ async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) 
         out["snapshot_write_total_ms"] = (time.perf_counter() - t0) * 1e3
         # traffic after the snapshot: frees and new adds
         for i in range(tail // 2):
-            a.service.free(KEY, f"req-{i}")
+            a.service.free(c.Free(model_name=KEY[0], request_id=f"req-{i}"))
             hashes = [rng.getrandbits(63) for _ in range(32)]
             a.service.add(
-                AddCall(*KEY, f"tail-{i}", rng.randrange(WORKERS), 0, sequence_hashes=hashes,
+                c.Add(model_name=KEY[0], request_id=f"tail-{i}", worker_id=rng.randrange(WORKERS),
+                      dp_rank=0, sequence_hashes=hashes,
                         new_isl_tokens=100, expected_prefill_ms=500.0)
             )  # fmt: skip
         await drained(a)

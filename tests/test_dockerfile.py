@@ -167,4 +167,4 @@ def test_build_context_wheel_ships_the_dashboard(tmp_path: Path) -> None:
     (wheel,) = out.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "app/static/dashboard.html" in names
-    assert "app/api/dashboard.py" in names
+    assert "app/http/dashboard.py" in names

@@ -65,6 +65,14 @@ class RequestNotFound(SequenceError):
         super().__init__(f"Request {request_id} not found")
 
 
+class PrefillTokensOverflow(SequenceError):
+    """Tracking this request's prefill would overflow the rank's 64-bit prefill-token sum."""
+
+    def __init__(self, worker: WorkerWithDpRank) -> None:
+        self.worker = worker
+        super().__init__(f"prefill token sum of {worker.debug()} would overflow u64")
+
+
 class MissingExpectedDuration(TrackerError):
     """Modeled remaining prefill time is unknown: some tracked prefill has no duration."""
 

@@ -150,6 +150,15 @@ class PrefillLoadTracker:
                 self.anchor_since = 0
         return state
 
+    def entries(self) -> list[tuple[str, int, int | None]]:
+        """``(request_id, tokens, duration_ns)`` of every tracked prefill, oldest first."""
+        return [(rid, st.tokens, st.duration_ns) for rid, st in self.prefills.items()]
+
+    def restore(self, entries: list[tuple[str, int, int | None]], anchor_since: int) -> None:
+        """Refill an empty tracker from ``entries()``; the anchor started at ``anchor_since``."""
+        for rid, tokens, duration_ns in entries:
+            self.insert(rid, PrefillLoadState(tokens, duration_ns), anchor_since)
+
     def anchored(self) -> AnchoredPrefillSnapshot | None:
         if self.anchor_rid is None:
             return None

@@ -207,6 +207,28 @@ class ActiveSequences:
         outcome.expired_request_ids = set(expired)
         return outcome
 
+    # -- snapshots -------------------------------------------------------------------------
+
+    def export_requests(self) -> list[tuple[str, list[int], int, int | None]]:
+        """``(request_id, prompt_blocks, started_at, expected_output_tokens)`` per request."""
+        return [
+            (rid, list(st.prompt_blocks), st.started_at, st.expected_output_tokens)
+            for rid, st in self.requests.items()
+        ]
+
+    def restore_request(
+        self, request_id: str, prompt: list[int], started_at: int, eot: int | None
+    ) -> None:
+        """Put back an exported request (no expiry check, no prefill: see ``prefill.restore``).
+
+        Takes one block reference per prompt position, as if the request had been added.
+        """
+        refcount = self.blocks.refcount
+        get = refcount.get
+        for h in prompt:
+            refcount[h] = get(h, 0) + 1
+        self.requests[request_id] = RequestState(prompt, started_at, eot)
+
     # -- reads -----------------------------------------------------------------------------
 
     def active_blocks(self) -> int:

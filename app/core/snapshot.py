@@ -27,15 +27,13 @@ to keep large snapshots compact:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .prefill import PrefillLoadState
-from .sequences import RequestState
-from .tracker import ActiveSequencesMultiWorker
 from .types import WorkerDpRange, WorkerWithDpRank
+
+if TYPE_CHECKING:
+    from .tracker import ActiveSequencesMultiWorker
 
 SNAPSHOT_FORMAT = 1
 
@@ -44,39 +42,25 @@ InstantMap = Callable[[int], int]
 
 def export_tracker(tracker: ActiveSequencesMultiWorker, to_wall: InstantMap) -> dict[str, Any]:
     """The tracker's replicated state as plain data; instants mapped with ``to_wall``."""
-    index = tracker.request_worker
-    loras = tracker.request_lora
     covered: set[str] = set()
     slots = []
-    for worker in tracker.workers():
-        slot = tracker.slots[worker]
+    worker_for, lora_of = tracker.worker_for, tracker.lora_of
+    for worker, rank in tracker.ranks():
         requests = []
-        for rid, st in slot.requests.items():
-            indexed = index.get(rid) == worker
+        for rid, prompt, started_at, eot in rank.export_requests():
+            indexed = worker_for(rid) == worker
             if indexed:
                 covered.add(rid)
             requests.append(
-                [
-                    rid,
-                    list(st.prompt_blocks),
-                    to_wall(st.started_at),
-                    st.expected_output_tokens,
-                    indexed,
-                    loras.get(rid) if indexed else None,
-                ]
+                [rid, prompt, to_wall(started_at), eot, indexed, lora_of(rid) if indexed else None]
             )
-        prefill = slot.prefill
+        anchor = rank.prefill.anchored()
         slots.append(
             {
                 "worker": [worker.worker_id, worker.dp_rank],
                 "requests": requests,
-                "prefills": [
-                    [rid, prefill.prefills[rid].tokens, prefill.prefills[rid].duration_ns]
-                    for rid in prefill.order
-                ],
-                "anchor_since": None
-                if prefill.anchor_rid is None
-                else to_wall(prefill.anchor_since),
+                "prefills": [list(e) for e in rank.prefill.entries()],
+                "anchor_since": None if anchor is None else to_wall(anchor.since_ns),
             }
         )
     return {
@@ -85,8 +69,8 @@ def export_tracker(tracker: ActiveSequencesMultiWorker, to_wall: InstantMap) -> 
         "ranges": [[r.worker_id, r.dp_start, r.dp_size] for r in tracker.worker_ranges()],
         "slots": slots,
         "index_only": [
-            [rid, w.worker_id, w.dp_rank, loras.get(rid)]
-            for rid, w in index.items()
+            [rid, w.worker_id, w.dp_rank, lora_of(rid)]
+            for rid, w in tracker.indexed_requests()
             if rid not in covered
         ],
     }
@@ -97,8 +81,7 @@ def restore_tracker(
 ) -> ActiveSequencesMultiWorker:
     """Fill an empty tracker (no slots, no requests) from ``export_tracker`` data.
 
-    Operates on the core objects directly: no events are emitted, no expiry runs, no loads are
-    published. Returns the tracker.
+    No events are emitted, no expiry runs, no loads are published. Returns the tracker.
     """
     if data.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"unsupported tracker snapshot format {data.get('format')!r}")
@@ -106,51 +89,26 @@ def restore_tracker(
         raise ValueError(
             f"snapshot block size {data['block_size']} != tracker block size {tracker.block_size}"
         )
-    if tracker.slots or tracker.request_worker:
+    if tracker.num_workers() or tracker.num_requests():
         raise ValueError("restore_tracker needs an empty tracker")
 
     tracker.reconcile_workers(WorkerDpRange(*r) for r in data["ranges"])
-    extra = [WorkerWithDpRank(*s["worker"]) for s in data["slots"]]
-    extra = [w for w in extra if w not in tracker.slots]
-    for w in sorted(extra):  # slots that exist without an authoritative range
-        tracker._ensure_worker(w)
-
-    trie = tracker.trie
+    for w in sorted(WorkerWithDpRank(*s["worker"]) for s in data["slots"]):
+        tracker.ensure_rank(w)  # slots that exist without an authoritative range
     for s in data["slots"]:
-        worker = WorkerWithDpRank(*s["worker"])
-        slot = tracker.slots[worker]
-        requests = slot.requests
-        prompts = []
-        for rid, prompt, started_wall, eot, indexed, lora in s["requests"]:
-            prompt = list(prompt)
-            requests[rid] = RequestState(prompt, from_wall(started_wall), eot)
-            if prompt:
-                prompts.append(prompt)
-                trie.add(worker, prompt)
-            if indexed:
-                tracker._index(rid, worker, lora)
-        # one reference per prompt position, as if every request had been added in turn
-        slot.blocks.refcount.update(Counter(chain.from_iterable(prompts)))
-        prefill = slot.prefill
         since = s["anchor_since"]
-        anchor = from_wall(since) if since is not None else 0
-        for rid, tokens, duration_ns in s["prefills"]:
-            prefill.insert(rid, PrefillLoadState(tokens, duration_ns), anchor)
-        if prefill.anchor_rid is not None:
-            prefill.anchor_since = anchor
-        tracker.blocks[worker] = slot.active_blocks()
+        tracker.restore_rank(
+            WorkerWithDpRank(*s["worker"]),
+            [
+                (rid, list(prompt), from_wall(started), eot, indexed, lora)
+                for rid, prompt, started, eot, indexed, lora in s["requests"]
+            ],
+            [tuple(p) for p in s["prefills"]],
+            from_wall(since) if since is not None else 0,
+        )
     for rid, worker_id, dp_rank, lora in data["index_only"]:
-        tracker._index(rid, WorkerWithDpRank(worker_id, dp_rank), lora)
+        tracker.index_request(rid, WorkerWithDpRank(worker_id, dp_rank), lora)
     return tracker
-
-
-def import_tracker(
-    data: dict[str, Any], from_wall: InstantMap, **tracker_kwargs: Any
-) -> ActiveSequencesMultiWorker:
-    """A new tracker built with ``tracker_kwargs`` (``clock`` is required) holding ``data``."""
-    tracker_kwargs.setdefault("publisher", None)
-    tracker = ActiveSequencesMultiWorker(block_size=data["block_size"], **tracker_kwargs)
-    return restore_tracker(tracker, data, from_wall)
 
 
 def wall_mapping(clock_now: int, wall_now: int) -> tuple[InstantMap, InstantMap]:

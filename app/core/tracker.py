@@ -7,14 +7,14 @@ a ``SequencePublisher``; the default publisher discards them.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import (
     DuplicateRequest,
     MissingExpectedDuration,
+    PrefillTokensOverflow,
     PublishQueueClosed,
     PublishQueueError,
     RequestNotFound,
@@ -22,9 +22,19 @@ from .errors import (
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
 from .overlap import PromptTrie
+from .publisher import (
+    ModeledPrefillTimeLoad,
+    NoopSequencePublisher,
+    ReplicaEffects,
+    ReplicaWorkerPolicy,
+    SequencePublisher,
+)
+from .request_index import RequestIndex
 from .sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS, ActiveSequences, Clock
+from .snapshot import export_tracker, restore_tracker
 from .topology import TopologyChange, WorkerTable, validate_range
 from .types import (
+    U64_MAX,
     ActiveLoad,
     PrefillTokenDeltas,
     SequenceMutationOutcome,
@@ -34,69 +44,23 @@ from .types import (
     WorkerWithDpRank,
 )
 
+__all__ = [
+    "ActiveSequencesMultiWorker",
+    "ModeledPrefillTimeLoad",
+    "NoopSequencePublisher",
+    "ReplicaEffects",
+    "ReplicaWorkerPolicy",
+    "SequencePublisher",
+]
+
 log = logging.getLogger(__name__)
 
 MAX_REPLICA_BATCH_EVENTS = 256
 MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
 
 
-class ReplicaWorkerPolicy(enum.Enum):
-    """What a replicated add does for a rank this tracker has no slot for."""
-
-    LAZY_REGISTER = "lazy_register"
-    REQUIRE_REGISTERED = "require_registered"
-
-
-class SequencePublisher:
-    """Where a tracker's loads, observations and replica events go. Every hook is optional.
-
-    ``enqueue_event`` must not block; it may raise ``PublishQueueError`` (the tracker logs it).
-    The other hooks are fire-and-forget and must not raise.
-    """
-
-    def enqueue_event(self, event: ActiveSequenceEvent) -> None:
-        pass
-
-    def publish_load(self, load: ActiveLoad) -> None:
-        pass
-
-    def publish_load_batch(self, loads: list[ActiveLoad]) -> None:
-        for load in loads:
-            self.publish_load(load)
-
-    def observe_load(
-        self, worker: WorkerWithDpRank, worker_type: str, blocks: int, tokens: int
-    ) -> None:
-        pass
-
-    def observe_worker_registered(self, worker: WorkerWithDpRank, worker_type: str) -> None:
-        pass
-
-    def observe_worker_removed(self, worker: WorkerWithDpRank, worker_type: str) -> None:
-        pass
-
-
-NoopSequencePublisher = SequencePublisher
-
-
-@dataclass(slots=True)
-class ModeledPrefillTimeLoad:
-    worker: WorkerWithDpRank
-    # whole milliseconds, or the MissingExpectedDuration error when some prefill is unmodeled
-    modeled_remaining_prefill_time_ms: int | MissingExpectedDuration
-
-
-@dataclass(slots=True)
-class ReplicaEffects:
-    """Side effects deferred to the end of one replica batch (one flush per batch)."""
-
-    workers: dict[WorkerWithDpRank, bool] = field(default_factory=dict)  # worker -> publish
-    wake: bool = False
-    cleanup: bool = False
-
-    def record(self, worker: WorkerWithDpRank, publish: bool) -> None:
-        self.workers[worker] = self.workers.get(worker, False) or publish
-
+PotentialLoadRow = tuple[int, int, int, int, int]
+RankLoadRow = tuple[int, int, int, int, int, int | None]
 
 PotentialLoads = tuple[
     dict[WorkerWithDpRank, int],
@@ -139,14 +103,12 @@ class ActiveSequencesMultiWorker:
         self.check_interval_ns = check_interval_ns
         self.replica_worker_policy = replica_worker_policy
 
-        self.table = WorkerTable()
+        self._table = WorkerTable()
         self._sorted_workers: list[WorkerWithDpRank] | None = None
-        self.slots: dict[WorkerWithDpRank, ActiveSequences] = {}
-        self.blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
-        self.trie = PromptTrie()
-        self.request_worker: dict[str, WorkerWithDpRank] = {}
-        self.request_lora: dict[str, str] = {}
-        self.lora_counts: dict[str, int] = {}
+        self._slots: dict[WorkerWithDpRank, ActiveSequences] = {}
+        self._blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
+        self._trie = PromptTrie()
+        self._requests = RequestIndex()
         self.remote_state_update_count = 0
         self.cleanup_attempts = 0
         self._remote_listeners: list[Callable[[], None]] = []
@@ -154,7 +116,7 @@ class ActiveSequencesMultiWorker:
         ranges = [WorkerDpRange(wid, s, n) for wid, (s, n) in sorted((dp_range or {}).items())]
         for r in ranges:
             validate_range(r)
-        self._apply_topology(self.table.reconcile(ranges))
+        self._apply_topology(self._table.reconcile(ranges))
 
     @classmethod
     def new_without_expiry(cls, *args, **kwargs) -> ActiveSequencesMultiWorker:
@@ -163,34 +125,45 @@ class ActiveSequencesMultiWorker:
     # -- topology --------------------------------------------------------------------------
 
     def register_worker(self, r: WorkerDpRange) -> TopologyChange:
-        return self._apply_topology(self.table.register(r))
+        return self._apply_topology(self._table.register(r))
 
     def upsert_worker(self, r: WorkerDpRange) -> TopologyChange:
-        return self._apply_topology(self.table.upsert(r))
+        return self._apply_topology(self._table.upsert(r))
 
     def unregister_worker(self, worker_id: int) -> TopologyChange:
-        return self._apply_topology(self.table.unregister(worker_id))
+        return self._apply_topology(self._table.unregister(worker_id))
 
     def reconcile_workers(self, ranges: Iterable[WorkerDpRange]) -> TopologyChange:
-        return self._apply_topology(self.table.reconcile(ranges))
+        return self._apply_topology(self._table.reconcile(ranges))
 
     def worker_ranges(self) -> list[WorkerDpRange]:
-        return self.table.worker_ranges()
+        return self._table.worker_ranges()
 
     def has_registered_workers(self) -> bool:
-        return self.table.has_registered_workers()
+        return self._table.has_registered_workers()
 
     def worker_type(self) -> str:
         return self._worker_type
 
     def num_workers(self) -> int:
-        return len(self.slots)
+        return len(self._slots)
 
     def workers(self) -> list[WorkerWithDpRank]:
         """Every tracked rank (registered or lazily created), sorted."""
         if self._sorted_workers is None:
-            self._sorted_workers = sorted(self.slots)
+            self._sorted_workers = sorted(self._slots)
         return self._sorted_workers
+
+    def has_worker(self, worker_id: int) -> bool:
+        """Whether the worker id has an authoritative (registered) range."""
+        return worker_id in self._table.ranges
+
+    def worker_range(self, worker_id: int) -> WorkerDpRange | None:
+        return self._table.ranges.get(worker_id)
+
+    def ensure_rank(self, worker: WorkerWithDpRank) -> None:
+        """Create a rank slot without an authoritative range (LazyRegister), if missing."""
+        self._ensure_worker(worker)
 
     def _apply_topology(self, change: TopologyChange) -> TopologyChange:
         wt = self._worker_type
@@ -198,56 +171,107 @@ class ActiveSequencesMultiWorker:
             self._sorted_workers = None
         if change.removed:
             removed = set(change.removed)
-            for rid in [rid for rid, w in self.request_worker.items() if w in removed]:
-                self._unindex(rid)
+            self._requests.remove_on(removed)
             for w in change.removed:
                 self.publisher.observe_worker_removed(w, wt)
-                slot = self.slots.pop(w)
+                slot = self._slots.pop(w)
                 for st in slot.requests.values():
-                    self.trie.remove(w, st.prompt_blocks)
-                del self.blocks[w]
+                    self._trie.remove(w, st.prompt_blocks)
+                del self._blocks[w]
         for w in change.added:
             self.publisher.observe_worker_registered(w, wt)
-            self.slots[w] = ActiveSequences(
+            self._slots[w] = ActiveSequences(
                 self.block_size,
                 self.clock,
                 expiry_ns=self.expiry_ns,
                 check_interval_ns=self.check_interval_ns,
             )
-            self.blocks[w] = 0
+            self._blocks[w] = 0
         return change
 
     def _ensure_worker(self, worker: WorkerWithDpRank) -> None:
-        self._apply_topology(self.table.ensure(worker))
+        self._apply_topology(self._table.ensure(worker))
 
     # -- request index ---------------------------------------------------------------------
 
-    def _index(self, rid: str, worker: WorkerWithDpRank, lora: str | None) -> None:
-        """``set_request``: map the id to the worker, replacing any earlier mapping and LoRA."""
-        self.request_worker[rid] = worker
-        old = self.request_lora.pop(rid, None)
-        if old is not None:
-            self._lora_dec(old)
-        if lora is not None:
-            self.request_lora[rid] = lora
-            self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1
-
-    def _unindex(self, rid: str) -> WorkerWithDpRank | None:
-        worker = self.request_worker.pop(rid, None)
-        lora = self.request_lora.pop(rid, None)
-        if lora is not None:
-            self._lora_dec(lora)
-        return worker
-
-    def _lora_dec(self, lora: str) -> None:
-        n = self.lora_counts[lora] - 1
-        if n:
-            self.lora_counts[lora] = n
-        else:
-            del self.lora_counts[lora]
-
     def worker_for(self, request_id: str) -> WorkerWithDpRank | None:
-        return self.request_worker.get(request_id)
+        return self._requests.worker(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def num_requests(self) -> int:
+        """Indexed (active) request ids across all ranks."""
+        return len(self._requests)
+
+    def lora_of(self, request_id: str) -> str | None:
+        return self._requests.lora(request_id)
+
+    def indexed_requests(self) -> list[tuple[str, WorkerWithDpRank]]:
+        """Every indexed request id with its rank."""
+        return list(self._requests.workers.items())
+
+    def index_request(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
+        """Map an id to a rank without adding it there (snapshots restore such stale ids)."""
+        self._requests.set(request_id, worker, lora)
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def ranks(self) -> list[tuple[WorkerWithDpRank, ActiveSequences]]:
+        """Every rank with its sequences, sorted (for exports; callers only read them)."""
+        return [(w, self._slots[w]) for w in self.workers()]
+
+    def export(self, to_wall: Callable[[int], int]) -> dict[str, Any]:
+        """The replicated state as plain data (``app.core.snapshot``)."""
+        return export_tracker(self, to_wall)
+
+    def restore(self, data: dict[str, Any], from_wall: Callable[[int], int]) -> None:
+        """Fill this empty tracker from ``export`` data."""
+        restore_tracker(self, data, from_wall)
+
+    def restore_rank(
+        self,
+        worker: WorkerWithDpRank,
+        requests: list[tuple[str, list[int], int, int | None, bool, str | None]],
+        prefills: list[tuple[str, int, int | None]],
+        anchor_since: int,
+    ) -> None:
+        """Put back one rank's exported requests and prefills (``app.core.snapshot``)."""
+        slot = self._slots[worker]
+        for rid, prompt, started_at, eot, indexed, lora in requests:
+            slot.restore_request(rid, prompt, started_at, eot)
+            if prompt:
+                self._trie.add(worker, prompt)
+            if indexed:
+                self._requests.set(rid, worker, lora)
+        slot.prefill.restore(prefills, anchor_since)
+        self._blocks[worker] = slot.active_blocks()
+
+    # -- inspection (tests and invariant checks read these; nothing may write them) ---------
+
+    @property
+    def slots(self) -> dict[WorkerWithDpRank, ActiveSequences]:
+        return self._slots
+
+    @property
+    def blocks(self) -> dict[WorkerWithDpRank, int]:
+        return self._blocks
+
+    @property
+    def table(self) -> WorkerTable:
+        return self._table
+
+    @property
+    def request_worker(self) -> dict[str, WorkerWithDpRank]:
+        return self._requests.workers
+
+    @property
+    def request_lora(self) -> dict[str, str]:
+        return self._requests.loras
+
+    @property
+    def lora_counts(self) -> dict[str, int]:
+        return self._requests.lora_counts
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -261,16 +285,23 @@ class ActiveSequencesMultiWorker:
 
     def _add_request(self, req: SequenceRequest, decay_now: int, *, strict: bool) -> None:
         worker = req.worker
-        slot = self.slots.get(worker)
+        slot = self._slots.get(worker)
         if slot is None:
             if strict:
                 raise WorkerNotFound(worker)
             self._ensure_worker(worker)
-            slot = self.slots[worker]
-        existing = self.request_worker.get(req.request_id)
+            slot = self._slots[worker]
+        hint = req.prefill_load_hint
+        if (
+            req.track_prefill_tokens
+            and hint is not None
+            and slot.prefill.full_sum + hint.initial_effective_prefill_tokens > U64_MAX
+        ):
+            raise PrefillTokensOverflow(worker)
+        existing = self._requests.worker(req.request_id)
         if existing is not None:
             raise DuplicateRequest(req.request_id, existing)
-        self._index(req.request_id, worker, req.lora_name)
+        self._requests.set(req.request_id, worker, req.lora_name)
         self._add_to_slot(
             slot,
             worker,
@@ -308,52 +339,53 @@ class ActiveSequencesMultiWorker:
         if not duplicate:
             prompt = slot.requests[rid].prompt_blocks
             if prompt:
-                self.trie.add(worker, prompt)
-        self.blocks[worker] = slot.active_blocks()
+                self._trie.add(worker, prompt)
+        self._blocks[worker] = slot.active_blocks()
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
         for rid, prompt in outcome.expired_prompts.items():
             if prompt:
-                self.trie.remove(worker, prompt)
-            if self.request_worker.get(rid) == worker:
-                self._unindex(rid)
+                self._trie.remove(worker, prompt)
+            if self._requests.worker(rid) == worker:
+                self._requests.remove(rid)
 
-    def free(self, request_id: str, decay_now: int) -> None:
-        """Free a request; unknown or already freed ids are a silent no-op."""
-        worker = self.request_worker.get(request_id)
+    def free(self, request_id: str, decay_now: int) -> bool:
+        """Free a request; unknown or already freed ids are a silent no-op (False)."""
+        worker = self._requests.worker(request_id)
         if worker is None:
-            return
-        lora = self.request_lora.get(request_id)
-        slot = self.slots.get(worker)
+            return False
+        lora = self._requests.lora(request_id)
+        slot = self._slots.get(worker)
         if slot is None:
-            self._unindex(request_id)
-            return
+            self._requests.remove(request_id)
+            return True
         self._free_in_slot(slot, worker, request_id, decay_now)
-        self._unindex(request_id)
+        self._requests.remove(request_id)
         self._publish_worker_load(worker, slot, decay_now)
         if self.replica_sync:
             self._enqueue(ActiveSequenceEvent(request_id, worker, FREE, self.router_id, lora))
+        return True
 
     def _free_in_slot(self, slot, worker, request_id: str, decay_now: int) -> None:
         st = slot.requests.get(request_id)
         if st is not None and st.prompt_blocks:
-            self.trie.remove(worker, st.prompt_blocks)
+            self._trie.remove(worker, st.prompt_blocks)
         slot.free(request_id, decay_now)
-        self.blocks[worker] = slot.active_blocks()
+        self._blocks[worker] = slot.active_blocks()
 
     def _resolve(self, request_id: str) -> tuple[WorkerWithDpRank, ActiveSequences]:
-        worker = self.request_worker.get(request_id)
+        worker = self._requests.worker(request_id)
         if worker is None:
             raise RequestNotFound(request_id)
-        slot = self.slots.get(worker)
+        slot = self._slots.get(worker)
         if slot is None:
-            self._unindex(request_id)
+            self._requests.remove(request_id)
             raise RequestNotFound(request_id)
         return worker, slot
 
     def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
         worker, slot = self._resolve(request_id)
-        lora = self.request_lora.get(request_id)
+        lora = self._requests.lora(request_id)
         slot.mark_prefill_completed(request_id, decay_now)
         self._publish_worker_load(worker, slot, decay_now)
         if self.replica_sync:
@@ -369,7 +401,7 @@ class ActiveSequencesMultiWorker:
         h = slot.add_output_block(request_id, decay_fraction)
         if h is None:
             raise RequestNotFound(request_id)
-        self.blocks[worker] = slot.active_blocks()
+        self._blocks[worker] = slot.active_blocks()
         self._publish_worker_load(worker, slot, self.clock())
         return h
 
@@ -377,12 +409,12 @@ class ActiveSequencesMultiWorker:
         """Run every rank's (rate-limited) expiry check; returns the expired request ids."""
         now = self.clock()
         expired: list[str] = []
-        for worker, slot in list(self.slots.items()):
+        for worker, slot in list(self._slots.items()):
             outcome = slot.force_expiry()
             if not outcome.expired_request_ids:
                 continue
             self._after_expiry(worker, outcome)
-            self.blocks[worker] = slot.active_blocks()
+            self._blocks[worker] = slot.active_blocks()
             self._publish_worker_load(worker, slot, now)
             expired.extend(outcome.expired_request_ids)
         return expired
@@ -390,7 +422,7 @@ class ActiveSequencesMultiWorker:
     # -- publication -----------------------------------------------------------------------
 
     def _load_of(self, worker: WorkerWithDpRank, slot: ActiveSequences, now: int) -> ActiveLoad:
-        blocks = self.blocks[worker]
+        blocks = self._blocks[worker]
         tokens = slot.active_tokens(now)
         self.publisher.observe_load(worker, self._worker_type, blocks, tokens)
         return ActiveLoad(worker.worker_id, worker.dp_rank, blocks, tokens, None)
@@ -432,14 +464,14 @@ class ActiveSequencesMultiWorker:
         rid = event.request_id
         if isinstance(data, AddRequest):
             worker = event.worker
-            slot = self.slots.get(worker)
+            slot = self._slots.get(worker)
             if slot is None:
                 if self.replica_worker_policy is ReplicaWorkerPolicy.REQUIRE_REGISTERED:
                     log.debug("Dropping replica AddRequest for unregistered worker %s", worker)
                     return False
                 self._ensure_worker(worker)
-                slot = self.slots[worker]
-            self._index(rid, worker, event.lora_name)
+                slot = self._slots[worker]
+            self._requests.set(rid, worker, event.lora_name)
             self._add_to_slot(
                 slot,
                 worker,
@@ -455,10 +487,10 @@ class ActiveSequencesMultiWorker:
             effects.cleanup = True
             return True
         if isinstance(data, Free):
-            worker = self._unindex(rid)
+            worker = self._requests.remove(rid)
             if worker is None:
                 return False
-            slot = self.slots.get(worker)
+            slot = self._slots.get(worker)
             if slot is None:
                 return True
             self._free_in_slot(slot, worker, rid, decay_now)
@@ -466,10 +498,10 @@ class ActiveSequencesMultiWorker:
             effects.wake = True
             effects.cleanup = True
             return True
-        worker = self.request_worker.get(rid)
+        worker = self._requests.worker(rid)
         if worker is None:
             return False
-        slot = self.slots.get(worker)
+        slot = self._slots.get(worker)
         if slot is None:
             return False
         slot.mark_prefill_completed(rid, decay_now)
@@ -481,9 +513,9 @@ class ActiveSequencesMultiWorker:
         """Publish one load batch, one wake-up and one cleanup attempt for a replica batch."""
         now = self.clock()
         loads = [
-            self._load_of(w, self.slots[w], now)
+            self._load_of(w, self._slots[w], now)
             for w, publish in effects.workers.items()
-            if publish and w in self.slots and self._loads_wanted
+            if publish and w in self._slots and self._loads_wanted
         ]
         effects.workers.clear()
         if loads:
@@ -506,25 +538,25 @@ class ActiveSequencesMultiWorker:
     # -- queries ---------------------------------------------------------------------------
 
     def active_blocks(self) -> dict[WorkerWithDpRank, int]:
-        return dict(self.blocks)
+        return dict(self._blocks)
 
     def active_tokens(self, decay_now: int) -> dict[WorkerWithDpRank, int]:
-        return {w: s.prefill.active_tokens(decay_now) for w, s in self.slots.items()}
+        return {w: s.prefill.active_tokens(decay_now) for w, s in self._slots.items()}
 
     def active_request_counts(self) -> dict[WorkerWithDpRank, int]:
-        return {w: len(s.requests) for w, s in self.slots.items()}
+        return {w: len(s.requests) for w, s in self._slots.items()}
 
     def get_active_lora_counts(self) -> dict[str, int]:
-        return dict(self.lora_counts)
+        return dict(self._requests.lora_counts)
 
     def any_worker_matches_active_tokens(
         self, decay_now: int, predicate: Callable[[WorkerWithDpRank, int], bool]
     ) -> bool:
-        return any(predicate(w, s.prefill.active_tokens(decay_now)) for w, s in self.slots.items())
+        return any(predicate(w, s.prefill.active_tokens(decay_now)) for w, s in self._slots.items())
 
     def modeled_remaining_prefill_time_loads_at(self, now: int) -> list[ModeledPrefillTimeLoad]:
         out = []
-        for w, s in self.slots.items():
+        for w, s in self._slots.items():
             try:
                 ms: int | MissingExpectedDuration = s.prefill.modeled_remaining_prefill_time_ms(now)
             except MissingExpectedDuration as e:
@@ -536,7 +568,7 @@ class ActiveSequencesMultiWorker:
         """Prefix overlap (in blocks) of the query with each rank's active prompts (non-zero only)."""
         if not token_sequence:
             return {}
-        return self.trie.overlaps(token_sequence)
+        return self._trie.overlaps(token_sequence)
 
     def potential_blocks_and_tokens(
         self,
@@ -547,20 +579,67 @@ class ActiveSequencesMultiWorker:
     ) -> PotentialLoads:
         if decay_now is None:
             decay_now = self.clock()
-        deltas = deltas or PrefillTokenDeltas.none()
+        rows = self.potential_loads(token_sequence, deltas, decay_now)
+        blocks = {WorkerWithDpRank(r[0], r[1]): r[3] for r in rows}
+        tokens = {WorkerWithDpRank(r[0], r[1]): r[2] for r in rows}
+        requests = {WorkerWithDpRank(r[0], r[1]): r[4] for r in rows}
+        return blocks, tokens, requests if include_active_requests else None
+
+    def potential_loads(
+        self,
+        token_sequence: list[int] | None,
+        deltas: PrefillTokenDeltas | None,
+        decay_now: int,
+    ) -> list[PotentialLoadRow]:
+        """Per rank, sorted: what its load would be if this prompt went there.
+
+        Rows are plain tuples ``(worker_id, dp_rank, potential_prefill_tokens,
+        potential_decode_blocks, active_requests)``: this answers every routing decision, and
+        the HTTP edge encodes them directly. Prefill tokens saturate at 2^64-1.
+        """
         q_len = len(token_sequence) if token_sequence else 0
         over = self.overlaps(token_sequence)
-        blocks_now = self.blocks
-        blocks: dict[WorkerWithDpRank, int] = {}
-        tokens: dict[WorkerWithDpRank, int] = {}
-        by_worker, default = deltas.by_worker, deltas.default_tokens
-        for w, s in self.slots.items():
-            blocks[w] = blocks_now[w] + q_len - over.get(w, 0)
-            tokens[w] = s.prefill.active_tokens(decay_now) + by_worker.get(w, default)
-        requests = (
-            {w: len(s.requests) for w, s in self.slots.items()} if include_active_requests else None
-        )
-        return blocks, tokens, requests
+        blocks, slots = self._blocks, self._slots
+        by_worker = deltas.by_worker if deltas is not None else None
+        default = deltas.default_tokens if deltas is not None else 0
+        rows = []
+        for w in self.workers():
+            s = slots[w]
+            extra = by_worker.get(w, default) if by_worker else default
+            tokens = s.prefill.active_tokens(decay_now) + extra
+            rows.append(
+                (
+                    w.worker_id,
+                    w.dp_rank,
+                    tokens if tokens <= U64_MAX else U64_MAX,
+                    blocks[w] + q_len - over.get(w, 0),
+                    len(s.requests),
+                )
+            )
+        return rows
+
+    def rank_loads(self, now: int) -> list[RankLoadRow]:
+        """Per rank, sorted: ``(worker_id, dp_rank, active_prefill_tokens, active_decode_blocks,
+        active_requests, modeled_remaining_prefill_ms | None)``."""
+        rows = []
+        blocks, slots = self._blocks, self._slots
+        for w in self.workers():
+            s = slots[w]
+            try:
+                modeled: int | None = s.prefill.modeled_remaining_prefill_time_ms(now)
+            except MissingExpectedDuration:
+                modeled = None
+            rows.append(
+                (
+                    w.worker_id,
+                    w.dp_rank,
+                    s.prefill.active_tokens(now),
+                    blocks[w],
+                    len(s.requests),
+                    modeled,
+                )
+            )
+        return rows
 
     def project_worker_loads(
         self, token_sequence: list[int] | None, decay_now: int
@@ -569,33 +648,30 @@ class ActiveSequencesMultiWorker:
         over = self.overlaps(token_sequence)
         return {
             w: WorkerLoadProjection(
-                s.prefill.active_tokens(decay_now), self.blocks[w], q_len - over.get(w, 0)
+                s.prefill.active_tokens(decay_now), self._blocks[w], q_len - over.get(w, 0)
             )
-            for w, s in self.slots.items()
+            for w, s in self._slots.items()
         }
 
     # -- invariants ------------------------------------------------------------------------
 
     def is_membership_empty(self) -> bool:
-        return self.trie.is_empty()
+        return self._trie.is_empty()
 
     def assert_consistent(self) -> None:
-        assert set(self.slots) == self.table.slots == set(self.blocks)
+        assert set(self._slots) == self._table.slots == set(self._blocks)
         fresh = PromptTrie()
-        for w, s in self.slots.items():
+        for w, s in self._slots.items():
             s.assert_consistent()
-            assert self.blocks[w] == s.active_blocks(), f"stale block count for {w}"
+            assert self._blocks[w] == s.active_blocks(), f"stale block count for {w}"
             for st in s.requests.values():
                 if st.prompt_blocks:
                     fresh.add(w, st.prompt_blocks)
-        assert fresh.expanded() == self.trie.expanded(), "overlap index out of sync"
-        for rid, w in self.request_worker.items():
-            if w in self.slots:
-                assert rid in self.slots[w].requests, f"{rid} mapped to {w} but not active there"
-        counts: dict[str, int] = {}
-        for lora in self.request_lora.values():
-            counts[lora] = counts.get(lora, 0) + 1
-        assert counts == self.lora_counts
+        assert fresh.expanded() == self._trie.expanded(), "overlap index out of sync"
+        for rid, w in self._requests.workers.items():
+            if w in self._slots:
+                assert rid in self._slots[w].requests, f"{rid} mapped to {w} but not active there"
+        self._requests.assert_consistent()
 
     def assert_completely_drained(self, decay_now: int) -> None:
         blocks = self.active_blocks()
@@ -604,8 +680,9 @@ class ActiveSequencesMultiWorker:
         assert all(v == 0 for v in tokens.values()), f"expected zero active tokens, got {tokens}"
         reqs = self.active_request_counts()
         assert all(v == 0 for v in reqs.values()), f"expected zero active requests, got {reqs}"
-        assert not self.request_worker, f"expected no request mappings, got {self.request_worker}"
-        assert not self.lora_counts, f"expected no LoRA counts, got {self.lora_counts}"
-        assert self.trie.is_empty(), "expected the overlap index to be empty after drain"
-        for w, s in self.slots.items():
+        index = self._requests
+        assert not index.workers, f"expected no request mappings, got {index.workers}"
+        assert not index.lora_counts, f"expected no LoRA counts, got {index.lora_counts}"
+        assert self._trie.is_empty(), "expected the overlap index to be empty after drain"
+        for w, s in self._slots.items():
             assert not s.blocks.refcount, f"{w} still references blocks"

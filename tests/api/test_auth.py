@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
-from app.main import OPEN_PATHS
+from app.http.auth import OPEN_PATHS
 from app.settings import load_settings
 from tests.api.conftest import post_json
 

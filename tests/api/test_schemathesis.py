@@ -25,8 +25,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from app.main import create_app
-from app.service import AddCall
 from app.settings import load_settings
+from tests.calls import AddCall, reconcile
 
 app = create_app(load_settings(api_key="", redis_url=""))
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
@@ -53,8 +53,8 @@ def reset_state(path: str) -> None:
     """
     service = app.state.service
     for key, tracker in list(service.trackers.items()):
-        service.reconcile(key, tracker.block_size, [])
-    service.reconcile(EXAMPLE_KEY, 16, [(1, 0, 2)])
+        reconcile(service, key, tracker.block_size, [])
+    reconcile(service, EXAMPLE_KEY, 16, [(1, 0, 2)])
     if path != "/add":
         service.add(AddCall(*EXAMPLE_KEY, "r1", 1, 0, [1, 2, 3], new_isl_tokens=48))
 

@@ -21,8 +21,9 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from app.replication.redis_bus import RedisReplication
-from app.service import AddCall, SlotTrackerService
+from app.service import SlotTrackerService
 from app.settings import Settings
+from tests.calls import AddCall
 from tests.fakes import NS_PER_SECOND, FakeClock
 
 MODEL = "llama"

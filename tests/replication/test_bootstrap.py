@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from app.replication.redis_bus import RedisReplication
 from app.replication.stream import NamespaceKeys
 from app.service import SlotTrackerService
+from tests.calls import free, potential_loads, prefill_complete, register, upsert
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.replication.helpers import KEY, Cluster, TcpProxy, eventually
 
@@ -28,17 +29,17 @@ def traffic(node, prefix: str, n: int, free_every: int = 3) -> None:
         rid = f"{prefix}{i}"
         node.add(rid, worker_id=1 + i % 2, hashes=[1, 2, 100 + i], tokens=50 + i, prefill_ms=800)
         if i % free_every == 1:
-            node.service.free(KEY, rid)
+            free(node.service, KEY, rid)
         elif i % free_every == 2:
-            node.service.prefill_complete(KEY, rid)
+            prefill_complete(node.service, KEY, rid)
 
 
 def assert_same(a, b) -> None:
     assert a.loads() == b.loads()
     assert a.service.workers(None, None) == b.service.workers(None, None)
     query = [1, 2, 105]
-    assert a.service.potential_loads(KEY, query, None, None, 11) == b.service.potential_loads(
-        KEY, query, None, None, 11
+    assert potential_loads(a.service, KEY, query, None, None, 11) == potential_loads(
+        b.service, KEY, query, None, None, 11
     )
     assert request_ids(a) == request_ids(b)
     b.service.tracker(KEY).assert_consistent()
@@ -46,8 +47,8 @@ def assert_same(a, b) -> None:
 
 async def test_snapshot_round_trip_through_redis(cluster: Cluster) -> None:
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 2)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 2)
+    register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 60)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     await eventually(lambda: a.rep.status()["stream_position"] != "0-0")
@@ -70,13 +71,13 @@ async def test_snapshot_round_trip_through_redis(cluster: Cluster) -> None:
 
 async def test_late_instance_reads_records_after_the_snapshot(cluster: Cluster) -> None:
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 2)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 2)
+    register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "before-", 30)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     assert await a.rep.write_snapshot()
     traffic(a, "after-", 20)
-    a.service.free(KEY, "before-0")
+    free(a.service, KEY, "before-0")
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
 
     b = await cluster.node()
@@ -96,8 +97,8 @@ def _records_of_traffic(n: int, free_every: int = 3) -> int:
 
 async def test_late_instance_without_snapshot_reads_the_whole_stream(cluster: Cluster) -> None:
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 2)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 2)
+    register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 25)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     b = await cluster.node()
@@ -110,8 +111,8 @@ async def test_late_instance_without_snapshot_reads_the_whole_stream(cluster: Cl
 async def test_snapshot_taken_before_own_records_reach_the_stream(cluster: Cluster) -> None:
     """State includes records still in the outbox: a loader must not apply them twice."""
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 2, 4, 0, 1)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     traffic(a, "q", 12)
     # no await in between: the publisher has not run, the records are only in the outbox
@@ -136,8 +137,8 @@ async def test_trimmed_position_bootstraps_again(cluster: Cluster, redis_url: st
     try:
         a = await cluster.node()
         b = await cluster.node(redis_url=proxy.url())
-        a.service.register(KEY, 1, 4, 0, 2)
-        a.service.register(KEY, 2, 4, 0, 1)
+        register(a.service, KEY, 1, 4, 0, 2)
+        register(a.service, KEY, 2, 4, 0, 1)
         traffic(a, "early-", 10)
         await eventually(lambda: request_ids(b) == request_ids(a) and len(b.loads()) == 3)
 
@@ -183,10 +184,10 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
     rep.attach(service)
     await rep.start()
     try:
-        service.register(KEY, 1, 4, 0, 1)
+        register(service, KEY, 1, 4, 0, 1)
         for i in range(300):
-            service.free(KEY, f"none-{i}")  # no-op frees publish nothing
-            service.upsert(KEY, 1, 4, 0, 1 + i % 2)
+            free(service, KEY, f"none-{i}")  # no-op frees publish nothing
+            upsert(service, KEY, 1, 4, 0, 1 + i % 2)
         await eventually(lambda: rep.status()["outbox_depth"] == 0)
         client = redis.Redis.from_url(cluster.redis_url)
         key = NamespaceKeys.of(cluster.namespace).events
@@ -195,7 +196,7 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
         assert client.xlen(key) == published
         # the stream ids are the server's (real) time; move our wall clock past the retention
         wall.set(time.time_ns() + 3600 * NS_PER_SECOND)
-        service.upsert(KEY, 1, 4, 0, 3)
+        upsert(service, KEY, 1, 4, 0, 3)
         await eventually(lambda: client.xlen(key) < published, what="old entries to be trimmed")
         client.close()
     finally:
@@ -205,8 +206,8 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
 async def test_periodic_snapshots_take_turns_under_a_lease(cluster: Cluster) -> None:
     a = await cluster.node(snapshot_interval_seconds=1)
     b = await cluster.node(snapshot_interval_seconds=1)
-    a.service.register(KEY, 1, 4, 0, 1)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 5)
     written = lambda: a.rep.counters.snapshots_written + b.rep.counters.snapshots_written  # noqa: E731
     await eventually(lambda: written() >= 1, timeout=5, what="a periodic snapshot")
@@ -224,7 +225,7 @@ async def test_periodic_snapshots_take_turns_under_a_lease(cluster: Cluster) -> 
 
 async def test_snapshot_write_is_fenced_by_the_lease(cluster: Cluster) -> None:
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     store = a.rep._store
     assert await store.try_lease("token-a", 10_000)
     assert not await store.try_lease("token-b", 10_000)
@@ -239,8 +240,8 @@ async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
     process itself keep everything its previous life published."""
     first = await cluster.node(instance_id=42)
     peer = await cluster.node()
-    first.service.register(KEY, 1, 4, 0, 1)
-    first.service.register(KEY, 2, 4, 0, 1)
+    register(first.service, KEY, 1, 4, 0, 1)
+    register(first.service, KEY, 2, 4, 0, 1)
     traffic(first, "old-", 9)
     await eventually(lambda: request_ids(peer) == request_ids(first) != set())
     await first.rep.stop()
@@ -250,7 +251,7 @@ async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
     assert second.rep.incarnation != first.rep.incarnation
     assert request_ids(second) == request_ids(peer)  # its previous life, read back
     second.add("new-0", hashes=[5, 6])
-    second.service.free(KEY, "old-0")
+    free(second.service, KEY, "old-0")
     await eventually(lambda: request_ids(peer) == request_ids(second))
     assert "new-0" in request_ids(peer) and "old-0" not in request_ids(peer)
     assert peer.rep.status()["gaps"] == 0
@@ -264,8 +265,8 @@ async def test_instance_started_after_a_reset_waits_for_a_snapshot(
     stream alone may lack records or hold them out of order: a starting instance stays not
     ready until a running one writes a snapshot, then starts from it."""
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 9)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     keys = NamespaceKeys.of(cluster.namespace)

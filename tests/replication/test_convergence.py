@@ -7,6 +7,15 @@ import asyncio
 import pytest
 import redis
 
+from tests.calls import (
+    free,
+    potential_loads,
+    prefill_complete,
+    reconcile,
+    register,
+    unregister,
+    upsert,
+)
 from tests.replication.helpers import GROUP, KEY, MODEL, Cluster, eventually
 
 pytestmark = pytest.mark.redis
@@ -22,23 +31,23 @@ async def test_topology_registered_on_one_appears_on_the_other(cluster: Cluster)
     assert a.rep.ready() and b.rep.ready()
     assert a.rep.instance_id != b.rep.instance_id
 
-    a.service.register(KEY, 1, 16, 0, 2)
-    a.service.register(KEY, 2, 16, 0, 1)
+    register(a.service, KEY, 1, 16, 0, 2)
+    register(a.service, KEY, 2, 16, 0, 1)
     await eventually(lambda: workers(b) == workers(a), what="registration to replicate")
     assert [(w["worker_id"], w["dp_size"], w["block_size"]) for w in workers(b)] == [
         (1, 2, 16),
         (2, 1, 16),
     ]
 
-    b.service.upsert(KEY, 2, 16, 0, 4)
+    upsert(b.service, KEY, 2, 16, 0, 4)
     await eventually(lambda: workers(a) == workers(b), what="upsert to replicate")
     assert workers(a)[1]["dp_size"] == 4
 
-    a.service.unregister(KEY, 1)
+    unregister(a.service, KEY, 1)
     await eventually(lambda: workers(b) == workers(a), what="unregister to replicate")
     assert [w["worker_id"] for w in workers(b)] == [2]
 
-    b.service.reconcile(KEY, 16, [(3, 0, 1), (4, 1, 2)])
+    reconcile(b.service, KEY, 16, [(3, 0, 1), (4, 1, 2)])
     await eventually(lambda: workers(a) == workers(b), what="reconcile to replicate")
     assert [w["worker_id"] for w in workers(a)] == [3, 4]
 
@@ -46,8 +55,8 @@ async def test_topology_registered_on_one_appears_on_the_other(cluster: Cluster)
 async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) -> None:
     a = await cluster.node()
     b = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 2)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 2)
+    register(a.service, KEY, 2, 4, 0, 1)
     await eventually(lambda: len(b.loads()) == 3, what="topology on b")
 
     expected_live: set[str] = set()
@@ -57,12 +66,12 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
         node.add(rid, worker_id=1 + i % 2, dp_rank=0, hashes=[i % 7, 100 + i], tokens=10 + i)
         expected_live.add(rid)
         if i % 3 == 0:
-            node.service.prefill_complete(KEY, rid)
+            prefill_complete(node.service, KEY, rid)
         if i % 5 == 0 and i > 0:
             # free a request created on the *other* instance once it has arrived here
             victim = f"r{i - 1}"
             await eventually(lambda n=node, v=victim: v in n.service.tracker(KEY).request_worker)
-            node.service.free(KEY, victim)
+            free(node.service, KEY, victim)
             expected_live.discard(victim)
 
     def same() -> bool:
@@ -75,8 +84,8 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
     ta.assert_consistent()
     tb.assert_consistent()
     query = [0, 100]
-    assert a.service.potential_loads(KEY, query, None, None, 7) == b.service.potential_loads(
-        KEY, query, None, None, 7
+    assert potential_loads(a.service, KEY, query, None, None, 7) == potential_loads(
+        b.service, KEY, query, None, None, 7
     )
     sa, sb = a.rep.status(), b.rep.status()
     assert sa["dropped"] == sb["dropped"] == 0
@@ -87,7 +96,7 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
 async def test_prefill_decay_uses_the_producer_time(cluster: Cluster) -> None:
     a = await cluster.node()
     b = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     await eventually(lambda: len(b.loads()) == 1, what="topology on b")
 
     # 100 tokens expected to take 10 s, added on a at T
@@ -123,8 +132,8 @@ async def test_active_sequence_replica_sync_isolated_by_endpoint(
     try:
         key_a, key_b = (MODEL, "generate-a"), (MODEL, "generate-b")
         for node in (a, b_ns):
-            node.service.register(key_a, 0, 4, 0, 1)
-            node.service.register(key_b, 0, 4, 0, 1)
+            register(node.service, key_a, 0, 4, 0, 1)
+            register(node.service, key_b, 0, 4, 0, 1)
         await eventually(lambda: len(a_peer.loads()) == 2, what="topology on the peer")
 
         def blocks(node, key) -> int:
@@ -165,13 +174,13 @@ async def test_unknown_key_records_are_ignored(cluster: Cluster) -> None:
     """Lifecycle records for a key the receiver has no tracker for are dropped, not created."""
     a = await cluster.node()
     b = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     await eventually(lambda: len(b.loads()) == 1)
-    b.service.unregister(KEY, 1)  # b drops the key and tells a
+    unregister(b.service, KEY, 1)  # b drops the key and tells a
     await eventually(lambda: a.loads() == [] and b.loads() == [])
     # a registers under another group; the lifecycle under it replicates, KEY stays absent
     other = (MODEL, "other")
-    a.service.register(other, 1, 4, 0, 1)
+    register(a.service, other, 1, 4, 0, 1)
     a.add("x", key=other)
     await eventually(lambda: b.loads() == a.loads() and len(b.loads()) == 1)
     assert b.loads()[0]["routing_group"] == "other"

@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from app.replication.stream import NamespaceKeys
+from tests.calls import free, register
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
 
 pytestmark = pytest.mark.redis
@@ -32,7 +33,7 @@ class Traffic:
             mine = [r for r, owner in self.live.items() if owner is node and r != rid]
             if mine:
                 victim = self.rng.choice(mine)
-                node.service.free(KEY, victim)
+                free(node.service, KEY, victim)
                 del self.live[victim]
         self.n += 1
 
@@ -53,8 +54,8 @@ async def test_redis_restart_mid_traffic_loses_nothing(
     cluster.redis_url = redis_server.url
     a = await cluster.node()
     b = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
-    a.service.register(KEY, 2, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 2, 4, 0, 1)
     await eventually(lambda: len(b.loads()) == 2)
 
     traffic = Traffic([a, b])
@@ -103,8 +104,8 @@ async def test_lost_stream_is_detected_read_again_and_snapshotted(
     try:
         a = await cluster.node()
         b = await cluster.node(redis_url=proxy.url())
-        a.service.register(KEY, 1, 4, 0, 1)
-        a.service.register(KEY, 2, 4, 0, 1)
+        register(a.service, KEY, 1, 4, 0, 1)
+        register(a.service, KEY, 2, 4, 0, 1)
         await eventually(lambda: len(b.loads()) == 2)
         traffic = Traffic([a, b])
         for _ in range(20):
@@ -147,8 +148,8 @@ async def test_stream_recreated_by_a_peer_is_detected_by_the_own_last_entry(
     try:
         a = await cluster.node()
         b = await cluster.node(redis_url=proxy.url())
-        a.service.register(KEY, 1, 4, 0, 1)
-        a.service.register(KEY, 2, 4, 0, 1)
+        register(a.service, KEY, 1, 4, 0, 1)
+        register(a.service, KEY, 2, 4, 0, 1)
         await eventually(lambda: len(b.loads()) == 2)
         traffic = Traffic([a, b])
         for _ in range(20):

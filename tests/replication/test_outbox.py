@@ -10,6 +10,7 @@ import redis
 
 from app.replication.records import RECORD_FIELD
 from app.replication.stream import NamespaceKeys
+from tests.calls import register, upsert
 from tests.replication.helpers import KEY, Cluster, RedisServer, eventually
 
 pytestmark = pytest.mark.redis
@@ -37,7 +38,7 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
     assert "Redis" in st["not_ready_reason"]
 
     # writes are accepted locally, never blocked
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     for i in range(6):
         a.add(f"r{i}", hashes=[i])
     assert len(a.service.tracker(KEY).request_worker) == 6
@@ -75,9 +76,9 @@ async def test_batches_are_capped_and_keep_order(cluster: Cluster) -> None:
         return await append(keys=keys, args=args)
 
     a.rep._append = counting_append
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     for i in range(600):
-        a.service.upsert(KEY, 1, 4, 0, 2 + i % 2)
+        upsert(a.service, KEY, 1, 4, 0, 2 + i % 2)
     await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
     assert calls == [256, 256, 89]
     records = stream_records(cluster.redis_url, cluster.namespace)
@@ -87,7 +88,7 @@ async def test_batches_are_capped_and_keep_order(cluster: Cluster) -> None:
 
 async def test_stop_flushes_the_outbox(cluster: Cluster) -> None:
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     for i in range(100):
         a.add(f"r{i}")
     assert a.rep.status()["outbox_depth"] == 101
@@ -102,7 +103,7 @@ async def test_stop_with_redis_down_returns_promptly(
 ) -> None:
     cluster.redis_url = redis_server.url
     a = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     started = time.monotonic()
     await a.rep.stop()
     assert time.monotonic() - started < 5

@@ -11,10 +11,11 @@ import msgpack
 import pytest
 
 from app.core.events import ActiveSequenceEvent, AddRequest
-from app.core.snapshot import export_tracker, import_tracker, wall_mapping
+from app.core.snapshot import export_tracker, wall_mapping
 from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
 from app.core.types import PrefillLoadHint, SequenceRequest, WorkerDpRange, WorkerWithDpRank
-from app.service import AddCall, SlotTrackerService
+from app.service import SlotTrackerService
+from tests.calls import AddCall, import_tracker, potential_loads, register
 from tests.fakes import NS_PER_SECOND, FakeClock
 
 WALL_OFFSET = 1_700_000_000 * NS_PER_SECOND
@@ -177,21 +178,21 @@ def test_service_state_round_trip() -> None:
     a = SlotTrackerService(clock=clock.now, wall_clock=wall.now)
     b = SlotTrackerService(clock=clock.now, wall_clock=wall.now)
     for group in ("g1", "g2"):
-        a.register(("m", group), 1, 16, 0, 2)
-        a.register(("m", group), 2, 16, 0, 1)
+        register(a, ("m", group), 1, 16, 0, 2)
+        register(a, ("m", group), 2, 16, 0, 1)
         for i in range(20):
             a.add(AddCall("m", group, f"{group}-{i}", 1 + i % 2, 0, sequence_hashes=[1, 2, i],
                           new_isl_tokens=100 + i, expected_prefill_ms=1000 + i))  # fmt: skip
             clock.advance(0.05)
             wall.advance(0.05)
-    b.register(("m", "gone"), 5, 16, 0, 1)  # replaced by the restore
+    register(b, ("m", "gone"), 5, 16, 0, 1)  # replaced by the restore
     state = msgpack.unpackb(msgpack.packb(a.export_state()), raw=False)
     b.restore_state(state)
     assert b.loads(None, None) == a.loads(None, None)
     assert b.workers(None, None) == a.workers(None, None)
     for group in ("g1", "g2"):
-        assert b.potential_loads(("m", group), [1, 2, 3], None, None, 9) == a.potential_loads(
-            ("m", group), [1, 2, 3], None, None, 9
+        assert potential_loads(b, ("m", group), [1, 2, 3], None, None, 9) == potential_loads(
+            a, ("m", group), [1, 2, 3], None, None, 9
         )
     clock.advance(0.5)
     wall.advance(0.5)
@@ -201,7 +202,7 @@ def test_service_state_round_trip() -> None:
 def test_service_restore_is_all_or_nothing() -> None:
     clock = FakeClock()
     s = SlotTrackerService(clock=clock.now, wall_clock=clock.now)
-    s.register(("m", "g"), 1, 16, 0, 1)
+    register(s, ("m", "g"), 1, 16, 0, 1)
     with pytest.raises(KeyError):
         s.restore_state([{"model_name": "m", "routing_group": "x", "tracker": {"format": 1}}])
     assert s.workers(None, None)[0]["worker_id"] == 1

@@ -11,6 +11,7 @@ from app.replication.redis_bus import RedisReplication
 from app.replication.stream import NamespaceKeys
 from app.service import SlotTrackerService
 from app.settings import Settings
+from tests.calls import register
 from tests.replication.helpers import KEY, Cluster, eventually
 
 STATUS_FIELDS = {
@@ -61,7 +62,7 @@ def test_keys_share_one_cluster_slot() -> None:
 async def test_status_and_metrics_of_a_running_instance(cluster: Cluster) -> None:
     a = await cluster.node()
     b = await cluster.node()
-    a.service.register(KEY, 1, 4, 0, 1)
+    register(a.service, KEY, 1, 4, 0, 1)
     a.add("r1")
     await eventually(lambda: b.rep.status()["applied"] == 2)
     assert await a.rep.write_snapshot()

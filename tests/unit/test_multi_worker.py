@@ -19,7 +19,6 @@ from app.core.errors import (
     WorkerNotFound,
 )
 from app.core.events import FREE, MARK_PREFILL_COMPLETED, AddRequest
-from app.core.topology import WorkerTable
 from app.core.tracker import ActiveSequencesMultiWorker
 from app.core.types import (
     ActiveLoad,
@@ -419,10 +418,9 @@ def test_free_cleans_stale_request_mapping_when_worker_slot_is_missing(clock: Fa
 
     # Like the seed: map the id in the request index, then swap in an empty worker table
     # without applying the topology change (so the mapping is left stale).
-    sequences._index(request_id, worker, "adapter")
-    sequences.table = WorkerTable()
-    sequences.slots.clear()
-    sequences.blocks.clear()
+    sequences.reconcile_workers([])
+    sequences.index_request(request_id, worker, "adapter")
+    assert sequences.worker_for(request_id) == worker and sequences.num_workers() == 0
 
     sequences.free(request_id, clock.now())
 

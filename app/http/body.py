@@ -12,17 +12,11 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
 from starlette.types import Receive, Scope
 
-from app.service import ServiceError
+from app.http.errors import CONTENT_TYPE, JSON_PARSE, JSON_SHAPE, TOO_LARGE, HttpError
 
 M = TypeVar("M", bound=BaseModel)
-
-JSON_PARSE = "Failed to parse the request body as JSON: "
-JSON_SHAPE = "Failed to deserialize the JSON body into the target type: "
-CONTENT_TYPE = "Expected request with `Content-Type: application/json`"
-TOO_LARGE = "Failed to buffer the request body: length limit exceeded"
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -38,7 +32,7 @@ async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The request body, after the content-type (415) and size (413) checks.
 
     Works on the raw ASGI scope and receive channel, so the FastAPI routes and the lean path
-    (``app.api.fast``) read bodies the same way.
+    (``app.http.lean``) read bodies the same way.
     """
     content_type = declared = None
     for key, value in scope["headers"]:
@@ -47,23 +41,19 @@ async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         elif key == b"content-length" and declared is None:
             declared = value
     if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
-        raise ServiceError(415, CONTENT_TYPE)
+        raise HttpError(415, CONTENT_TYPE)
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ServiceError(413, TOO_LARGE)
+        raise HttpError(413, TOO_LARGE)
     message = await receive()
     body = message.get("body", b"")
     while message.get("more_body"):
         message = await receive()
         body += message.get("body", b"")
         if len(body) > limit:
-            raise ServiceError(413, TOO_LARGE)
+            raise HttpError(413, TOO_LARGE)
     if len(body) > limit:
-        raise ServiceError(413, TOO_LARGE)
+        raise HttpError(413, TOO_LARGE)
     return body
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    return await read_asgi_body(request.scope, request.receive, limit)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -140,9 +130,9 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{loc}: {err['msg']}" if loc else err["msg"]
 
 
-def shape_error(exc: ValidationError) -> ServiceError:
+def shape_error(exc: ValidationError) -> HttpError:
     errors = exc.errors(include_url=False, include_context=False)
-    return ServiceError(422, JSON_SHAPE + _describe(errors[0]))
+    return HttpError(422, JSON_SHAPE + _describe(errors[0]))
 
 
 def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
@@ -183,9 +173,9 @@ def parse_json(raw: bytes, model: type[M]) -> M:
             if end is not None:
                 # like the reference, ignore what follows a complete JSON value
                 return parse_json(raw[:end], model)
-            raise ServiceError(400, JSON_PARSE + _syntax_message(raw)) from None
+            raise HttpError(400, JSON_PARSE + _syntax_message(raw)) from None
         if first["type"] == "model_type":
-            raise ServiceError(
+            raise HttpError(
                 422,
                 JSON_SHAPE + f"invalid type: {_serde_value(first.get('input'))}, "
                 f"expected struct {_STRUCT_NAMES.get(model.__name__, model.__name__)}",
@@ -193,10 +183,10 @@ def parse_json(raw: bytes, model: type[M]) -> M:
         raise shape_error(exc) from None
     if (b"NaN" in raw or b"Infinity" in raw) and _not_strict_json(raw):
         # pydantic's parser takes NaN/Infinity literals (even in ignored fields); JSON has none
-        raise ServiceError(400, JSON_PARSE + _syntax_message(raw))
+        raise HttpError(400, JSON_PARSE + _syntax_message(raw))
     dup = _duplicate_key(raw, model)
     if dup is not None:
-        raise ServiceError(422, JSON_SHAPE + f"duplicate field `{dup}`")
+        raise HttpError(422, JSON_SHAPE + f"duplicate field `{dup}`")
     return value
 
 

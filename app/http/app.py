@@ -1,0 +1,173 @@
+"""The HTTP edge: builds the FastAPI application from the route table.
+
+FastAPI is how the app is built, documented (``/docs``, ``openapi.json``) and extended; the lean
+dispatcher (``app.http.lean``) serves the hot routes the table marks, before FastAPI's stack.
+Errors FastAPI itself raises (no such route, wrong method, bad query string) get the same
+``{"error": ...}`` bodies as everything else.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CollectorRegistry
+from prometheus_fastapi_instrumentator import Instrumentator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from app import __version__
+from app.http.auth import BearerAuth
+from app.http.dashboard import build_dashboard_router
+from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.lean import LeanDispatcher
+from app.http.middleware import HeadAsGet
+from app.http.operations import Operations
+from app.http.responses import JSON, json_response
+from app.http.routes import (
+    ROUTES,
+    Queries,
+    body_endpoint,
+    body_models,
+    fastapi_route_args,
+    query_endpoint,
+)
+from app.observability import HttpMetrics
+from app.service import SlotTrackerService
+from app.settings import Settings
+
+DESCRIPTION = (
+    "Tracks active requests, KV blocks and prefill tokens of every LLM worker rank, and answers "
+    "what each rank's load would be if a prompt went there. A drop-in superset of Dynamo's "
+    "standalone slot tracker API."
+)
+
+# FastAPI's native OpenTelemetry probes global providers and the environment on every request
+# unless switched off; nothing here uses it, and it costs as much as the tracker work.
+_NO_NATIVE_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+
+class SlotTrackerApp(FastAPI):
+    """FastAPI, with the hot routes handed to the lean dispatcher first."""
+
+    lean: LeanDispatcher | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lean = self.lean
+        op = lean.operation_for(scope) if lean is not None else None
+        if op is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await lean.serve(op, scope, receive, send)  # type: ignore[union-attr]
+
+
+def build_http_app(
+    *,
+    settings: Settings,
+    service: SlotTrackerService,
+    replication: Any,
+    registry: CollectorRegistry,
+    lifespan: Any,
+) -> SlotTrackerApp:
+    app = SlotTrackerApp(
+        title="kv-slot-tracker",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        redirect_slashes=False,  # `/health/` is a 404, as in the reference
+        **_NO_NATIVE_TELEMETRY,
+    )
+    _install_error_handlers(app)
+
+    operations = Operations(service, settings.max_hashes_per_request)
+    queries = Queries(service, replication)
+    lean_ops = {}
+    for route in ROUTES:
+        if route.body is not None:
+            op = operations.get(route.name)
+            endpoint = body_endpoint(route, op, settings.max_body_bytes)
+            if route.lean:
+                lean_ops[route.path] = op
+        else:
+            endpoint = query_endpoint(route, getattr(queries, route.name))
+        app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
+    app.include_router(build_dashboard_router())
+
+    api_key = settings.api_key.get_secret_value()
+    http_metrics = HttpMetrics(registry)
+    Instrumentator(
+        registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
+    ).add(http_metrics.instrumentation).instrument(app).expose(
+        app, include_in_schema=True, should_gzip=False
+    )
+    app.lean = LeanDispatcher(lean_ops, http_metrics.observe, settings.max_body_bytes, api_key)
+
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(HeadAsGet)  # outermost: also strips the body of a 401
+    app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return json_response({"error": ROUTE_NOT_FOUND}, 404)
+        if exc.status_code == 405:
+            resp = json_response({"error": METHOD_NOT_ALLOWED}, 405)
+            if exc.headers:  # the route's `Allow` header (RFC 9110 requires it on a 405)
+                resp.headers.update(exc.headers)
+            return resp
+        return json_response({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def query_error(_: Request, exc: RequestValidationError) -> Response:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        field = err["loc"][-1] if err.get("loc") else ""
+        what = f"missing field `{field}`" if err.get("type") == "missing" else err["msg"]
+        return json_response({"error": QUERY_SHAPE + what}, 400)
+
+
+def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
+    """FastAPI's document, with the body routes' models and the real shape of ``/metrics``."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(
+        title=app.title, version=app.version, description=app.description, routes=app.routes
+    )
+    metrics = doc["paths"].get("/metrics", {}).get("get")
+    if metrics is not None:  # the instrumentator documents it as JSON; it is Prometheus text
+        metrics["summary"] = "Prometheus metrics (text exposition format)"
+        metrics["responses"] = {
+            "200": {
+                "description": "Tracker gauges and counters, and HTTP metrics.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        }
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    # Query-string errors are answered 400 `ErrorBody`, never 422.
+    for item in doc["paths"].values():
+        for op in item.values():
+            responses = op.get("responses", {})
+            schema = responses.get("422", {}).get("content", {}).get(JSON, {})
+            if schema.get("schema", {}).get("$ref", "").endswith("/HTTPValidationError"):
+                del responses["422"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    for model in body_models():
+        sch = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in sch.pop("$defs", {}).items():
+            comps.setdefault(name, sub)
+        comps[model.__name__] = sch
+    if with_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    app.openapi_schema = doc
+    return doc

@@ -1,0 +1,88 @@
+"""The one place where errors become HTTP: a table from error class to status (and text).
+
+Below the edge only domain errors exist (``app.core.errors``, ``app.service.errors``); the edge's
+own errors (body too large, not JSON, malformed JSON, wrong shape) are ``HttpError``s raised by
+``app.http.body``. ``describe`` turns any of them into ``(status, message)``; the messages are the
+reference service's texts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from app.core import errors as core
+from app.service import errors as svc
+
+# The reference's fixed prefixes (serde / axum rejections).
+JSON_PARSE = "Failed to parse the request body as JSON: "
+JSON_SHAPE = "Failed to deserialize the JSON body into the target type: "
+QUERY_SHAPE = "Failed to deserialize query string: "
+CONTENT_TYPE = "Expected request with `Content-Type: application/json`"
+TOO_LARGE = "Failed to buffer the request body: length limit exceeded"
+ROUTE_NOT_FOUND = "route not found"
+METHOD_NOT_ALLOWED = "method not allowed"
+UNAUTHORIZED = "missing or invalid bearer key"
+
+
+class HttpError(Exception):
+    """An error of the HTTP edge itself (body, content type, shape, query string, limits)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def query_error(detail: str) -> HttpError:
+    return HttpError(400, QUERY_SHAPE + detail)
+
+
+def _text(e: Exception) -> str:
+    return str(e)
+
+
+# Error class -> (status, message). Domain errors whose own text is the API's use it as is.
+STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
+    svc.NoTracker: (404, _text),
+    svc.UnknownWorker: (404, _text),
+    core.WorkerNotFound: (404, _text),
+    core.RequestNotFound: (404, _text),
+    svc.WorkerExists: (409, _text),
+    svc.BlockSizeMismatch: (409, _text),
+    core.DuplicateRequest: (409, _text),
+    svc.InvalidTopology: (400, _text),
+    svc.TooManyRanks: (400, _text),
+    core.InvalidDpSize: (400, lambda e: "dp_size must be greater than 0"),
+    core.InvalidDpRange: (
+        400,
+        lambda e: f"dp range overflows u32: start={e.dp_start} size={e.dp_size}",
+    ),
+    svc.TooManyHashes: (422, _text),
+    core.PrefillTokensOverflow: (
+        422,
+        lambda e: f"new_isl_tokens would overflow the prefill token sum of {e.worker.debug()}",
+    ),
+}
+
+# Every error class an operation may raise on purpose (``except`` clauses catch exactly these).
+EXPECTED: tuple[type[Exception], ...] = (HttpError, *STATUS)
+
+
+def describe(exc: Exception) -> tuple[int, str]:
+    """``(status, message)`` for an error of ``EXPECTED``."""
+    if type(exc) is HttpError:
+        return exc.status, exc.message  # type: ignore[attr-defined]
+    status, text = STATUS[type(exc)]
+    return status, text(exc)
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+def error_result(exc: Exception) -> tuple[int, bytes]:
+    status, message = describe(exc)
+    return status, error_body(message)

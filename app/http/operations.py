@@ -1,0 +1,295 @@
+"""Body-level operations: JSON bytes in, ``(status, JSON bytes)`` out.
+
+Each operation validates its body (``app.http.body``), builds the service's command
+(``app.service.commands``), runs it and encodes the answer. Every route, whichever path serves it
+(the lean dispatcher or FastAPI), runs the same operation, so it answers identically. Expected
+errors become their status and ``{"error": ...}`` body through the one error table
+(``app.http.errors``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from app.core.types import U64_MAX
+from app.http import schemas as s
+from app.http.body import parse_json, parse_object
+from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
+from app.service import SlotTrackerService
+from app.service import commands as c
+
+OK = b'{"status":"ok"}'
+_CREATED = b'{"status":201}'
+_DONE = b'{"status":200}'
+
+Result = tuple[int, bytes]
+Operation = Callable[[bytes], Result]
+
+_POTENTIAL_ROW = (
+    b'{"worker_id":%d,"dp_rank":%d,"potential_prefill_tokens":%d,'
+    b'"potential_decode_blocks":%d,"active_requests":%d}'
+)
+
+
+def hashes_u64(hashes: list[int] | None) -> list[int] | None:
+    """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
+    if not hashes or min(hashes) >= 0:
+        return hashes
+    return [h & U64_MAX if h < 0 else h for h in hashes]
+
+
+def check_prompt(b: Any) -> None:
+    """``sequence_hashes`` xor ``token_ids`` (the schema documents it as ``oneOf``)."""
+    if b.sequence_hashes is None and b.token_ids is None:
+        raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
+    if b.sequence_hashes is not None and b.token_ids is not None:
+        raise HttpError(422, JSON_SHAPE + "give either `sequence_hashes` or `token_ids`, not both")
+
+
+def add_command(b: s.AddBody) -> c.Add:
+    check_prompt(b)
+    return c.Add(
+        model_name=b.model_name,
+        routing_group=b.routing_group,
+        request_id=b.request_id,
+        worker_id=b.worker_id,
+        dp_rank=b.dp_rank,
+        sequence_hashes=hashes_u64(b.sequence_hashes),
+        token_ids=b.token_ids,
+        lora_name=b.lora_name,
+        new_isl_tokens=b.new_isl_tokens,
+        expected_prefill_ms=b.expected_prefill_ms,
+        track_prefill_tokens=b.track_prefill_tokens,
+        expected_output_tokens=b.expected_output_tokens,
+    )
+
+
+def _ranks(ws) -> list[dict[str, int]]:
+    return [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in ws]
+
+
+BATCH_MODELS: dict[str, type[BaseModel]] = {
+    "add": s.BatchAdd,
+    "prefill_complete": s.BatchPrefillComplete,
+    "free": s.BatchFree,
+    "output_block": s.BatchOutputBlock,
+}
+
+
+class Operations:
+    """Every body route's operation, by name (the route table names them)."""
+
+    def __init__(self, service: SlotTrackerService, max_batch: int) -> None:
+        self.service = service
+        self.max_batch = max_batch
+
+    def get(self, name: str) -> Operation:
+        op = getattr(self, name)
+        return lambda raw: self.run(op, raw)
+
+    @staticmethod
+    def run(op: Operation, raw: bytes) -> Result:
+        try:
+            return op(raw)
+        except EXPECTED as e:
+            return error_result(e)
+
+    # -- topology -------------------------------------------------------------------------
+
+    def register(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.RegisterBody)
+        self.service.register(
+            c.Register(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                worker_id=b.worker_id,
+                block_size=b.block_size,
+                dp_start=b.dp_start,
+                dp_size=b.dp_size,
+            )
+        )
+        return 201, OK
+
+    def upsert(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.UpsertBody)
+        created = self.service.upsert(
+            c.Upsert(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                worker_id=b.worker_id,
+                block_size=b.block_size,
+                dp_start=b.dp_start,
+                dp_size=b.dp_size,
+            )
+        )
+        return (201 if created else 200), OK
+
+    def unregister(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.UnregisterBody)
+        self.service.unregister(
+            c.Unregister(
+                model_name=b.model_name, routing_group=b.routing_group, worker_id=b.worker_id
+            )
+        )
+        return 200, OK
+
+    def reconcile(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.ReconcileBody)
+        added, removed = self.service.reconcile(
+            c.Reconcile(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                block_size=b.block_size,
+                workers=[(w.worker_id, w.dp_start, w.dp_size) for w in b.workers],
+            )
+        )
+        return 200, orjson.dumps({"added": _ranks(added), "removed": _ranks(removed)})
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def add(self, raw: bytes) -> Result:
+        self.service.add(add_command(parse_json(raw, s.AddBody)))
+        return 201, OK
+
+    def prefill_complete(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.RequestBody)
+        self.service.prefill_complete(
+            c.PrefillComplete(
+                model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id
+            )
+        )
+        return 200, OK
+
+    def free(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.RequestBody)
+        self.service.free(
+            c.Free(model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id)
+        )
+        return 200, OK
+
+    def output_block(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.OutputBlockBody)
+        self.service.output_block(
+            c.OutputBlock(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                request_id=b.request_id,
+                decay_fraction=b.decay_fraction,
+            )
+        )
+        return 200, OK
+
+    # -- queries --------------------------------------------------------------------------
+
+    def potential_loads(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.PotentialLoadsBody)
+        check_prompt(b)
+        rows = self.service.potential_loads(
+            c.PotentialLoads(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                sequence_hashes=hashes_u64(b.sequence_hashes),
+                token_ids=b.token_ids,
+                lora_name=b.lora_name,
+                new_isl_tokens=b.new_isl_tokens,
+            )
+        )
+        return 200, b"[" + b",".join([_POTENTIAL_ROW % row for row in rows]) + b"]"
+
+    def project_loads(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.ProjectLoadsBody)
+        check_prompt(b)
+        rows = self.service.project_loads(
+            c.ProjectLoads(
+                model_name=b.model_name,
+                routing_group=b.routing_group,
+                sequence_hashes=hashes_u64(b.sequence_hashes),
+                token_ids=b.token_ids,
+                lora_name=b.lora_name,
+            )
+        )
+        return 200, orjson.dumps(rows)
+
+    # -- batch ----------------------------------------------------------------------------
+
+    def _apply(self, b: Any) -> bytes:
+        """One well-formed batch operation; its result object."""
+        service, name = self.service, b.op
+        try:
+            if name == "add":
+                service.add(add_command(b))
+                return _CREATED
+            if name == "free":
+                service.free(
+                    c.Free(
+                        model_name=b.model_name,
+                        routing_group=b.routing_group,
+                        request_id=b.request_id,
+                    )
+                )
+            elif name == "prefill_complete":
+                service.prefill_complete(
+                    c.PrefillComplete(
+                        model_name=b.model_name,
+                        routing_group=b.routing_group,
+                        request_id=b.request_id,
+                    )
+                )
+            else:
+                service.output_block(
+                    c.OutputBlock(
+                        model_name=b.model_name,
+                        routing_group=b.routing_group,
+                        request_id=b.request_id,
+                        decay_fraction=b.decay_fraction,
+                    )
+                )
+        except EXPECTED as e:
+            return _batch_error(e)
+        return _DONE
+
+    def _loose_op(self, op: Any) -> bytes:
+        """An operation of a batch that did not validate as a whole: validated on its own."""
+        try:
+            if not isinstance(op, dict):
+                raise HttpError(422, "operation must be a JSON object")
+            name = op.get("op")
+            model = BATCH_MODELS.get(name) if isinstance(name, str) else None
+            if model is None:
+                raise HttpError(
+                    422, "`op` must be one of add, prefill_complete, free, output_block"
+                )
+            b = parse_object(op, model)
+        except HttpError as e:
+            return _batch_error(e)
+        return self._apply(b)
+
+    def batch(self, raw: bytes) -> Result:
+        ops = None
+        if b"NaN" not in raw and b"Infinity" not in raw:
+            # one validation pass when every operation is well formed (the common case)
+            with contextlib.suppress(ValidationError):
+                ops = s.StrictBatchBody.model_validate_json(raw).operations
+        if ops is not None:
+            self._check_size(len(ops))
+            results = [self._apply(b) for b in ops]
+        else:
+            # malformed somewhere: validate each operation alone so the others still apply
+            loose = parse_json(raw, s.BatchBody).operations
+            self._check_size(len(loose))
+            results = [self._loose_op(op) for op in loose]
+        return 200, b'{"results":[' + b",".join(results) + b"]}"
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_batch:
+            raise HttpError(422, "too many operations in one batch")
+
+
+def _batch_error(e: Exception) -> bytes:
+    status, message = describe(e)
+    return orjson.dumps({"status": status, "error": message})

@@ -1,0 +1,55 @@
+"""The service's domain errors: rules of the tracker registry and of the API's limits.
+
+Each carries its message; the HTTP edge's error table (``app.http.errors``) gives each class
+its status. The core's own errors (``app.core.errors``: unknown rank or request, duplicate
+request, invalid dp range ...) reach the edge unchanged.
+"""
+
+from __future__ import annotations
+
+from app.service.commands import Key
+
+
+class ServiceError(Exception):
+    """Base class of the service's own errors; ``str(error)`` is the message."""
+
+
+class NoTracker(ServiceError):
+    def __init__(self, key: Key) -> None:
+        super().__init__(f"no slot tracker for model={key[0]} routing_group={key[1]}")
+
+
+class UnknownWorker(ServiceError):
+    def __init__(self, key: Key, worker_id: int) -> None:
+        super().__init__(f"worker {worker_id} not found for model={key[0]} routing_group={key[1]}")
+
+
+class WorkerExists(ServiceError):
+    def __init__(self, key: Key, worker_id: int) -> None:
+        super().__init__(
+            f"worker {worker_id} already registered for model={key[0]} routing_group={key[1]}"
+        )
+
+
+class BlockSizeMismatch(ServiceError):
+    def __init__(self, key: Key, existing: int, requested: int) -> None:
+        super().__init__(
+            f"block_size mismatch for model={key[0]} routing_group={key[1]}: "
+            f"existing={existing}, requested={requested}"
+        )
+
+
+class InvalidTopology(ServiceError):
+    """A topology value the service refuses before the core sees it."""
+
+
+class TooManyRanks(ServiceError):
+    def __init__(self, key: Key, ranks: int, limit: int) -> None:
+        super().__init__(
+            f"too many ranks for model={key[0]} routing_group={key[1]}: {ranks} > {limit}"
+        )
+
+
+class TooManyHashes(ServiceError):
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"too many block hashes: {count} > max_hashes_per_request ({limit})")

@@ -1,0 +1,98 @@
+"""The trackers of one process, keyed by ``(model_name, routing_group)``, with their counters.
+
+A tracker is created by the first topology change of its key and dropped when its last worker
+goes. Counters (added, freed, expired) outlive their tracker so that metrics stay monotonic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from app.core.publisher import ReplicaWorkerPolicy, SequencePublisher
+from app.core.tracker import ActiveSequencesMultiWorker
+from app.service.commands import Key
+from app.service.errors import NoTracker
+
+WORKER_TYPE = "standalone"
+
+
+@dataclass(slots=True)
+class KeyCounters:
+    added: int = 0
+    freed: int = 0
+    expired: int = 0
+
+
+class TrackerRegistry:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], int],
+        expiry_ns: int,
+        check_interval_ns: int,
+        instance_id: int,
+        replicated: bool,
+        publisher_for: Callable[[Key], SequencePublisher],
+    ) -> None:
+        self.clock = clock
+        self.expiry_ns = expiry_ns
+        self.check_interval_ns = check_interval_ns
+        self.instance_id = instance_id
+        self.replicated = replicated
+        self.publisher_for = publisher_for
+        self.trackers: dict[Key, ActiveSequencesMultiWorker] = {}
+        self.counters: dict[Key, KeyCounters] = {}
+
+    def create(self, key: Key, block_size: int) -> ActiveSequencesMultiWorker:
+        tracker = ActiveSequencesMultiWorker(
+            self.publisher_for(key),
+            block_size,
+            {},
+            self.replicated,
+            self.instance_id,
+            WORKER_TYPE,
+            clock=self.clock,
+            expiry_ns=self.expiry_ns,
+            check_interval_ns=self.check_interval_ns,
+            replica_worker_policy=ReplicaWorkerPolicy.REQUIRE_REGISTERED,
+        )
+        self.trackers[key] = tracker
+        self.counters_of(key)
+        return tracker
+
+    def get(self, key: Key) -> ActiveSequencesMultiWorker:
+        t = self.trackers.get(key)
+        if t is None:
+            raise NoTracker(key)
+        return t
+
+    def find(self, key: Key) -> ActiveSequencesMultiWorker | None:
+        return self.trackers.get(key)
+
+    def drop_if_empty(self, key: Key) -> None:
+        t = self.trackers.get(key)
+        if t is not None and not t.has_registered_workers():
+            del self.trackers[key]
+
+    def counters_of(self, key: Key) -> KeyCounters:
+        c = self.counters.get(key)
+        if c is None:
+            c = self.counters[key] = KeyCounters()
+        return c
+
+    def matching(self, model_name: str | None, routing_group: str | None) -> list[Key]:
+        """Keys of live trackers, sorted, filtered by model and/or routing group."""
+        if model_name is not None and routing_group is not None:
+            key = (model_name, routing_group)
+            return [key] if key in self.trackers else []
+        keys: Iterable[Key] = (
+            k
+            for k in self.trackers
+            if (model_name is None or k[0] == model_name)
+            and (routing_group is None or k[1] == routing_group)
+        )
+        return sorted(keys)
+
+    def replace_all(self, trackers: dict[Key, ActiveSequencesMultiWorker]) -> None:
+        self.trackers = trackers

@@ -1,0 +1,252 @@
+"""Replica records: what this instance tells the others, and how their records are applied.
+
+Out: every topology change and every lifecycle event of a local call becomes one record (an
+envelope with the key, block size, origin instance and the producer's wall-clock time) handed
+to the ``Replicator`` (``app.replication``), which must never block.
+
+In: ``apply_remote`` applies other instances' records in order. Lifecycle events keep the
+producer's time: a replicated request ages from its producer's add time and its prefill decays
+from the producer's instant. Effects (loads, wake-ups) are flushed once per tracker for the
+whole batch. A record that cannot be applied (malformed, or refused by the core, e.g. a
+topology that conflicts with the local one) is counted, logged and skipped: the records behind
+it in the batch are still applied.
+
+Snapshots: ``export_state`` / ``restore_state`` carry every tracker (``app.core.snapshot``),
+instants as wall-clock time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from app.core.errors import TrackerError
+from app.core.events import ActiveSequenceEvent, AddRequest, Free, event_from_wire, event_to_wire
+from app.core.publisher import ReplicaEffects, SequencePublisher
+from app.core.snapshot import wall_mapping
+from app.core.types import WorkerDpRange
+from app.service.commands import Key
+
+if TYPE_CHECKING:
+    from app.service.registry import TrackerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Replicator(Protocol):
+    """Where a service sends its replica records. ``publish`` must never block."""
+
+    def publish(self, record: dict[str, Any]) -> None: ...
+
+
+class _TrackerPublisher(SequencePublisher):
+    """Forwards one tracker's lifecycle events as replica records."""
+
+    __slots__ = ("replica", "key")
+
+    def __init__(self, replica: Replica, key: Key) -> None:
+        self.replica = replica
+        self.key = key
+
+    def enqueue_event(self, event: ActiveSequenceEvent) -> None:
+        self.replica.emit_lifecycle(self.key, event)
+
+
+class Replica:
+    def __init__(
+        self,
+        instance_id: int,
+        clock: Callable[[], int],
+        wall_clock: Callable[[], int],
+        replicator: Replicator | None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.replicator = replicator
+        self.applied = 0
+        self.dropped = 0  # records of peers that could not be applied
+        self._registry: TrackerRegistry | None = None
+
+    def bind(self, registry: TrackerRegistry) -> None:
+        self._registry = registry
+
+    @property
+    def registry(self) -> TrackerRegistry:
+        assert self._registry is not None, "bind() the registry first"
+        return self._registry
+
+    def publisher_for(self, key: Key) -> SequencePublisher:
+        return _TrackerPublisher(self, key)
+
+    # -- out -------------------------------------------------------------------------------
+
+    def _envelope(self, key: Key, block_size: int) -> dict[str, Any]:
+        return {
+            "model_name": key[0],
+            "routing_group": key[1],
+            "block_size": block_size,
+            "origin": self.instance_id,
+            "ts": self.wall_clock(),
+        }
+
+    def emit_lifecycle(self, key: Key, event: ActiveSequenceEvent) -> None:
+        if self.replicator is None:
+            return
+        t = self.registry.find(key)
+        record = self._envelope(key, t.block_size if t is not None else 0)
+        record["event"] = event_to_wire(event)
+        self.replicator.publish(record)
+
+    def _emit_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> None:
+        if self.replicator is None:
+            return
+        record = self._envelope(key, block_size)
+        record["topology"] = op
+        self.replicator.publish(record)
+
+    def emit_upsert(
+        self, key: Key, block_size: int, worker_id: int, dp_start: int, dp_size: int
+    ) -> None:
+        self._emit_topology(
+            key,
+            block_size,
+            {"op": "upsert", "worker_id": worker_id, "dp_start": dp_start, "dp_size": dp_size},
+        )
+
+    def emit_unregister(self, key: Key, block_size: int, worker_id: int) -> None:
+        self._emit_topology(key, block_size, {"op": "unregister", "worker_id": worker_id})
+
+    def emit_reconcile(
+        self, key: Key, block_size: int, workers: list[tuple[int, int, int]]
+    ) -> None:
+        self._emit_topology(
+            key, block_size, {"op": "reconcile", "workers": [list(w) for w in workers]}
+        )
+
+    # -- in --------------------------------------------------------------------------------
+
+    def producer_instant(self, wall_ts: int) -> int:
+        """The local monotonic instant matching a producer's wall-clock time (skew clamped)."""
+        age = self.wall_clock() - wall_ts
+        return self.clock() - (age if age > 0 else 0)
+
+    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+        """Apply other instances' records in order; returns how many changed state."""
+        applied = 0
+        effects: dict[Key, ReplicaEffects] = {}
+        for rec in records:
+            try:
+                changed = self._apply_one(rec, effects)
+            except (TrackerError, KeyError, TypeError, ValueError) as e:
+                self.dropped += 1
+                log.warning("dropping a replica record that cannot be applied: %r", e)
+                continue
+            if changed:
+                applied += 1
+                self.applied += 1
+        trackers = self.registry.trackers
+        for key, eff in effects.items():
+            t = trackers.get(key)
+            if t is not None:
+                t.flush_replica_effects(eff)
+        return applied
+
+    def _apply_one(self, rec: dict[str, Any], effects: dict[Key, ReplicaEffects]) -> bool:
+        if rec.get("origin") == self.instance_id:
+            return False
+        key = (rec["model_name"], rec["routing_group"])
+        block_size = rec["block_size"]
+        if "topology" in rec:
+            return self._apply_topology(key, block_size, rec["topology"])
+        registry = self.registry
+        t = registry.find(key)
+        if t is None or t.block_size != block_size:
+            self.dropped += 1
+            log.debug(
+                "dropping replica event for %s: no tracker with block size %s", key, block_size
+            )
+            return False
+        event = event_from_wire(rec["event"])
+        instant = self.producer_instant(rec["ts"])
+        eff = effects.get(key)
+        if eff is None:
+            eff = effects[key] = ReplicaEffects()
+        changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
+        if changed:
+            data = event.data
+            if isinstance(data, AddRequest):
+                registry.counters_of(key).added += 1
+            elif isinstance(data, Free):
+                registry.counters_of(key).freed += 1
+        return changed
+
+    def _apply_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> bool:
+        kind = op["op"]
+        registry = self.registry
+        t = registry.find(key)
+        if t is not None and t.block_size != block_size:
+            log.warning(
+                "replica topology for %s has block size %s, local %s; dropped",
+                key,
+                block_size,
+                t.block_size,
+            )
+            self.dropped += 1
+            return False
+        if kind == "upsert":
+            r = WorkerDpRange(op["worker_id"], op["dp_start"], op["dp_size"])
+            if t is None:
+                t = registry.create(key, block_size)
+            try:
+                t.upsert_worker(r)
+            finally:
+                registry.drop_if_empty(key)  # a refused first range leaves no empty tracker
+            return True
+        if kind == "unregister":
+            if t is None or not t.has_worker(op["worker_id"]):
+                return False
+            t.unregister_worker(op["worker_id"])
+            registry.drop_if_empty(key)
+            return True
+        if kind == "reconcile":
+            ranges = [WorkerDpRange(*w) for w in op["workers"]]
+            if t is None:
+                if not ranges:
+                    return False
+                t = registry.create(key, block_size)
+            try:
+                t.reconcile_workers(ranges)
+            finally:
+                registry.drop_if_empty(key)
+            return True
+        raise ValueError(f"unknown topology op {kind!r}")
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Every tracker's replicated state (``app.core.snapshot``), instants as wall time."""
+        to_wall, _ = wall_mapping(self.clock(), self.wall_clock())
+        return [
+            {"model_name": key[0], "routing_group": key[1], "tracker": t.export(to_wall)}
+            for key, t in sorted(self.registry.trackers.items())
+        ]
+
+    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
+        """Replace every tracker by those of an ``export_state`` (counters are kept).
+
+        All or nothing: on malformed data the previous trackers stay in place.
+        """
+        _, from_wall = wall_mapping(self.clock(), self.wall_clock())
+        registry = self.registry
+        previous = registry.trackers
+        registry.replace_all({})
+        try:
+            for entry in trackers:
+                key = (entry["model_name"], entry["routing_group"])
+                data = entry["tracker"]
+                registry.create(key, data["block_size"]).restore(data, from_wall)
+        except Exception:
+            registry.replace_all(previous)
+            raise

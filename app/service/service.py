@@ -1,0 +1,310 @@
+"""The service: executes commands against the tracker of their ``(model_name, routing_group)``.
+
+Every method is synchronous and runs to completion without awaiting, so two calls never
+interleave: no locks are needed on one event loop. Errors are domain errors (``app.core.errors``
+and ``app.service.errors``); the service knows nothing of HTTP. Replica records for other
+instances leave through ``app.service.replica``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from app.core.hashing import sequence_hashes_for_tokens
+from app.core.topology import validate_range
+from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
+from app.core.types import (
+    NS_PER_MS,
+    NS_PER_S,
+    PrefillLoadHint,
+    PrefillTokenDeltas,
+    SequenceRequest,
+    WorkerDpRange,
+    WorkerWithDpRank,
+)
+from app.service import commands as c
+from app.service.errors import (
+    BlockSizeMismatch,
+    InvalidTopology,
+    TooManyHashes,
+    TooManyRanks,
+    UnknownWorker,
+    WorkerExists,
+)
+from app.service.registry import KeyCounters, TrackerRegistry
+from app.service.replica import Replica, Replicator
+
+# Most worker ranks one tracker may hold: every rank costs memory, so a single registration with
+# a huge ``dp_size`` (the anchor accepts up to 2^32 - 1) must not exhaust the process.
+MAX_RANKS_PER_TRACKER = 16_384
+
+# Most data-parallel ranks one worker may register (the reference's limit).
+MAX_DP_SIZE = 4096
+
+Key = c.Key
+
+
+def check_range(block_size: int, dp_start: int, dp_size: int) -> None:
+    """The service's topology limits, then the core's range rule, in the reference's order."""
+    if block_size == 0:
+        raise InvalidTopology("block_size must be greater than 0")
+    if dp_size > MAX_DP_SIZE:
+        raise InvalidTopology(f"dp_size {dp_size} exceeds the maximum {MAX_DP_SIZE}")
+    validate_range(WorkerDpRange(0, dp_start, dp_size))
+
+
+class SlotTrackerService:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], int] = time.monotonic_ns,
+        wall_clock: Callable[[], int] = time.time_ns,
+        expiry_seconds: int = 300,
+        expiry_check_seconds: int = 30,
+        instance_id: int = 0,
+        max_hashes_per_request: int = 1_048_576,
+        replicator: Replicator | None = None,
+    ) -> None:
+        self.clock = clock
+        self.instance_id = instance_id
+        self.max_hashes = max_hashes_per_request
+        self.replica = Replica(instance_id, clock, wall_clock, replicator)
+        self.registry = TrackerRegistry(
+            clock=clock,
+            expiry_ns=expiry_seconds * NS_PER_S,
+            check_interval_ns=expiry_check_seconds * NS_PER_S,
+            instance_id=instance_id,
+            replicated=replicator is not None,
+            publisher_for=self.replica.publisher_for,
+        )
+        self.replica.bind(self.registry)
+
+    # -- the registry ----------------------------------------------------------------------
+
+    @property
+    def trackers(self) -> dict[Key, ActiveSequencesMultiWorker]:
+        return self.registry.trackers
+
+    def tracker(self, key: Key) -> ActiveSequencesMultiWorker:
+        return self.registry.get(key)
+
+    @property
+    def replicator(self) -> Replicator | None:
+        return self.replica.replicator
+
+    def counters(self) -> list[tuple[Key, KeyCounters]]:
+        """Added/freed/expired counts per key, sorted (kept after a tracker is dropped)."""
+        return sorted(self.registry.counters.items())
+
+    # -- topology --------------------------------------------------------------------------
+
+    def _tracker_for_topology(self, key: Key, block_size: int) -> ActiveSequencesMultiWorker | None:
+        t = self.registry.find(key)
+        if t is not None and t.block_size != block_size:
+            raise BlockSizeMismatch(key, t.block_size, block_size)
+        return t
+
+    @staticmethod
+    def _check_capacity(key: Key, ranks: int) -> None:
+        if ranks > MAX_RANKS_PER_TRACKER:
+            raise TooManyRanks(key, ranks, MAX_RANKS_PER_TRACKER)
+
+    def register(self, cmd: c.Register) -> None:
+        key = cmd.key
+        check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
+        t = self._tracker_for_topology(key, cmd.block_size)
+        if t is not None and t.has_worker(cmd.worker_id):
+            raise WorkerExists(key, cmd.worker_id)
+        self._check_capacity(key, (t.num_workers() if t is not None else 0) + cmd.dp_size)
+        if t is None:
+            t = self.registry.create(key, cmd.block_size)
+        t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+
+    def upsert(self, cmd: c.Upsert) -> bool:
+        """Register or replace one worker's ranks; True when the worker id was new."""
+        key = cmd.key
+        check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
+        t = self._tracker_for_topology(key, cmd.block_size)
+        old = t.worker_range(cmd.worker_id) if t is not None else None
+        kept = (t.num_workers() if t is not None else 0) - (old.dp_size if old is not None else 0)
+        self._check_capacity(key, kept + cmd.dp_size)
+        if t is None:
+            t = self.registry.create(key, cmd.block_size)
+        created = old is None
+        change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        if not change.is_empty() or created:
+            self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+        return created
+
+    def unregister(self, cmd: c.Unregister) -> None:
+        key = cmd.key
+        t = self.registry.find(key)
+        if t is None or not t.has_worker(cmd.worker_id):
+            raise UnknownWorker(key, cmd.worker_id)
+        t.unregister_worker(cmd.worker_id)
+        self.registry.drop_if_empty(key)
+        self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
+
+    def reconcile(self, cmd: c.Reconcile) -> tuple[list[WorkerWithDpRank], list[WorkerWithDpRank]]:
+        """Make the listed workers the whole topology of the key; returns (added, removed)."""
+        key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
+        if block_size == 0:
+            raise InvalidTopology("block_size must be greater than 0")
+        seen: set[int] = set()
+        for wid, start, size in workers:
+            if wid in seen:
+                raise InvalidTopology(f"worker {wid} is listed more than once")
+            seen.add(wid)
+            check_range(block_size, start, size)
+        self._check_capacity(key, sum(size for _, _, size in workers))
+        t = self._tracker_for_topology(key, block_size)
+        if t is None:
+            if not workers:
+                return [], []
+            t = self.registry.create(key, block_size)
+        change = t.reconcile_workers([WorkerDpRange(*w) for w in workers])
+        self.registry.drop_if_empty(key)
+        self.replica.emit_reconcile(key, block_size, workers)
+        return change.added, change.removed
+
+    def workers(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        rows = []
+        for key in self.registry.matching(model_name, routing_group):
+            t = self.registry.trackers[key]
+            for r in t.worker_ranges():
+                rows.append(
+                    {
+                        "worker_id": r.worker_id,
+                        "model_name": key[0],
+                        "routing_group": key[1],
+                        "block_size": t.block_size,
+                        "dp_start": r.dp_start,
+                        "dp_size": r.dp_size,
+                    }
+                )
+        return rows
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
+        """The tracker of the command's key and its prompt as block hashes."""
+        t = self.registry.get(cmd.key)
+        if cmd.token_ids is not None:
+            hashes = sequence_hashes_for_tokens(cmd.token_ids, t.block_size, cmd.lora_name)
+        elif cmd.sequence_hashes is not None:
+            hashes = cmd.sequence_hashes
+        else:
+            raise ValueError("a prompt needs sequence_hashes or token_ids")
+        if len(hashes) > self.max_hashes:
+            raise TooManyHashes(len(hashes), self.max_hashes)
+        return t, hashes
+
+    def add(self, cmd: c.Add) -> None:
+        t, hashes = self.prompt_hashes(cmd)
+        tokens = cmd.new_isl_tokens
+        track = tokens > 0 if cmd.track_prefill_tokens is None else cmd.track_prefill_tokens
+        duration_ns = None
+        if cmd.expected_prefill_ms is not None:
+            duration_ns = round(cmd.expected_prefill_ms * NS_PER_MS)
+        t.add_request_if_registered(
+            SequenceRequest(
+                cmd.request_id,
+                WorkerWithDpRank(cmd.worker_id, cmd.dp_rank),
+                hashes,
+                track,
+                cmd.expected_output_tokens,
+                PrefillLoadHint(tokens, duration_ns) if tokens > 0 else None,
+                cmd.lora_name,
+            ),
+            self.clock(),
+        )
+        self.registry.counters_of(cmd.key).added += 1
+
+    def prefill_complete(self, cmd: c.PrefillComplete) -> None:
+        self.registry.get(cmd.key).mark_prefill_completed(cmd.request_id, self.clock())
+
+    def free(self, cmd: c.Free) -> None:
+        if self.registry.get(cmd.key).free(cmd.request_id, self.clock()):
+            self.registry.counters_of(cmd.key).freed += 1
+
+    def output_block(self, cmd: c.OutputBlock) -> None:
+        self.registry.get(cmd.key).add_output_block(cmd.request_id, cmd.decay_fraction)
+
+    def expire(self) -> int:
+        """One forced-expiry sweep over every tracker; returns how many requests expired."""
+        total = 0
+        for key, t in list(self.registry.trackers.items()):
+            n = len(t.force_expire_requests_across_all_workers())
+            if n:
+                self.registry.counters_of(key).expired += n
+                total += n
+        return total
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def rank_loads(
+        self, model_name: str | None, routing_group: str | None
+    ) -> list[tuple[Key, list[RankLoadRow]]]:
+        """Per matching key (sorted): the tracker's ``rank_loads`` rows."""
+        now = self.clock()
+        trackers = self.registry.trackers
+        return [
+            (key, trackers[key].rank_loads(now))
+            for key in self.registry.matching(model_name, routing_group)
+        ]
+
+    def loads(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        return [
+            {
+                "model_name": key[0],
+                "routing_group": key[1],
+                "worker_id": wid,
+                "dp_rank": rank,
+                "active_prefill_tokens": tokens,
+                "active_decode_blocks": blocks,
+                "active_requests": requests,
+                "modeled_remaining_prefill_ms": modeled,
+            }
+            for key, rows in self.rank_loads(model_name, routing_group)
+            for wid, rank, tokens, blocks, requests, modeled in rows
+        ]
+
+    def potential_loads(self, cmd: c.PotentialLoads) -> list[tuple[int, int, int, int, int]]:
+        """Per rank, sorted: ``(worker_id, dp_rank, potential_prefill_tokens,
+        potential_decode_blocks, active_requests)`` (``tracker.potential_loads``)."""
+        t, hashes = self.prompt_hashes(cmd)
+        return t.potential_loads(
+            hashes, PrefillTokenDeltas.uniform(cmd.new_isl_tokens), self.clock()
+        )
+
+    def project_loads(self, cmd: c.ProjectLoads) -> list[dict[str, Any]]:
+        t, hashes = self.prompt_hashes(cmd)
+        proj = t.project_worker_loads(hashes, self.clock())
+        return [
+            {
+                "worker_id": w.worker_id,
+                "dp_rank": w.dp_rank,
+                "active_prefill_tokens": p.active_prefill_tokens,
+                "active_decode_blocks": p.active_decode_blocks,
+                "additional_active_blocks": p.additional_active_blocks,
+                "potential_decode_blocks": p.potential_decode_blocks(),
+            }
+            for w, p in sorted(proj.items())
+        ]
+
+    def lora_counts(self, key: Key) -> dict[str, int]:
+        return dict(sorted(self.registry.get(key).get_active_lora_counts().items()))
+
+    # -- replication (the ``ReplicaTarget`` of ``app.replication``) -------------------------
+
+    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+        return self.replica.apply_remote(records)
+
+    def export_state(self) -> list[dict[str, Any]]:
+        return self.replica.export_state()
+
+    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
+        self.replica.restore_state(trackers)
