@@ -24,12 +24,13 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
+from app.core.types import NS_PER_S, U64_MAX
+
 ENV_PREFIX = "SLOT_TRACKER_"
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
-
-U64_MAX = 2**64 - 1
 
 # TOML files read by the settings being built now, lowest precedence first. A context variable
 # rather than a class attribute, so building settings never leaks into another build.
@@ -79,8 +80,8 @@ class Settings(BaseSettings):
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
 
     # Active request expiry
-    expiry_seconds: int = Field(default=300, gt=0)
-    expiry_check_seconds: int = Field(default=30, gt=0)
+    expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+    expiry_check_seconds: int = Field(default=CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S, gt=0)
     force_expiry_interval_seconds: int = Field(default=60, gt=0)
 
     # Replication between instances

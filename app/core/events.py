@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 
 
@@ -167,34 +165,3 @@ def _add_from_wire(a: dict[str, Any]) -> AddRequest:
             tokens, duration_from_wire(raw_hint.get("expected_prefill_duration"))
         )
     return AddRequest(seq, track, eot, hint)
-
-
-# -- bytes ------------------------------------------------------------------------------------
-
-
-def encode_event(ev: ActiveSequenceEvent) -> bytes:
-    """A singleton payload: one ``ActiveSequenceEvent``."""
-    return msgpack.packb(event_to_wire(ev))
-
-
-def encode_batch(events: list[ActiveSequenceEvent]) -> bytes:
-    """A batch payload: ``ActiveSequenceEventBatch {events: [...]}``."""
-    return msgpack.packb({"events": [event_to_wire(e) for e in events]})
-
-
-def _unpack(payload: bytes) -> Any:
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise EventDecodeError(f"undecodable payload: {e}") from None
-
-
-def decode_event(payload: bytes) -> ActiveSequenceEvent:
-    return event_from_wire(_unpack(payload))
-
-
-def decode_batch(payload: bytes) -> list[ActiveSequenceEvent]:
-    obj = _unpack(payload)
-    if not isinstance(obj, dict) or set(obj) != {"events"} or not isinstance(obj["events"], list):
-        raise EventDecodeError("not an ActiveSequenceEventBatch")
-    return [event_from_wire(e) for e in obj["events"]]

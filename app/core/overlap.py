@@ -149,13 +149,3 @@ class PromptTrie:
             for child in (node.children or {}).values():
                 stack.append((child, prefix))
         return out
-
-    def holders(self) -> set[WorkerWithDpRank]:
-        """Every rank that holds at least one node (for invariant checks)."""
-        out: set[WorkerWithDpRank] = set()
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            out.update(n.workers)
-            stack.extend((n.children or {}).values())
-        return out

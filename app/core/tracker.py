@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import invariants
 from .errors import (
     DuplicateRequest,
     MissingExpectedDuration,
@@ -21,6 +22,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
+from .loads import PotentialLoadRow, RankLoadRow, potential_rows, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     ModeledPrefillTimeLoad,
@@ -58,9 +60,6 @@ log = logging.getLogger(__name__)
 MAX_REPLICA_BATCH_EVENTS = 256
 MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
 
-
-PotentialLoadRow = tuple[int, int, int, int, int]
-RankLoadRow = tuple[int, int, int, int, int, int | None]
 
 PotentialLoads = tuple[
     dict[WorkerWithDpRank, int],
@@ -260,6 +259,14 @@ class ActiveSequencesMultiWorker:
     @property
     def table(self) -> WorkerTable:
         return self._table
+
+    @property
+    def trie(self) -> PromptTrie:
+        return self._trie
+
+    @property
+    def request_index(self) -> RequestIndex:
+        return self._requests
 
     @property
     def request_worker(self) -> dict[str, WorkerWithDpRank]:
@@ -586,60 +593,18 @@ class ActiveSequencesMultiWorker:
         return blocks, tokens, requests if include_active_requests else None
 
     def potential_loads(
-        self,
-        token_sequence: list[int] | None,
-        deltas: PrefillTokenDeltas | None,
-        decay_now: int,
+        self, token_sequence: list[int] | None, deltas: PrefillTokenDeltas | None, decay_now: int
     ) -> list[PotentialLoadRow]:
-        """Per rank, sorted: what its load would be if this prompt went there.
-
-        Rows are plain tuples ``(worker_id, dp_rank, potential_prefill_tokens,
-        potential_decode_blocks, active_requests)``: this answers every routing decision, and
-        the HTTP edge encodes them directly. Prefill tokens saturate at 2^64-1.
-        """
+        """Per rank, sorted: its load if this prompt went there (``loads.potential_rows``)."""
         q_len = len(token_sequence) if token_sequence else 0
         over = self.overlaps(token_sequence)
-        blocks, slots = self._blocks, self._slots
-        by_worker = deltas.by_worker if deltas is not None else None
-        default = deltas.default_tokens if deltas is not None else 0
-        rows = []
-        for w in self.workers():
-            s = slots[w]
-            extra = by_worker.get(w, default) if by_worker else default
-            tokens = s.prefill.active_tokens(decay_now) + extra
-            rows.append(
-                (
-                    w.worker_id,
-                    w.dp_rank,
-                    tokens if tokens <= U64_MAX else U64_MAX,
-                    blocks[w] + q_len - over.get(w, 0),
-                    len(s.requests),
-                )
-            )
-        return rows
+        return potential_rows(
+            self.workers(), self._slots, self._blocks, over, q_len, deltas, decay_now
+        )
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
-        """Per rank, sorted: ``(worker_id, dp_rank, active_prefill_tokens, active_decode_blocks,
-        active_requests, modeled_remaining_prefill_ms | None)``."""
-        rows = []
-        blocks, slots = self._blocks, self._slots
-        for w in self.workers():
-            s = slots[w]
-            try:
-                modeled: int | None = s.prefill.modeled_remaining_prefill_time_ms(now)
-            except MissingExpectedDuration:
-                modeled = None
-            rows.append(
-                (
-                    w.worker_id,
-                    w.dp_rank,
-                    s.prefill.active_tokens(now),
-                    blocks[w],
-                    len(s.requests),
-                    modeled,
-                )
-            )
-        return rows
+        """Per rank, sorted: its load now (``loads.rank_rows``)."""
+        return rank_rows(self.workers(), self._slots, self._blocks, now)
 
     def project_worker_loads(
         self, token_sequence: list[int] | None, decay_now: int
@@ -659,30 +624,7 @@ class ActiveSequencesMultiWorker:
         return self._trie.is_empty()
 
     def assert_consistent(self) -> None:
-        assert set(self._slots) == self._table.slots == set(self._blocks)
-        fresh = PromptTrie()
-        for w, s in self._slots.items():
-            s.assert_consistent()
-            assert self._blocks[w] == s.active_blocks(), f"stale block count for {w}"
-            for st in s.requests.values():
-                if st.prompt_blocks:
-                    fresh.add(w, st.prompt_blocks)
-        assert fresh.expanded() == self._trie.expanded(), "overlap index out of sync"
-        for rid, w in self._requests.workers.items():
-            if w in self._slots:
-                assert rid in self._slots[w].requests, f"{rid} mapped to {w} but not active there"
-        self._requests.assert_consistent()
+        invariants.assert_consistent(self)
 
     def assert_completely_drained(self, decay_now: int) -> None:
-        blocks = self.active_blocks()
-        assert all(v == 0 for v in blocks.values()), f"expected zero active blocks, got {blocks}"
-        tokens = self.active_tokens(decay_now)
-        assert all(v == 0 for v in tokens.values()), f"expected zero active tokens, got {tokens}"
-        reqs = self.active_request_counts()
-        assert all(v == 0 for v in reqs.values()), f"expected zero active requests, got {reqs}"
-        index = self._requests
-        assert not index.workers, f"expected no request mappings, got {index.workers}"
-        assert not index.lora_counts, f"expected no LoRA counts, got {index.lora_counts}"
-        assert self._trie.is_empty(), "expected the overlap index to be empty after drain"
-        for w, s in self._slots.items():
-            assert not s.blocks.refcount, f"{w} still references blocks"
+        invariants.assert_completely_drained(self, decay_now)

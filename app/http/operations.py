@@ -43,29 +43,62 @@ def hashes_u64(hashes: list[int] | None) -> list[int] | None:
     return [h & U64_MAX if h < 0 else h for h in hashes]
 
 
-def check_prompt(b: Any) -> None:
-    """``sequence_hashes`` xor ``token_ids`` (the schema documents it as ``oneOf``)."""
+def prompt_fields(b: Any) -> dict[str, Any]:
+    """A body's prompt fields: ``sequence_hashes`` xor ``token_ids`` (the schema documents it
+    as ``oneOf``; checked before the tracker is looked up, as the reference does)."""
     if b.sequence_hashes is None and b.token_ids is None:
         raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
     if b.sequence_hashes is not None and b.token_ids is not None:
         raise HttpError(422, JSON_SHAPE + "give either `sequence_hashes` or `token_ids`, not both")
+    return {
+        "model_name": b.model_name,
+        "routing_group": b.routing_group,
+        "sequence_hashes": hashes_u64(b.sequence_hashes),
+        "token_ids": b.token_ids,
+        "lora_name": b.lora_name,
+    }
 
 
 def add_command(b: s.AddBody) -> c.Add:
-    check_prompt(b)
     return c.Add(
-        model_name=b.model_name,
-        routing_group=b.routing_group,
+        **prompt_fields(b),
         request_id=b.request_id,
         worker_id=b.worker_id,
         dp_rank=b.dp_rank,
-        sequence_hashes=hashes_u64(b.sequence_hashes),
-        token_ids=b.token_ids,
-        lora_name=b.lora_name,
         new_isl_tokens=b.new_isl_tokens,
         expected_prefill_ms=b.expected_prefill_ms,
         track_prefill_tokens=b.track_prefill_tokens,
         expected_output_tokens=b.expected_output_tokens,
+    )
+
+
+def free_command(b: Any) -> c.Free:
+    return c.Free(model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id)
+
+
+def prefill_command(b: Any) -> c.PrefillComplete:
+    return c.PrefillComplete(
+        model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id
+    )
+
+
+def output_block_command(b: Any) -> c.OutputBlock:
+    return c.OutputBlock(
+        model_name=b.model_name,
+        routing_group=b.routing_group,
+        request_id=b.request_id,
+        decay_fraction=b.decay_fraction,
+    )
+
+
+def worker_range(cls: type[c.Register], b: s.RegisterBody) -> c.Register:
+    return cls(
+        model_name=b.model_name,
+        routing_group=b.routing_group,
+        worker_id=b.worker_id,
+        block_size=b.block_size,
+        dp_start=b.dp_start,
+        dp_size=b.dp_size,
     )
 
 
@@ -102,31 +135,11 @@ class Operations:
     # -- topology -------------------------------------------------------------------------
 
     def register(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.RegisterBody)
-        self.service.register(
-            c.Register(
-                model_name=b.model_name,
-                routing_group=b.routing_group,
-                worker_id=b.worker_id,
-                block_size=b.block_size,
-                dp_start=b.dp_start,
-                dp_size=b.dp_size,
-            )
-        )
+        self.service.register(worker_range(c.Register, parse_json(raw, s.RegisterBody)))
         return 201, OK
 
     def upsert(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.UpsertBody)
-        created = self.service.upsert(
-            c.Upsert(
-                model_name=b.model_name,
-                routing_group=b.routing_group,
-                worker_id=b.worker_id,
-                block_size=b.block_size,
-                dp_start=b.dp_start,
-                dp_size=b.dp_size,
-            )
-        )
+        created = self.service.upsert(worker_range(c.Upsert, parse_json(raw, s.UpsertBody)))
         return (201 if created else 200), OK
 
     def unregister(self, raw: bytes) -> Result:
@@ -157,61 +170,28 @@ class Operations:
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.RequestBody)
-        self.service.prefill_complete(
-            c.PrefillComplete(
-                model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id
-            )
-        )
+        self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.RequestBody)
-        self.service.free(
-            c.Free(model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id)
-        )
+        self.service.free(free_command(parse_json(raw, s.RequestBody)))
         return 200, OK
 
     def output_block(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.OutputBlockBody)
-        self.service.output_block(
-            c.OutputBlock(
-                model_name=b.model_name,
-                routing_group=b.routing_group,
-                request_id=b.request_id,
-                decay_fraction=b.decay_fraction,
-            )
-        )
+        self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))
         return 200, OK
 
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
         b = parse_json(raw, s.PotentialLoadsBody)
-        check_prompt(b)
-        rows = self.service.potential_loads(
-            c.PotentialLoads(
-                model_name=b.model_name,
-                routing_group=b.routing_group,
-                sequence_hashes=hashes_u64(b.sequence_hashes),
-                token_ids=b.token_ids,
-                lora_name=b.lora_name,
-                new_isl_tokens=b.new_isl_tokens,
-            )
-        )
+        cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        rows = self.service.potential_loads(cmd)
         return 200, b"[" + b",".join([_POTENTIAL_ROW % row for row in rows]) + b"]"
 
     def project_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.ProjectLoadsBody)
-        check_prompt(b)
         rows = self.service.project_loads(
-            c.ProjectLoads(
-                model_name=b.model_name,
-                routing_group=b.routing_group,
-                sequence_hashes=hashes_u64(b.sequence_hashes),
-                token_ids=b.token_ids,
-                lora_name=b.lora_name,
-            )
+            c.ProjectLoads(**prompt_fields(parse_json(raw, s.ProjectLoadsBody)))
         )
         return 200, orjson.dumps(rows)
 
@@ -225,30 +205,11 @@ class Operations:
                 service.add(add_command(b))
                 return _CREATED
             if name == "free":
-                service.free(
-                    c.Free(
-                        model_name=b.model_name,
-                        routing_group=b.routing_group,
-                        request_id=b.request_id,
-                    )
-                )
+                service.free(free_command(b))
             elif name == "prefill_complete":
-                service.prefill_complete(
-                    c.PrefillComplete(
-                        model_name=b.model_name,
-                        routing_group=b.routing_group,
-                        request_id=b.request_id,
-                    )
-                )
+                service.prefill_complete(prefill_command(b))
             else:
-                service.output_block(
-                    c.OutputBlock(
-                        model_name=b.model_name,
-                        routing_group=b.routing_group,
-                        request_id=b.request_id,
-                        decay_fraction=b.decay_fraction,
-                    )
-                )
+                service.output_block(output_block_command(b))
         except EXPECTED as e:
             return _batch_error(e)
         return _DONE

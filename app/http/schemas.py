@@ -21,8 +21,9 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from app.core.types import U32_MAX, U64_MAX
+
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
-U64_MAX, U32_MAX = 2**64 - 1, 2**32 - 1
 
 U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]

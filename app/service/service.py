@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core.hashing import sequence_hashes_for_tokens
+from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from app.core.topology import validate_range
 from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
 from app.core.types import (
@@ -61,8 +62,8 @@ class SlotTrackerService:
         *,
         clock: Callable[[], int] = time.monotonic_ns,
         wall_clock: Callable[[], int] = time.time_ns,
-        expiry_seconds: int = 300,
-        expiry_check_seconds: int = 30,
+        expiry_seconds: int = EXPIRY_DURATION_NS // NS_PER_S,
+        expiry_check_seconds: int = CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S,
         instance_id: int = 0,
         max_hashes_per_request: int = 1_048_576,
         replicator: Replicator | None = None,

@@ -19,8 +19,6 @@ from app.core.events import (
     AddRequest,
     Free,
     MarkPrefillCompleted,
-    decode_batch,
-    encode_batch,
 )
 from app.core.tracker import (
     MAX_REPLICA_BATCH_DURATION_NS,
@@ -36,6 +34,7 @@ from app.replication.queue import (
     run_singleton_publisher,
 )
 from tests.fakes import FakeClock
+from tests.unit.wire import decode_batch, encode_batch
 
 WORKER = WorkerWithDpRank(1, 0)
 

@@ -22,11 +22,7 @@ from app.core.events import (
     ActiveSequenceEvent,
     AddRequest,
     EventDecodeError,
-    decode_batch,
-    decode_event,
     duration_to_wire,
-    encode_batch,
-    encode_event,
     event_from_wire,
     event_to_wire,
 )
@@ -36,6 +32,7 @@ from app.replication.queue import EventQueue, collect_batch, run_singleton_publi
 from app.replication.sync_loop import PENDING, Cancel, start_replica_sync
 from tests.fakes import FakeClock
 from tests.unit.recording import tracking_hint
+from tests.unit.wire import decode_batch, decode_event, encode_batch, encode_event
 
 # -- Q07 --------------------------------------------------------------------------------------
 

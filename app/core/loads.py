@@ -1,0 +1,74 @@
+"""Per-rank load rows: what the HTTP edge and metrics read, computed in one pass per call.
+
+Rows are plain tuples, sorted by rank: the potential-loads row answers every routing decision
+and the edge encodes it directly, so no per-row object is built. The functions take the
+tracker's state explicitly (ranks, their sequences and active-block counts).
+"""
+
+from __future__ import annotations
+
+from .errors import MissingExpectedDuration
+from .sequences import ActiveSequences
+from .types import U64_MAX, PrefillTokenDeltas, WorkerWithDpRank
+
+# (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
+PotentialLoadRow = tuple[int, int, int, int, int]
+# (worker_id, dp_rank, active_prefill_tokens, active_decode_blocks, active_requests,
+#  modeled_remaining_prefill_ms | None)
+RankLoadRow = tuple[int, int, int, int, int, int | None]
+
+Slots = dict[WorkerWithDpRank, ActiveSequences]
+
+
+def potential_rows(
+    workers: list[WorkerWithDpRank],
+    slots: Slots,
+    blocks: dict[WorkerWithDpRank, int],
+    overlaps: dict[WorkerWithDpRank, int],
+    q_len: int,
+    deltas: PrefillTokenDeltas | None,
+    now: int,
+) -> list[PotentialLoadRow]:
+    """Each rank's prefill tokens and KV blocks if a prompt of ``q_len`` blocks, sharing
+    ``overlaps[rank]`` of them with the rank's active prompts, went there. Prefill tokens
+    saturate at 2^64-1."""
+    by_worker = deltas.by_worker if deltas is not None else None
+    default = deltas.default_tokens if deltas is not None else 0
+    rows = []
+    for w in workers:
+        s = slots[w]
+        extra = by_worker.get(w, default) if by_worker else default
+        tokens = s.prefill.active_tokens(now) + extra
+        rows.append(
+            (
+                w.worker_id,
+                w.dp_rank,
+                tokens if tokens <= U64_MAX else U64_MAX,
+                blocks[w] + q_len - overlaps.get(w, 0),
+                len(s.requests),
+            )
+        )
+    return rows
+
+
+def rank_rows(
+    workers: list[WorkerWithDpRank], slots: Slots, blocks: dict[WorkerWithDpRank, int], now: int
+) -> list[RankLoadRow]:
+    rows = []
+    for w in workers:
+        s = slots[w]
+        try:
+            modeled: int | None = s.prefill.modeled_remaining_prefill_time_ms(now)
+        except MissingExpectedDuration:
+            modeled = None
+        rows.append(
+            (
+                w.worker_id,
+                w.dp_rank,
+                s.prefill.active_tokens(now),
+                blocks[w],
+                len(s.requests),
+                modeled,
+            )
+        )
+    return rows
