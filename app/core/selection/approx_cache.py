@@ -231,6 +231,11 @@ class ApproximateCache:
         """Ranks holding at least one block (expired or not yet swept)."""
         return list(self._by_rank)
 
+    @property
+    def pending_expiries(self) -> int:
+        """Entries in the expiry heap, stale ones (refreshed or removed blocks) included."""
+        return len(self._heap)
+
     def __len__(self) -> int:
         """Stored (rank, block) entries, including expired ones not yet swept by ``expire``."""
         return self._live
