@@ -1,0 +1,246 @@
+"""The approximate cache: which prompt prefixes were recently routed to which rank (one partition).
+
+Why it exists: with KV events off the reference cannot see the workers' caches, so it remembers
+what it booked (SELECTION.md §7). Every booking that carries ``block_hashes`` writes the chain on
+the booked rank; each block expires ``router_ttl_secs`` after its last write (re-booking a prefix
+refreshes exactly those blocks). A later prompt's overlap on a rank is the number of its leading
+blocks the rank holds, consecutive from block 0.
+
+Blocks are keyed by the chained hash of the block hashes (``compute_seq_hash_for_block``), so a
+block stands for its whole prefix: the same block hashes match whatever the request's own
+sequence hashes are, and a prompt differing in block 0 matches nothing. These keys are what
+``/dump`` shows as ``block_hash``.
+
+Cost: a lookup walks the prompt's chain keeping the set of ranks that matched so far, so it
+examines only ranks holding block 0 (and fewer as it goes) and never ranks that do not match;
+``lookup_probes`` counts the rank checks to make that testable. Expiry is lazy (an expired entry
+is ignored by lookups) and ``expire(now)`` pops a heap ordered by expiry, so its cost is
+proportional to what expires (plus stale heap entries left by refreshes, each paid for by the
+write that made it stale). Time is integer nanoseconds passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from ..hashing import compute_seq_hash_for_block
+from ..types import U64_MAX, WorkerWithDpRank
+
+# A heap larger than this multiple of the live entries (plus slack) is rebuilt without its stale
+# entries; the rebuild is paid for by the refreshing writes that made those entries stale.
+_HEAP_REBUILD_FACTOR = 2
+_HEAP_REBUILD_SLACK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """One live block of one rank, as ``/dump`` lists it."""
+
+    worker: WorkerWithDpRank
+    block_hash: int
+    """Chained hash of the block hashes up to and including this block (u64)."""
+    parent_hash: int | None
+    """The previous block's chained hash; ``None`` for block 0."""
+    tokens_hash: int
+    """The block's own (local) block hash (u64)."""
+    expires_at_ns: int
+
+
+class _Node:
+    """A chain key: its parent and local hash, and the ranks holding it with their expiry."""
+
+    __slots__ = ("parent", "local", "ranks")
+
+    def __init__(self, parent: int | None, local: int) -> None:
+        self.parent = parent
+        self.local = local
+        self.ranks: dict[WorkerWithDpRank, int] = {}
+
+
+class ApproximateCache:
+    """Block-hash chains per rank of one partition, with per-block TTL."""
+
+    def __init__(self, ttl_ns: int) -> None:
+        if ttl_ns < 0:
+            raise ValueError("ttl_ns must be >= 0")
+        self.ttl_ns = ttl_ns
+        self._nodes: dict[int, _Node] = {}
+        # rank -> its chain keys (dict as an ordered set). A block is written with its parent and
+        # never outlives it (the parent's last write is at least as late), so parents come first.
+        self._by_rank: dict[WorkerWithDpRank, dict[int, None]] = {}
+        self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
+        self._heap: list[tuple[int, int, WorkerWithDpRank]] = []  # (expires_at, key, rank)
+        self._live = 0
+        self.lookup_probes = 0
+        """Total rank checks made by ``overlaps`` (a cost counter, never reset)."""
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def record(
+        self,
+        worker: WorkerWithDpRank,
+        block_hashes: Sequence[int],
+        now_ns: int,
+        *,
+        chain: Sequence[int] | None = None,
+    ) -> None:
+        """A booking of ``block_hashes`` on ``worker`` at ``now_ns``: (re)write every block.
+
+        Hashes may be given signed (i64, as on the wire) or unsigned; they are stored as u64.
+        ``chain`` may pass the chained keys when the caller already has them (for a token prompt
+        they equal its sequence hashes); it must then equal ``chain_keys(block_hashes)``.
+        """
+        if not block_hashes:
+            return
+        locals_ = [h & U64_MAX for h in block_hashes]
+        keys = list(chain) if chain is not None else compute_seq_hash_for_block(locals_)
+        expires = now_ns + self.ttl_ns
+        nodes, heap = self._nodes, self._heap
+        rank_keys = self._by_rank.get(worker)
+        if rank_keys is None:
+            rank_keys = self._by_rank[worker] = {}
+            self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
+        parent: int | None = None
+        for key, local in zip(keys, locals_, strict=True):
+            key &= U64_MAX
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = _Node(parent, local)
+            if worker not in node.ranks:
+                self._live += 1
+                rank_keys[key] = None
+            node.ranks[worker] = expires
+            heapq.heappush(heap, (expires, key, worker))
+            parent = key
+        if len(heap) > _HEAP_REBUILD_FACTOR * self._live + _HEAP_REBUILD_SLACK:
+            self._rebuild_heap()
+
+    def _drop(self, key: int, worker: WorkerWithDpRank) -> None:
+        node = self._nodes[key]
+        del node.ranks[worker]
+        if not node.ranks:
+            del self._nodes[key]
+        rank_keys = self._by_rank[worker]
+        del rank_keys[key]
+        if not rank_keys:
+            self._forget_rank(worker)
+        self._live -= 1
+
+    def _forget_rank(self, worker: WorkerWithDpRank) -> None:
+        del self._by_rank[worker]
+        ranks = self._ranks_of_worker[worker.worker_id]
+        ranks.discard(worker)
+        if not ranks:
+            del self._ranks_of_worker[worker.worker_id]
+
+    def expire(self, now_ns: int) -> int:
+        """Remove every block whose expiry is ``<= now_ns``; returns how many were removed."""
+        heap, nodes = self._heap, self._nodes
+        removed = 0
+        while heap and heap[0][0] <= now_ns:
+            expires, key, worker = heapq.heappop(heap)
+            node = nodes.get(key)
+            if node is not None and node.ranks.get(worker) == expires:
+                self._drop(key, worker)
+                removed += 1
+        return removed
+
+    def remove_rank(self, worker: WorkerWithDpRank) -> int:
+        """Forget everything ``worker`` holds (its heap entries go stale); returns blocks dropped."""
+        rank_keys = self._by_rank.get(worker)
+        if rank_keys is None:
+            return 0
+        nodes = self._nodes
+        for key in rank_keys:
+            node = nodes[key]
+            del node.ranks[worker]
+            if not node.ranks:
+                del nodes[key]
+        n = len(rank_keys)
+        self._live -= n
+        self._forget_rank(worker)
+        return n
+
+    def remove_worker(self, worker_id: int) -> int:
+        """Forget every rank of ``worker_id``; returns blocks dropped."""
+        return sum(self.remove_rank(r) for r in list(self._ranks_of_worker.get(worker_id, ())))
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [
+            (expires, key, worker)
+            for key, node in self._nodes.items()
+            for worker, expires in node.ranks.items()
+        ]
+        heapq.heapify(self._heap)
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def overlaps(
+        self, block_hashes: Sequence[int], now_ns: int, *, chain: Sequence[int] | None = None
+    ) -> dict[WorkerWithDpRank, int]:
+        """Leading blocks of the prompt each rank holds at ``now_ns`` (ranks with 0 omitted)."""
+        if not block_hashes:
+            return {}
+        keys = (
+            list(chain)
+            if chain is not None
+            else compute_seq_hash_for_block([h & U64_MAX for h in block_hashes])
+        )
+        nodes = self._nodes
+        first = nodes.get(keys[0] & U64_MAX)
+        if first is None:
+            return {}
+        self.lookup_probes += len(first.ranks)
+        alive = [w for w, exp in first.ranks.items() if exp > now_ns]
+        result: dict[WorkerWithDpRank, int] = {}
+        depth = 1
+        for key in keys[1:]:
+            if not alive:
+                break
+            node = nodes.get(key & U64_MAX)
+            if node is None:
+                break
+            ranks = node.ranks
+            self.lookup_probes += len(alive)
+            still = []
+            for w in alive:
+                exp = ranks.get(w)
+                if exp is not None and exp > now_ns:
+                    still.append(w)
+                else:
+                    result[w] = depth
+            alive = still
+            depth += 1
+        for w in alive:
+            result[w] = depth
+        return result
+
+    def blocks(self, now_ns: int) -> Iterator[CachedBlock]:
+        """Every live block, rank by rank, a parent before its children (for ``/dump``)."""
+        nodes = self._nodes
+        for worker, keys in self._by_rank.items():
+            for key in keys:
+                node = nodes[key]
+                expires = node.ranks[worker]
+                if expires > now_ns:
+                    yield CachedBlock(worker, key, node.parent, node.local, expires)
+
+    def ranks(self) -> list[WorkerWithDpRank]:
+        """Ranks holding at least one block (expired or not yet swept)."""
+        return list(self._by_rank)
+
+    @property
+    def pending_expiries(self) -> int:
+        """Entries in the expiry heap, stale ones (refreshed or removed blocks) included."""
+        return len(self._heap)
+
+    def __len__(self) -> int:
+        """Stored (rank, block) entries, including expired ones not yet swept by ``expire``."""
+        return self._live
+
+
+def chain_keys(block_hashes: Sequence[int]) -> list[int]:
+    """The cache keys of a prompt's blocks: the chained hashes of its (u64) block hashes."""
+    return compute_seq_hash_for_block([h & U64_MAX for h in block_hashes])

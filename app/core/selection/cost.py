@@ -1,0 +1,114 @@
+"""The per-rank cost (logit) of sending one prompt to one worker rank, and the load projections.
+
+Why it is separate from the picking: the cost is plain arithmetic on a few numbers per rank, and the
+HTTP projections (/potential_loads, the select response) reuse its pieces. The operation order
+follows the reference's ``DefaultWorkerScorer::worker_logit`` so that exact ties (which decide a
+coin flip) are ties here too:
+
+    raw      = (P + max(isl, k*bs)) / bs                    # P + uncached + cached tokens
+    decay    = 1 / (1 + DECAY * (P - min P) / bs / ceil(isl/bs))   if tracking and DECAY > 0
+    prefill  = SCALE * max(0, raw - CREDIT * decay * k)
+    logit    = prefill + (D + new) + W * A
+
+``max(isl, k*bs)`` equals SELECTION.md's ``isl`` whenever the cached prefix fits in the prompt; it
+differs only for a hash prompt whose ``isl_tokens`` is shorter than its blocks, where the
+reference's "legacy operation order" adds the cached tokens back in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..types import WorkerWithDpRank
+from .config import RouterConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankInput:
+    """What the cost function needs to know about one candidate rank for one prompt."""
+
+    worker: WorkerWithDpRank
+    active_prefill_tokens: int
+    """P: prefill tokens still pending on the rank (``/loads.potential_prefill_tokens``)."""
+    potential_decode_blocks: int
+    """D + new: active blocks plus the prompt blocks not yet active on the rank."""
+    active_requests: int
+    """A: requests booked on the rank."""
+    overlap_blocks: int
+    """k: leading prompt blocks the approximate cache holds on the rank (device tier)."""
+
+
+def request_blocks(isl_tokens: int, block_size: int) -> int:
+    """RB = ceil(isl / bs): the blocks the prompt occupies, counting a partial tail block."""
+    return -(-isl_tokens // block_size)
+
+
+def cached_tokens(overlap_blocks: int, block_size: int) -> int:
+    return overlap_blocks * block_size
+
+
+def effective_prefill_tokens(isl_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    """Prompt tokens the rank still has to prefill: ``isl - min(isl, k*bs)`` (never credit-scaled)."""
+    return isl_tokens - min(isl_tokens, overlap_blocks * block_size)
+
+
+def potential_prefill_tokens(rank: RankInput, isl_tokens: int, block_size: int) -> int:
+    """``/potential_loads.potential_prefill_tokens``: ``P + isl - min(isl, k*bs)``."""
+    return rank.active_prefill_tokens + effective_prefill_tokens(
+        isl_tokens, rank.overlap_blocks, block_size
+    )
+
+
+def response_decode_blocks(
+    rank: RankInput, isl_tokens: int, block_size: int, num_sequence_hashes: int
+) -> int:
+    """The select response's ``potential_decode_blocks``: D + new + the uncovered tail blocks."""
+    tail = request_blocks(isl_tokens, block_size) - num_sequence_hashes
+    return rank.potential_decode_blocks + max(0, tail)
+
+
+def _rust_max(a: float, b: float) -> float:
+    """``f64::max``: a NaN operand yields the other one."""
+    if a != a:
+        return b
+    if b != b:
+        return a
+    return a if a >= b else b
+
+
+def min_active_prefill_tokens(ranks: list[RankInput]) -> int:
+    return min((r.active_prefill_tokens for r in ranks), default=0)
+
+
+def rank_logit(
+    rank: RankInput,
+    *,
+    isl_tokens: int,
+    block_size: int,
+    config: RouterConfig,
+    min_prefill_tokens: int,
+) -> float:
+    """The cost of ``rank`` (lower is better); ``min_prefill_tokens`` = min P over the candidates.
+
+    ``config`` is the router config with the request's override already applied.
+    """
+    bs = float(block_size)
+    k = rank.overlap_blocks
+    cached = k * block_size
+    raw_prefill_tokens = (
+        rank.active_prefill_tokens + (isl_tokens - min(isl_tokens, cached)) + cached
+    )
+    raw_prefill_blocks = raw_prefill_tokens / bs
+    decay = 1.0
+    if config.track_prefill_tokens and config.overlap_score_credit_decay > 0.0:
+        excess = max(0, rank.active_prefill_tokens - min_prefill_tokens) / bs
+        rb = request_blocks(isl_tokens, block_size)
+        # IEEE division as in the reference: an empty prompt gives inf (or NaN for 0/0).
+        normalised = excess / rb if rb else (math.inf if excess else math.nan)
+        decay = 1.0 / (1.0 + config.overlap_score_credit_decay * normalised)
+    overlap_credit_blocks = config.overlap_score_credit * decay * float(k)
+    adjusted = _rust_max(raw_prefill_blocks - overlap_credit_blocks, 0.0)
+    prefill_cost = config.prefill_load_scale * adjusted
+    active_request_cost = config.decode_active_request_weight * float(rank.active_requests)
+    return prefill_cost + float(rank.potential_decode_blocks) + active_request_cost
