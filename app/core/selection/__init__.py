@@ -22,7 +22,7 @@ Nothing here knows HTTP, Redis or asyncio: time is passed in (integer nanosecond
 comes from an injected ``random.Random``.
 """
 
-from .approx_cache import ApproximateCache, CachedBlock, chain_keys
+from .approx_cache import ApproximateCache, CachedBlock, StoredRun, chain_keys
 from .config import RouterConfig, RouterConfigOverride
 from .cost import (
     RankInput,
@@ -43,6 +43,7 @@ __all__ = [
     "RouterConfig",
     "RouterConfigOverride",
     "Selection",
+    "StoredRun",
     "WorkerOverlap",
     "chain_keys",
     "effective_prefill_tokens",

@@ -48,6 +48,16 @@ class CachedBlock:
     expires_at_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """Consecutive blocks of one rank, as one ``stored`` event of ``/dump``."""
+
+    worker: WorkerWithDpRank
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+    """``(block_hash, tokens_hash)`` per block: the chained key and the local block hash."""
+
+
 class _Node:
     """A chain key: its parent and local hash, and the ranks holding it with their expiry."""
 
@@ -226,6 +236,39 @@ class ApproximateCache:
                 expires = node.ranks[worker]
                 if expires > now_ns:
                     yield CachedBlock(worker, key, node.parent, node.local, expires)
+
+    def stored_runs(self, now_ns: int) -> Iterator[StoredRun]:
+        """Every live block as ``/dump``'s stored events: per rank, maximal single-child runs.
+
+        A run starts at a block whose parent the rank does not hold (``parent_hash`` None for
+        block 0) or at a child of a branching block, and continues while the block has exactly
+        one live child on that rank. Ranks in first-write order, parents before children.
+        """
+        nodes = self._nodes
+        for worker, keys in self._by_rank.items():
+            live = [k for k in keys if nodes[k].ranks[worker] > now_ns]
+            if not live:
+                continue
+            alive = set(live)
+            children: dict[int, list[int]] = {}
+            roots: list[int] = []
+            for key in live:
+                parent = nodes[key].parent
+                if parent is not None and parent in alive:
+                    children.setdefault(parent, []).append(key)
+                else:
+                    roots.append(key)
+            starts = [(nodes[k].parent, k) for k in roots]
+            while starts:
+                parent, key = starts.pop(0)
+                run = [(key, nodes[key].local)]
+                kids = children.get(key, ())
+                while len(kids) == 1:
+                    key = kids[0]
+                    run.append((key, nodes[key].local))
+                    kids = children.get(key, ())
+                starts.extend((key, k) for k in kids)
+                yield StoredRun(worker, parent, tuple(run))
 
     def ranks(self) -> list[WorkerWithDpRank]:
         """Ranks holding at least one block (expired or not yet swept)."""
