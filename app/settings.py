@@ -96,7 +96,7 @@ class Settings(BaseSettings):
 
     # Selection API (/selection/*): pending selections, randomness and the router knobs. A
     # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.
-    selection_cache_ttl_seconds: int = Field(default=60, gt=0)
+    selection_cache_ttl_seconds: int = Field(default=120, gt=0)
     selection_cache_max_entries: int = Field(default=100_000, gt=0)
     selection_seed: int = Field(default=-1, ge=-1)
     router_overlap_score_credit: float = Field(default=1.0, ge=0, allow_inf_nan=False)

@@ -149,6 +149,10 @@ def _raw_parts(scope: Scope) -> list[bytes]:
 
 
 def _match(segs: list[bytes | None], parts: list[bytes]) -> list[str] | None:
+    """The decoded parameters when ``parts`` fits the template; a parameter may be empty
+    except as the last segment (``/reservations/`` is no reservation path, as in axum)."""
+    if segs[-1] is None and not parts[-1]:
+        return None
     values: list[str] = []
     for want, got in zip(segs, parts, strict=True):
         if want is None:

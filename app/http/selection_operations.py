@@ -414,8 +414,8 @@ class SelectionQueries:
                                 ],
                             }
                         },
+                        "dp_rank": run.worker.dp_rank,
                     },
-                    "dp_rank": run.worker.dp_rank,
                 }
                 for i, run in enumerate(runs)
             ]

@@ -153,7 +153,7 @@ class SelectionService:
         clock: Callable[[], int] = time.monotonic_ns,
         rng: random.Random | None = None,
         pending_max_entries: int = 100_000,
-        pending_ttl_ns: int = 60_000_000_000,
+        pending_ttl_ns: int = 120_000_000_000,
         max_hashes_per_request: int = 1_048_576,
     ) -> None:
         self.registry = registry
@@ -166,6 +166,7 @@ class SelectionService:
         self.catalog: dict[int, WorkerRecord] = {}
         self.reservations: dict[str, Reservation] = {}
         self._reservations_of: dict[int, set[str]] = {}
+        self._schedulable = 0  # schedulable workers in the catalog
         self.lingering_dropped = 0
         """Lingering reservation ids dropped by the sweep after the request expiry (counted)."""
         self.stale_dropped = 0
@@ -229,7 +230,7 @@ class SelectionService:
         ]
 
     def schedulable_count(self) -> int:
-        return sum(1 for r in self.catalog.values() if r.schedulable)
+        return self._schedulable
 
     def _existing_block_size(self, key: Key) -> int | None:
         t = self.registry.find(key)
@@ -256,6 +257,15 @@ class SelectionService:
             ]
         return []
 
+    def _set_record(self, worker_id: int, record: WorkerRecord | None) -> None:
+        old = self.catalog.get(worker_id)
+        self._schedulable -= old is not None and old.schedulable
+        if record is None:
+            self.catalog.pop(worker_id, None)
+        else:
+            self.catalog[worker_id] = record
+            self._schedulable += record.schedulable
+
     def _apply_put_worker(self, spec: WorkerSpec) -> None:
         old = self.catalog.get(spec.worker_id)
         old_spec = old.spec if old is not None and old.schedulable else None
@@ -265,15 +275,16 @@ class SelectionService:
         if reasons:
             if old_spec is not None:
                 self._unplace(old_spec)
-            self.catalog[spec.worker_id] = WorkerRecord(spec, INCOMPLETE, tuple(reasons))
+            self._set_record(spec.worker_id, WorkerRecord(spec, INCOMPLETE, tuple(reasons)))
             return
         if old_spec is not None and not same_place:
             self._unplace(old_spec)
         self._place(spec)
-        self.catalog[spec.worker_id] = WorkerRecord(spec, SCHEDULABLE)
+        self._set_record(spec.worker_id, WorkerRecord(spec, SCHEDULABLE))
 
     def _apply_remove_worker(self, worker_id: int) -> None:
-        record = self.catalog.pop(worker_id)
+        record = self.catalog[worker_id]
+        self._set_record(worker_id, None)
         if record.schedulable:
             self._unplace(record.spec)
 
@@ -326,14 +337,29 @@ class SelectionService:
     def _partition(self, key: Key) -> Partition:
         part = self.partitions.get(key)
         if part is None or not part.workers:
-            raise NoSchedulableWorkers(*key)
+            raise self._no_workers(key)
         return part
 
-    def _prompt(self, cmd: sc.PromptCommand, block_size: int, *, for_booking: bool) -> Prompt:
+    def _no_workers(self, key: Key) -> Exception:
+        """The reference's 503: its text names the partition only while some other partition
+        has a schedulable worker."""
+        if self.schedulable_count() == 0:
+            return NoSchedulableWorkersAvailable()
+        return NoSchedulableWorkers(*key)
+
+    def _prompt(
+        self,
+        cmd: sc.PromptCommand,
+        block_size: int,
+        *,
+        for_booking: bool,
+        block_hashes: bool = True,
+    ) -> Prompt:
+        """The command's prompt (SELECTION.md §3); ``block_hashes=False`` ignores them."""
         prompt = normalize_prompt(
             block_size=block_size,
             token_ids=cmd.token_ids,
-            block_hashes=cmd.block_hashes,
+            block_hashes=cmd.block_hashes if block_hashes else None,
             sequence_hashes=cmd.sequence_hashes,
             isl_tokens=cmd.isl_tokens,
             lora_name=cmd.lora_name,
@@ -380,11 +406,17 @@ class SelectionService:
                 sid = self.new_selection_id()
             self._check_free(sid, key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        config = self.config.with_override(cmd.router_config_override)
+        # As in the reference (1.6.1), a request's override is validated but only its
+        # `track_prefill_tokens` takes effect (on the booking); the cost uses the service's knobs.
+        config = self.config
+        override = cmd.router_config_override
+        track = config.track_prefill_tokens
+        if override is not None and override.track_prefill_tokens is not None:
+            track = override.track_prefill_tokens
         now = self.clock()
         candidates = self._candidates(part, prompt, now)
         if not candidates:
-            raise NoSchedulableWorkers(*key)
+            raise self._no_workers(key)
         chosen = select(
             candidates,
             isl_tokens=prompt.isl_tokens,
@@ -397,7 +429,6 @@ class SelectionService:
         )
         worker = chosen.worker
         spec = part.workers[worker.worker_id]
-        track = config.track_prefill_tokens
         ept = chosen.effective_prefill_tokens
         if cmd.reserve:
             assert sid is not None
@@ -414,6 +445,7 @@ class SelectionService:
                     prefill_tokens=ept if track else 0,
                     expected_output_tokens=cmd.expected_output_tokens,
                     lora_name=cmd.lora_name,
+                    consumes_pending=False,
                 )
             )
         elif sid is not None:
@@ -436,7 +468,7 @@ class SelectionService:
                 )
             )
         load = None
-        if cmd.advisory:
+        if cmd.advisory and not cmd.reserve:  # accepted, but not answered, when reserving
             rank = next(c for c in candidates if c.worker == worker)
             load = WorkerLoad(
                 rank.active_prefill_tokens,
@@ -473,22 +505,28 @@ class SelectionService:
         ]
 
     def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
+        """Every candidate rank's cached prefix of the prompt, and also any other rank the
+        approximate cache still holds it on (a rank removed from a worker keeps its blocks until
+        they expire), sorted: the reference lists both."""
         part, prompt, candidates = self._query(cmd)
         blocks = prompt.block_hashes or ()
+        rows = {c.worker: c.overlap_blocks for c in candidates}
+        if blocks:
+            now = self.clock()
+            for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
+                rows.setdefault(w, k)
         return OverlapScores(
             part.block_size,
             len(blocks),
-            [(c.worker.worker_id, c.worker.dp_rank, c.overlap_blocks) for c in candidates],
+            [(w.worker_id, w.dp_rank, k) for w, k in sorted(rows.items())],
         )
 
     def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, list[RankInput]]:
-        part = self.partitions.get(cmd.key)
-        if part is None or not part.workers:
-            raise NoSchedulableWorkersAvailable()
+        part = self._partition(cmd.key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
         candidates = self._candidates(part, prompt, self.clock())
         if not candidates:
-            raise NoSchedulableWorkersAvailable()
+            raise self._no_workers(cmd.key)
         return part, prompt, candidates
 
     # -- reservations ----------------------------------------------------------------------
@@ -523,9 +561,10 @@ class SelectionService:
     def replay(self, cmd: sc.ReplaySelection) -> Booked:
         """Book a pending selection exactly where it pointed (single use)."""
         key, sid = cmd.key, cmd.selection_id
-        entry = self.pending.get(sid, self.clock())
-        if entry is None or entry.key != key:
+        entry = self.pending.get((*key, sid), self.clock())
+        if entry is None:
             raise PendingSelectionNotFound(sid, *key)
+        self._partition(key)
         worker = entry.worker
         spec = self._placed_spec(key, worker)
         if spec is None:
@@ -573,12 +612,16 @@ class SelectionService:
         """An explicit booking of a prompt on a given rank."""
         key, sid = cmd.key, cmd.selection_id
         part = self._partition(key)
-        prompt = self._prompt(cmd, part.block_size, for_booking=True)
+        # the reference checks the block hashes (isl > 0, equal lengths) only after the worker
+        with_blocks = cmd.token_ids is None and cmd.block_hashes is not None
+        prompt = self._prompt(cmd, part.block_size, for_booking=True, block_hashes=False)
         ept = cmd.effective_prefill_tokens
         if ept is not None and ept > prompt.isl_tokens:
             raise PrefillExceedsIsl(ept, prompt.isl_tokens)
         if cmd.worker_id not in part.workers:
             raise SchedulableWorkerNotFound(cmd.worker_id, *key)
+        if with_blocks:
+            prompt = self._prompt(cmd, part.block_size, for_booking=False)
         self._check_free(sid, key)
         worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
         spec = self._placed_spec(key, worker)
@@ -651,7 +694,8 @@ class SelectionService:
         self._reservations_of.setdefault(b.worker.worker_id, set()).add(b.selection_id)
         if b.block_hashes:
             self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
-        self.pending.discard(b.selection_id)
+        if b.consumes_pending:
+            self.pending.discard((*key, b.selection_id))
 
     def _apply_release(self, r: m.Release, now: int) -> None:
         res = self.reservations[r.selection_id]

@@ -47,6 +47,9 @@ class Book:
     """Prefill tokens the booking adds to the rank (0 when not tracked)."""
     expected_output_tokens: int | None = None
     lora_name: str | None = None
+    consumes_pending: bool = True
+    """Drop the partition's pending selection of this id (a replay or an explicit booking; a
+    select_and_reserve leaves it, as the reference does)."""
 
     @property
     def key(self) -> tuple[str, str]:

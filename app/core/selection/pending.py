@@ -2,7 +2,9 @@
 
 Why: a caller may select first and book later (``POST /reservations`` with only the id), and the
 booking must land exactly where the selection pointed, with the prefill tokens computed then
-(SELECTION.md §6). The latest select of an id wins; a booking consumes the entry (single use).
+(SELECTION.md §6). Entries are keyed by partition and id, as in the reference: the latest select
+of an id in a partition wins, the same id may wait in several partitions, and a replay consumes
+the entry of its partition only (single use).
 
 Bounded twice, as the reference's ``--selection-cache-*`` options bound it: by count (the oldest
 entry is evicted when a new one would exceed ``max_entries``) and by age (an entry unclaimed for
@@ -17,6 +19,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..types import WorkerWithDpRank
+
+PendingKey = tuple[str, str, str]
+"""``(model_name, routing_group, selection_id)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,31 +53,34 @@ class PendingSelections:
             raise ValueError("ttl_ns must be > 0")
         self.max_entries = max_entries
         self.ttl_ns = ttl_ns
-        self._entries: OrderedDict[str, tuple[int, PendingSelection]] = OrderedDict()
+        self._entries: OrderedDict[PendingKey, tuple[int, PendingSelection]] = OrderedDict()
         self.evicted = 0
         """Entries dropped because the cache was full (never reset)."""
         self.expired = 0
         """Entries dropped unclaimed after ``ttl_ns`` (never reset)."""
 
     def put(self, selection_id: str, entry: PendingSelection, now_ns: int) -> None:
-        """Cache ``entry`` under ``selection_id`` (replacing an earlier one) until ``now + ttl``."""
+        """Cache ``entry`` under its partition and ``selection_id`` (replacing an earlier one)
+        until ``now + ttl``."""
         entries = self._entries
-        entries.pop(selection_id, None)
+        key = (entry.model_name, entry.routing_group, selection_id)
+        entries.pop(key, None)
         self.expire(now_ns)
-        entries[selection_id] = (now_ns + self.ttl_ns, entry)
+        entries[key] = (now_ns + self.ttl_ns, entry)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
             self.evicted += 1
 
-    def get(self, selection_id: str, now_ns: int) -> PendingSelection | None:
-        """The live entry of ``selection_id``, or ``None`` (expired entries count as absent)."""
-        found = self._entries.get(selection_id)
+    def get(self, key: PendingKey, now_ns: int) -> PendingSelection | None:
+        """The live entry of ``(model, group, id)``, or ``None`` (expired entries count as
+        absent)."""
+        found = self._entries.get(key)
         if found is None or found[0] <= now_ns:
             return None
         return found[1]
 
-    def discard(self, selection_id: str) -> bool:
-        return self._entries.pop(selection_id, None) is not None
+    def discard(self, key: PendingKey) -> bool:
+        return self._entries.pop(key, None) is not None
 
     def expire(self, now_ns: int) -> int:
         """Drop every entry older than the TTL; returns how many were dropped."""
