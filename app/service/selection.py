@@ -29,16 +29,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from app.core.selection import (
     ApproximateCache,
     Prompt,
-    RankInput,
     RouterConfig,
     Selection,
+    chain_keys,
     effective_prefill_tokens,
     normalize_prompt,
-    select,
 )
 from app.core.selection.approx_cache import StoredRun
 from app.core.selection.catalog import (
@@ -64,6 +64,7 @@ from app.core.selection.errors import (
     SchedulableWorkerNotFound,
 )
 from app.core.selection.pending import PendingSelection, PendingSelections
+from app.core.selection.selector import select_columns
 from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from app.service import selection_commands as sc
 from app.service import selection_mutations as m
@@ -142,6 +143,20 @@ class OverlapScores:
 
 # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
 LoadRow = tuple[int, int, int, int, int]
+
+
+class Candidates(NamedTuple):
+    """The candidate ranks of one selection as columns (``select_columns``' arguments)."""
+
+    workers: list[WorkerWithDpRank]
+    prefill: list[int]
+    """P: prefill tokens pending on the rank."""
+    decode: list[int]
+    """D + new: active blocks plus the prompt's blocks not active on the rank."""
+    requests: list[int]
+    """A: requests booked on the rank."""
+    overlap: list[int]
+    """k: leading prompt blocks the approximate cache holds on the rank."""
 
 
 class SelectionService:
@@ -370,26 +385,27 @@ class SelectionService:
             raise TooManyHashes(n, self.max_hashes)
         return prompt
 
-    def _candidates(self, part: Partition, prompt: Prompt, now: int) -> list[RankInput]:
-        """Every placed rank of the partition's schedulable workers, with its load and overlap."""
+    def _candidates(
+        self, part: Partition, prompt: Prompt, now: int, chain: tuple[int, ...] | None = None
+    ) -> Candidates:
+        """Every placed rank of the partition's schedulable workers, with its load and overlap,
+        as columns (``chain``: the prompt's approximate-cache keys, when already known)."""
         t = self.registry.find(part.key)
         if t is None:
-            return []
-        rows = t.potential_loads(list(prompt.sequence_hashes), None, now)
+            return Candidates([], [], [], [], [])
+        workers, prefill, decode, requests = t.load_columns(list(prompt.sequence_hashes), now)
         blocks = prompt.block_hashes
-        over = part.cache.overlaps(blocks, now, chain=prompt.cache_chain) if blocks else {}
-        workers = part.workers
-        return [
-            RankInput(
-                worker=(w := WorkerWithDpRank(wid, rank)),
-                active_prefill_tokens=tokens,
-                potential_decode_blocks=decode,
-                active_requests=requests,
-                overlap_blocks=over.get(w, 0),
-            )
-            for wid, rank, tokens, decode, requests in rows
-            if wid in workers
-        ]
+        over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain) if blocks else {}
+        known = part.workers
+        if not t.table.ranges.keys() <= known.keys():
+            # ranks the slot-tracker routes registered are not candidates of the selection API
+            keep = [i for i, w in enumerate(workers) if w.worker_id in known]
+            workers = [workers[i] for i in keep]
+            prefill = [prefill[i] for i in keep]
+            decode = [decode[i] for i in keep]
+            requests = [requests[i] for i in keep]
+        get = over.get
+        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers])
 
     # -- selection -------------------------------------------------------------------------
 
@@ -414,11 +430,12 @@ class SelectionService:
         if override is not None and override.track_prefill_tokens is not None:
             track = override.track_prefill_tokens
         now = self.clock()
-        candidates = self._candidates(part, prompt, now)
-        if not candidates:
+        chain = cache_chain(prompt)
+        candidates = self._candidates(part, prompt, now, chain)
+        if not candidates.workers:
             raise self._no_workers(key)
-        chosen = select(
-            candidates,
+        chosen = select_columns(
+            *candidates,
             isl_tokens=prompt.isl_tokens,
             block_size=part.block_size,
             num_sequence_hashes=len(prompt.sequence_hashes),
@@ -440,7 +457,7 @@ class SelectionService:
                     worker=worker,
                     sequence_hashes=prompt.sequence_hashes,
                     block_hashes=prompt.block_hashes,
-                    cache_chain=prompt.sequence_hashes if prompt.from_tokens else None,
+                    cache_chain=chain,
                     isl_tokens=prompt.isl_tokens,
                     prefill_tokens=ept if track else 0,
                     expected_output_tokens=cmd.expected_output_tokens,
@@ -469,9 +486,8 @@ class SelectionService:
             )
         load = None
         if cmd.advisory and not cmd.reserve:  # accepted, but not answered, when reserving
-            rank = next(c for c in candidates if c.worker == worker)
             load = WorkerLoad(
-                rank.active_prefill_tokens,
+                candidates.prefill[candidates.workers.index(worker)],
                 spec.max_num_batched_tokens
                 if spec.max_num_batched_tokens is not None
                 else DEFAULT_PREFILL_TOKEN_CAPACITY,
@@ -491,17 +507,11 @@ class SelectionService:
 
     def potential_loads(self, cmd: sc.PotentialLoads) -> list[LoadRow]:
         """Per candidate rank, sorted: its load if the prompt went there."""
-        part, prompt, candidates = self._query(cmd)
+        part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
         return [
-            (
-                c.worker.worker_id,
-                c.worker.dp_rank,
-                c.active_prefill_tokens + effective_prefill_tokens(isl, c.overlap_blocks, bs),
-                c.potential_decode_blocks,
-                c.active_requests,
-            )
-            for c in candidates
+            (w.worker_id, w.dp_rank, p + effective_prefill_tokens(isl, k, bs), d, a)
+            for w, p, d, a, k in zip(*c, strict=True)
         ]
 
     def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
@@ -510,7 +520,7 @@ class SelectionService:
         they expire), sorted: the reference lists both."""
         part, prompt, candidates = self._query(cmd)
         blocks = prompt.block_hashes or ()
-        rows = {c.worker: c.overlap_blocks for c in candidates}
+        rows = dict(zip(candidates.workers, candidates.overlap, strict=True))
         if blocks:
             now = self.clock()
             for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
@@ -521,11 +531,11 @@ class SelectionService:
             [(w.worker_id, w.dp_rank, k) for w, k in sorted(rows.items())],
         )
 
-    def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, list[RankInput]]:
+    def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
         part = self._partition(cmd.key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
         candidates = self._candidates(part, prompt, self.clock())
-        if not candidates:
+        if not candidates.workers:
             raise self._no_workers(cmd.key)
         return part, prompt, candidates
 
@@ -765,6 +775,16 @@ class SelectionService:
             elif self._live(sid) is None:
                 n += 1
         return n
+
+
+def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
+    """The approximate-cache keys of a prompt's blocks: its sequence hashes for a token prompt,
+    else the chained block hashes (computed once per request, used by lookup and write)."""
+    if prompt.block_hashes is None:
+        return None
+    if prompt.from_tokens:
+        return prompt.sequence_hashes
+    return tuple(chain_keys(prompt.block_hashes))
 
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:

@@ -29,6 +29,7 @@ from .cost import (
     effective_prefill_tokens,
     potential_prefill_tokens,
     rank_logit,
+    rank_logits,
     request_blocks,
     response_decode_blocks,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "prompt_from_hashes",
     "prompt_from_tokens",
     "rank_logit",
+    "rank_logits",
     "request_blocks",
     "response_decode_blocks",
     "select",
