@@ -182,3 +182,15 @@ def test_bad_overrides(value: object, message: str) -> None:
         RouterConfigOverride.from_json(value)
     assert str(e.value) == message
     assert e.value.detail == message
+
+
+def test_with_env_applies_only_the_variables_present() -> None:
+    base = RouterConfig(overlap_score_credit=0.5, router_temperature=0.25)
+    assert base.with_env({}) is base
+    got = base.with_env({"DYN_ROUTER_TEMPERATURE": "1", "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "0"})
+    assert (got.router_temperature, got.prefill_load_scale, got.overlap_score_credit) == (
+        1.0,
+        0.0,
+        0.0,
+    )
+    assert base.with_env({"OTHER": "1"}).overlap_score_credit == 0.5
