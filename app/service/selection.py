@@ -186,6 +186,7 @@ class SelectionService:
         """Lingering reservation ids dropped by the sweep after the request expiry (counted)."""
         self.stale_dropped = 0
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
+        self._evictions_logged = 0
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -774,6 +775,16 @@ class SelectionService:
                     n += 1
             elif self._live(sid) is None:
                 n += 1
+        evicted = self.pending.evicted
+        if evicted > self._evictions_logged:
+            log.warning(
+                "%d pending selections evicted unclaimed since the last sweep (cache full at "
+                "%d entries; %d in all)",
+                evicted - self._evictions_logged,
+                self.pending.max_entries,
+                evicted,
+            )
+            self._evictions_logged = evicted
         return n
 
 
