@@ -510,8 +510,16 @@ class SelectionService:
         """Per candidate rank, sorted: its load if the prompt went there."""
         part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
+        # without prefill tracking the prompt's own tokens are not added (as in the reference)
+        track = self.config.track_prefill_tokens
         return [
-            (w.worker_id, w.dp_rank, p + effective_prefill_tokens(isl, k, bs), d, a)
+            (
+                w.worker_id,
+                w.dp_rank,
+                p + (effective_prefill_tokens(isl, k, bs) if track else 0),
+                d,
+                a,
+            )
             for w, p, d, a, k in zip(*c, strict=True)
         ]
 
