@@ -331,6 +331,9 @@ async def test_track_prefill_tokens_off(make_client) -> None:
             8,
         )
         assert await rank_load(client) == (0, 2, 1)
+        # nor does /potential_loads add the prompt's prefill tokens
+        r = await post(client, "/potential_loads", prompt([5, 6]))
+        assert r.json()[0]["potential_prefill_tokens"] == 0
 
 
 async def test_override_sets_only_prefill_tracking(client) -> None:
