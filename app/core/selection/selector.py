@@ -202,7 +202,7 @@ def select_columns(
         effective_prefill_tokens=effective_prefill_tokens(isl_tokens, k, block_size),
         potential_decode_blocks=decode[i] + (tail if tail > 0 else 0),
         overlap=worker_overlap(workers, overlap, chosen.worker_id, block_size),
-        scored=[workers[r] for r in rows],
+        scored=workers if isinstance(rows, range) else [workers[r] for r in rows],
         costs=costs,
     )
 
