@@ -1,4 +1,4 @@
-"""The typed client (``app.client``) against real service instances.
+"""The typed client (``kv_slot_tracker_client``, in clients/python) against real service instances.
 
 * ``server``: a ``python -m app`` subprocess on a free port (shared by the module; every test uses
   its own model name, so tests never see each other's trackers). ``client`` talks to it.
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from app.client import (
+from kv_slot_tracker_client import (
     AsyncSlotTrackerClient,
     BadRequest,
     BatchBuilder,
@@ -45,6 +44,7 @@ from app.client import (
     WorkerRow,
     to_i64,
 )
+
 from app.main import create_app
 from app.settings import load_settings
 from tests.fakes import FakeClock
