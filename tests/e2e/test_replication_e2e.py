@@ -1,7 +1,7 @@
 """Replication between real service processes through Redis.
 
 Each test starts its own ``python -m app`` processes (``tests/e2e/conftest.py``) on a namespace
-of its own, drives them over HTTP with ``app.client.SlotTrackerClient`` and checks what every
+of its own, drives them over HTTP with ``kv_slot_tracker_client.SlotTrackerClient`` and checks what every
 instance answers against ``tests/e2e/traffic.Expected``, a model of the traffic sent that does
 not use the service's code.
 """
