@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app import __version__
 from app.api import schemas
 from app.api.dashboard import build_dashboard_router
+from app.api.docs import DOCS_ASSETS, build_docs_router
 from app.api.fast import FastPath, bearer_ok
 from app.api.operations import Operations
 from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
@@ -54,7 +55,8 @@ class BearerAuth:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(DOCS_ASSETS):
             await self.app(scope, receive, send)
             return
         if bearer_ok(scope, self.expected):
@@ -192,6 +194,8 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         "superset of Dynamo's standalone slot tracker API.",
         lifespan=lifespan,
         redirect_slashes=False,  # `/health/` is a 404, as in the reference
+        docs_url=None,  # served without a CDN by build_docs_router
+        redoc_url=None,
         **_NO_NATIVE_TELEMETRY,
     )
     app.state.settings = settings
@@ -255,6 +259,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     ops = Operations(service)
     app.include_router(build_router(service, ops, settings.max_body_bytes))
     app.include_router(build_dashboard_router())
+    app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))
 
     api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
