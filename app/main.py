@@ -306,6 +306,10 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
             comps[model.__name__] = sch
         if api_key:
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key
+            for path in OPEN_PATHS & doc["paths"].keys():
+                for op in doc["paths"][path].values():
+                    op["security"] = []
         app.openapi_schema = doc
         return doc
 

@@ -145,3 +145,38 @@ async def test_pages_follow_the_root_path(make_client: Any) -> None:
     assert "'/tracker/docs/oauth2-redirect'" in swagger
     assert '<redoc spec-url="/tracker/openapi.json">' in redoc
     assert "/tracker/docs/assets/redoc.standalone.js" in redoc
+
+
+async def test_with_a_key_the_document_asks_for_it_except_on_open_paths(
+    app: FastAPI, client: httpx.AsyncClient
+) -> None:
+    """Swagger UI sends the key it was given only to operations that require it."""
+    doc = (await client.get("/openapi.json")).json()
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert doc["security"] == [{"bearer": []}]
+    open_ops = {
+        (path, method)
+        for path, item in doc["paths"].items()
+        for method, op in item.items()
+        if op.get("security") == []
+    }
+    assert open_ops == {
+        ("/health", "get"),
+        ("/ready", "get"),
+        ("/metrics", "get"),
+    }
+    assert all(
+        "security" not in op
+        for path, item in doc["paths"].items()
+        for op in item.values()
+        if path not in {"/health", "/ready", "/metrics"}
+    )
+    assert KEY not in (await client.get("/openapi.json")).text
+
+
+async def test_without_a_key_the_document_asks_for_none(make_client: Any) -> None:
+    async with make_client() as (app, _):
+        doc = app.openapi()
+    assert "security" not in doc
+    assert "securitySchemes" not in doc["components"]
+    assert all("security" not in op for item in doc["paths"].values() for op in item.values())

@@ -4,16 +4,11 @@ The module starts ``python -m app`` on a free port with an API key, registers wo
 adds and frees requests over HTTP, and checks through Selenium that the page's bars appear,
 grow and shrink. It also writes ``docs/dashboard.png``.
 
-Chromium and chromedriver come from the Debian packages ``chromium`` and ``chromium-driver``,
-which ``make test`` installs through ``scripts/ensure_chromium.sh``. Without them these tests
-fail (they never skip): set ``SLOT_TRACKER_CHROMIUM`` / ``SLOT_TRACKER_CHROMEDRIVER`` to use
-binaries elsewhere.
+Chromium comes from ``conftest.py`` (the Debian packages; the tests fail without them).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,23 +21,6 @@ from tests.servers import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
-CHROMIUM = Path(os.environ.get("SLOT_TRACKER_CHROMIUM", "/usr/bin/chromium"))
-CHROMEDRIVER = Path(os.environ.get("SLOT_TRACKER_CHROMEDRIVER", "/usr/bin/chromedriver"))
-CHROME_FLAGS = (
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-extensions",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--force-color-profile=srgb",
-    "--hide-scrollbars",
-    "--lang=en-US",
-)
 API_KEY = "dashboard-test-key"
 LLAMA = ("llama-3.1-8b", "default")
 MISTRAL = ("mistral-7b", "canary")
@@ -75,32 +53,8 @@ def api(server: str) -> Iterator[Callable[[str, dict[str, Any]], None]]:
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.fail(
-            f"the dashboard browser tests need headless Chromium, but {', '.join(missing)} "
-            "is missing. Run `scripts/ensure_chromium.sh` (as root: apt-get install chromium "
-            "chromium-driver), which `make test` does, or point SLOT_TRACKER_CHROMIUM and "
-            "SLOT_TRACKER_CHROMEDRIVER at a Chromium and its matching chromedriver.",
-            pytrace=False,
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for flag in CHROME_FLAGS:
-        options.add_argument(flag)
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path_factory.getbasetemp())
-    options.add_argument(f"--user-data-dir={profile}")
-    options.add_argument("--window-size=1280,900")
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+def browser(chromium: Callable[..., Any]) -> Any:
+    return chromium()
 
 
 # --- reading the page ----------------------------------------------------------------------
