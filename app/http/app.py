@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
-from app.http.auth import BearerAuth
+from app.http.auth import OPEN_PATHS, BearerAuth
 from app.http.dashboard import build_dashboard_router
+from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
 from app.http.lean import LeanDispatcher
 from app.http.middleware import HeadAsGet
@@ -82,6 +83,8 @@ def build_http_app(
         description=DESCRIPTION,
         lifespan=lifespan,
         redirect_slashes=False,  # `/health/` is a 404, as in the reference
+        docs_url=None,  # served without a CDN by build_docs_router
+        redoc_url=None,
         **_NO_NATIVE_TELEMETRY,
     )
     _install_error_handlers(app)
@@ -99,6 +102,7 @@ def build_http_app(
             endpoint = query_endpoint(route, getattr(queries, route.name))
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
     app.include_router(build_dashboard_router())
+    app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))
 
     api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
@@ -169,5 +173,9 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
         comps[model.__name__] = sch
     if with_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key
+        for path in OPEN_PATHS & doc["paths"].keys():
+            for op in doc["paths"][path].values():
+                op["security"] = []
     app.openapi_schema = doc
     return doc
