@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from .errors import (
     DuplicateRequest,
     MissingExpectedDuration,
-    PublishQueueClosed,
-    PublishQueueError,
+    PublishRejected,
     RequestNotFound,
     WorkerNotFound,
 )
@@ -50,7 +49,7 @@ class ReplicaWorkerPolicy(enum.Enum):
 class SequencePublisher:
     """Where a tracker's loads, observations and replica events go. Every hook is optional.
 
-    ``enqueue_event`` must not block; it may raise ``PublishQueueError`` (the tracker logs it).
+    ``enqueue_event`` must not block; it may raise ``PublishRejected`` (the tracker logs it).
     The other hooks are fire-and-forget and must not raise.
     """
 
@@ -402,13 +401,11 @@ class ActiveSequencesMultiWorker:
     def _enqueue(self, event: ActiveSequenceEvent) -> None:
         try:
             self.publisher.enqueue_event(event)
-        except PublishQueueClosed as e:
+        except PublishRejected as e:
             if e.during_shutdown:
                 log.debug("%s", e)
             else:
                 log.error("Failed to publish replica-sync event: %s", e)
-        except PublishQueueError as e:
-            log.error("Failed to publish replica-sync event: %s", e)
 
     # -- replica apply path ----------------------------------------------------------------
 

@@ -53,10 +53,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.core.errors import PublishQueueClosed, PublishQueueError
 from app.replication.embedded import EmbeddedReplication
 from app.replication.metrics import ReplicationCounters, ReplicationMetrics
-from app.replication.queue import EventQueue, collect_batch
+from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
 from app.replication.records import (
     RECORD_FIELD,
     MalformedRecord,
