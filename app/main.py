@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import random
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,7 +25,8 @@ from app.api.dashboard import build_dashboard_router
 from app.api.fast import FastPath, bearer_ok
 from app.api.operations import Operations
 from app.api.routes import BODY_MODELS, ERRORS, build_router, json_response
-from app.observability import HttpMetrics, build_registry
+from app.observability import HttpMetrics, TrackerCollector
+from app.replication import Replication, make_replication
 from app.service import ServiceError, SlotTrackerService
 from app.settings import Settings, load_settings
 
@@ -142,40 +143,30 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
 )
 
 
-def make_replication(settings: Settings, registry) -> Any:
-    if settings.redis_url:
-        from app.replication.redis_bus import RedisReplication
-
-        return RedisReplication(settings, registry)
-    from app.replication.embedded import EmbeddedReplication
-
-    return EmbeddedReplication(settings, registry)
-
-
-def create_app(settings: Settings | None = None, *, clock=None, replication=None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, clock=None, replication: Replication | None = None
+) -> FastAPI:
     settings = settings if settings is not None else load_settings()
     service_kwargs: dict[str, Any] = {}
     if clock is not None:
         service_kwargs["clock"] = clock
+    registry = CollectorRegistry(auto_describe=True)  # this app's own, never the global one
+    if replication is None:
+        replication = make_replication(settings, registry)
     service = SlotTrackerService(
         expiry_seconds=settings.expiry_seconds,
         expiry_check_seconds=settings.expiry_check_seconds,
         max_hashes_per_request=settings.max_hashes_per_request,
+        instance_id=replication.instance_id,
+        replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
     )
-    registry = build_registry(service)
-    if replication is None:
-        replication = make_replication(settings, registry)
-    service.instance_id = getattr(replication, "instance_id", 0) or random.getrandbits(63) + 1
-    if settings.redis_url:
-        service.replicator = replication
-        # trackers built from now on replicate; none exist yet
-    replication.attach(service)
+    registry.register(TrackerCollector(service))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(_expiry_sweeper(service, settings), name="expiry-sweep")
-        await replication.start()
+        await replication.start(service)
         try:
             yield
         finally:
@@ -239,8 +230,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     async def ready() -> Response:
         if replication.ready():
             return json_response({"status": "ready", "reason": None})
-        status = replication.status()
-        reason = status.get("not_ready_reason") or "replication is catching up"
+        reason = replication.status().not_ready_reason or "replication is catching up"
         return json_response({"status": "not_ready", "reason": reason}, 503)
 
     @app.get(
@@ -250,7 +240,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         responses={401: ERRORS[401]},
     )
     async def replication_status() -> Response:
-        return json_response(replication.status())
+        return json_response(replication.status().as_dict())
 
     ops = Operations(service)
     app.include_router(build_router(service, ops, settings.max_body_bytes))

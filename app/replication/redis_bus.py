@@ -53,8 +53,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from app.replication.embedded import EmbeddedReplication
 from app.replication.metrics import ReplicationCounters, ReplicationMetrics
+from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
 from app.replication.records import (
     RECORD_FIELD,
@@ -70,7 +70,7 @@ from app.replication.snapshots import Snapshot, SnapshotStore, gc_paused
 from app.replication.stream import APPEND_SCRIPT, START_ID, NamespaceKeys, id_text, parse_id
 from app.settings import Settings
 
-__all__ = ["EmbeddedReplication", "RedisReplication"]
+__all__ = ["RedisReplication"]
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class RedisReplication:
         self.instance_id = resolve_instance_id(settings.instance_id)
         self.incarnation = random_id()
         self.keys = NamespaceKeys.of(settings.namespace)
-        self.service: Any = None
+        self.service: ReplicaTarget | None = None
         self.counters = ReplicationCounters()
 
         # write path
@@ -196,25 +196,13 @@ class RedisReplication:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def attach(self, service: Any) -> None:
-        """Bind the service whose records this instance publishes and whose state it updates."""
-        if service.instance_id and service.instance_id != self.instance_id:
-            raise ValueError(
-                f"service instance id {service.instance_id} != replication {self.instance_id}"
-            )
-        service.instance_id = self.instance_id
-        if service.replicator is None and not service.trackers:
-            service.replicator = self
-        self.service = service
-
-    async def start(self) -> None:
-        """Connect, bootstrap (snapshot + catch-up) and start the background tasks.
+    async def start(self, target: ReplicaTarget) -> None:
+        """Connect, bootstrap ``target`` (snapshot + catch-up) and start the background tasks.
 
         Never raises for Redis trouble: when Redis is unreachable, bootstrap keeps being retried
         in the background and ``ready()`` stays False until it succeeds.
         """
-        if self.service is None:
-            raise RuntimeError("attach(service) before start()")
+        self.service = target
         url = self.settings.redis_url
         self._client = _client(url, COMMAND_TIMEOUT_S, f"slot-tracker-{self.instance_id}")
         # the blocking XREAD needs a socket timeout longer than its BLOCK
@@ -799,34 +787,34 @@ class RedisReplication:
             reasons.append("records dropped in the last minute")
         return reasons
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ReplicationStatus:
         c = self.counters
         reasons = self.degraded_reasons()
         age = None
         if self._snapshot_at is not None:
             age = max(0.0, (self.wall_clock() - self._snapshot_at) / NS_PER_S)
-        return {
-            "mode": self.mode,
-            "instance_id": self.instance_id,
-            "namespace": self.settings.namespace,
-            "ready": self.ready(),
-            "not_ready_reason": None if self.ready() else self._not_ready_reason,
-            "connected": self.connected(),
-            "degraded": bool(reasons),
-            "degraded_reasons": reasons,
-            "stream_position": self._last_id,
-            "outbox_depth": self._pending(),
-            "outbox_capacity": self._outbox.capacity,
-            "published": c.published,
-            "applied": c.applied,
-            "duplicates": c.duplicates,
-            "dropped": c.dropped,
-            "gaps": c.gaps,
-            "resets": c.resets,
-            "resent": c.resent,
-            "bootstraps": c.bootstraps,
-            "snapshots_written": c.snapshots_written,
-            "last_applied_lag_ms": self._last_lag_ms,
-            "snapshot_age_seconds": age,
-            "snapshot_stream_id": self._snapshot_id,
-        }
+        return ReplicationStatus(
+            mode=self.mode,
+            instance_id=self.instance_id,
+            namespace=self.settings.namespace,
+            ready=self.ready(),
+            not_ready_reason=None if self.ready() else self._not_ready_reason,
+            connected=self.connected(),
+            degraded=bool(reasons),
+            degraded_reasons=reasons,
+            stream_position=self._last_id,
+            outbox_depth=self._pending(),
+            outbox_capacity=self._outbox.capacity,
+            published=c.published,
+            applied=c.applied,
+            duplicates=c.duplicates,
+            dropped=c.dropped,
+            gaps=c.gaps,
+            resets=c.resets,
+            resent=c.resent,
+            bootstraps=c.bootstraps,
+            snapshots_written=c.snapshots_written,
+            last_applied_lag_ms=self._last_lag_ms,
+            snapshot_age_seconds=age,
+            snapshot_stream_id=self._snapshot_id,
+        )

@@ -106,11 +106,10 @@ class Cluster:
             instance_id=rep.instance_id,
             replicator=rep,
         )
-        rep.attach(service)
         node = Node(service, rep, registry)
         self.nodes.append(node)
         if start:
-            await rep.start()
+            await rep.start(service)
         return node
 
     async def close(self) -> None:
