@@ -32,8 +32,8 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
-from app.replication.snapshots import gc_paused
+from app.replication.redis import RedisReplication
+from app.replication.redis.snapshots import gc_paused
 from app.service import AddCall, SlotTrackerService
 from app.settings import Settings
 

@@ -30,6 +30,6 @@ def make_replication(settings: Settings, registry: CollectorRegistry) -> Replica
     if settings.embedded:
         return EmbeddedReplication(settings)
     # imported here: embedded mode needs neither redis-py nor the Redis machinery
-    from app.replication.redis_bus import RedisReplication
+    from app.replication.redis import RedisReplication
 
     return RedisReplication(settings, registry)

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
+from app.replication.redis import RedisReplication
 from app.service import AddCall, SlotTrackerService
 from app.settings import Settings
 from tests.fakes import NS_PER_SECOND, FakeClock

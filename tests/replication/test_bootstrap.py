@@ -9,8 +9,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
-from app.replication.stream import NamespaceKeys
+from app.replication.redis import RedisReplication
+from app.replication.redis.stream import NamespaceKeys
 from app.service import SlotTrackerService
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.replication.helpers import KEY, Cluster, TcpProxy, eventually
@@ -224,7 +224,7 @@ async def test_periodic_snapshots_take_turns_under_a_lease(cluster: Cluster) -> 
 async def test_snapshot_write_is_fenced_by_the_lease(cluster: Cluster) -> None:
     a = await cluster.node()
     a.service.register(KEY, 1, 4, 0, 1)
-    store = a.rep._store
+    store = a.rep.snapshot_store
     assert await store.try_lease("token-a", 10_000)
     assert not await store.try_lease("token-b", 10_000)
     assert not await a.rep.write_snapshot("token-b")  # lost the lease: nothing written

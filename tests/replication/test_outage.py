@@ -8,7 +8,7 @@ import random
 import pytest
 import redis
 
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
 
 pytestmark = pytest.mark.redis

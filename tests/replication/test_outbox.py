@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from app.replication.records import RECORD_FIELD
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import KEY, Cluster, RedisServer, eventually
 
 pytestmark = pytest.mark.redis
@@ -68,13 +68,13 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
 async def test_batches_are_capped_and_keep_order(cluster: Cluster) -> None:
     a = await cluster.node(replication_batch_events=256)
     calls: list[int] = []
-    append = a.rep._append
+    append = a.rep.outbox.append
 
     async def counting_append(keys, args):
         calls.append(len(args) - 2)
         return await append(keys=keys, args=args)
 
-    a.rep._append = counting_append
+    a.rep.outbox.append = counting_append
     a.service.register(KEY, 1, 4, 0, 1)
     for i in range(600):
         a.service.upsert(KEY, 1, 4, 0, 2 + i % 2)

@@ -9,7 +9,7 @@ import redis
 from app.core.events import ActiveSequenceEvent, AddRequest, event_to_wire
 from app.core.types import WorkerWithDpRank
 from app.replication.records import RECORD_FIELD
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import GROUP, KEY, MODEL, WALL_START_NS, Cluster, eventually
 
 pytestmark = pytest.mark.redis

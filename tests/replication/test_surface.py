@@ -7,8 +7,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from app.replication.embedded import EmbeddedReplication
-from app.replication.redis_bus import RedisReplication
-from app.replication.stream import NamespaceKeys
+from app.replication.redis import RedisReplication
+from app.replication.redis.stream import NamespaceKeys
 from app.settings import Settings
 from tests.replication.helpers import KEY, Cluster, eventually
 
