@@ -1,4 +1,19 @@
-"""The Redis clients of one instance, and the backoff of the replication loops.
+"""The Redis clients of one instance, and the one retry policy of replication.
+
+Retry policy. redis-py retries nothing (``Retry(NoBackoff(), 0)``): a failed command raises at
+once into the loop that issued it, and that loop alone decides what the failure means and when
+to try again, with ``backoff_delay`` (exponential from 50 ms, jittered, capped at 1 s), for as
+long as Redis stays away:
+
+* the publisher keeps its batch and appends it again (nothing in the outbox is lost);
+* the reader marks its stream position unverified and checks it for a reset before reading on;
+* a snapshot round is skipped (an urgent one is asked for again a second later).
+
+Why this way round: the loops must outlast outages of any length and say so (``connected``, the
+logs), which a client's bounded retry budget cannot do, so the loops' own backoff is needed
+anyway. A second, hidden layer underneath only stretched a failing command (several attempts,
+each up to its socket timeout) and hid reconnects from the reader, which must check the stream
+after every reconnect because Redis may have come back empty.
 
 ``honour_cancellation`` works around redis-py swallowing a cancellation; every loop calls it.
 """
@@ -10,7 +25,7 @@ import random
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 READ_BLOCK_MS = 2_000  # the reader's XREAD BLOCK
@@ -19,7 +34,6 @@ BACKOFF_CAP_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 10.0
 HEALTH_CHECK_INTERVAL_S = 10
-CLIENT_RETRIES = 2
 
 IO_ERRORS = (RedisError, OSError)
 
@@ -48,7 +62,7 @@ def make_client(url: str, socket_timeout: float, name: str) -> Redis:
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        retry=Retry(ExponentialWithJitterBackoff(cap=BACKOFF_CAP_S / 2), CLIENT_RETRIES),
+        retry=Retry(NoBackoff(), 0),  # see the module docstring: the loops retry
         client_name=name,
     )
 
