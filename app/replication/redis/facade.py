@@ -20,6 +20,7 @@ from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.records import random_id, resolve_instance_id
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
 from app.replication.redis.connection import RedisClients
+from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
 from app.replication.redis.reader import StreamReader
 from app.replication.redis.snapshots import (
@@ -51,42 +52,30 @@ class RedisReplication:
         if not settings.redis_url:
             raise ValueError("RedisReplication needs settings.redis_url")
         self.settings = settings
-        self.wall_clock = wall_clock
         self.instance_id = resolve_instance_id(settings.instance_id)
         self.incarnation = random_id()
-        self.keys = NamespaceKeys.of(settings.namespace)
         self.counters = ReplicationCounters()
+        self.me = Instance(
+            settings,
+            NamespaceKeys.of(settings.namespace),
+            self.instance_id,
+            self.incarnation,
+            clock,
+            wall_clock,
+            self.counters,
+        )
         self.schedule = SnapshotSchedule()
         self.bootstrap = Bootstrap(clock)
-        self.outbox = Outbox(
-            settings,
-            keys=self.keys,
-            incarnation=self.incarnation,
-            clock=clock,
-            wall_clock=wall_clock,
-            counters=self.counters,
-            schedule=self.schedule,
-        )
+        self.outbox = Outbox(self.me, self.schedule)
         self.reader = StreamReader(
-            keys=self.keys,
-            instance_id=self.instance_id,
-            incarnation=self.incarnation,
-            snapshot_interval_s=settings.snapshot_interval_seconds,
-            clock=clock,
-            wall_clock=wall_clock,
-            counters=self.counters,
+            self.me,
             lag=lag_histogram(registry),
             bootstrap=self.bootstrap,
             outbox=self.outbox,
             schedule=self.schedule,
         )
         self.snapshots = SnapshotWriter(
-            interval_s=settings.snapshot_interval_seconds,
-            instance_id=self.instance_id,
-            incarnation=self.incarnation,
-            clock=clock,
-            wall_clock=wall_clock,
-            counters=self.counters,
+            self.me,
             schedule=self.schedule,
             bootstrap=self.bootstrap,
             outbox=self.outbox,
@@ -107,7 +96,7 @@ class RedisReplication:
         in the background and ``ready()`` stays False until it succeeds.
         """
         clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
-        store = SnapshotStore(clients.commands, self.keys)
+        store = SnapshotStore(clients.commands, self.me.keys)
         self.outbox.connect(clients.commands)
         self.reader.connect(clients.reads, store, target)
         self.snapshots.connect(store, target)
@@ -202,7 +191,7 @@ class RedisReplication:
             bootstraps=c.bootstraps,
             snapshots_written=c.snapshots_written,
             last_applied_lag_ms=self.reader.last_lag_ms,
-            snapshot_age_seconds=self.schedule.age_seconds(self.wall_clock()),
+            snapshot_age_seconds=self.schedule.age_seconds(self.me.wall_clock()),
             snapshot_stream_id=self.schedule.newest_id,
         )
 

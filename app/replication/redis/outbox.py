@@ -21,19 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
 
 from app.core.types import NS_PER_MS, NS_PER_S
-from app.replication.metrics import ReplicationCounters
 from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
 from app.replication.records import encode_record
 from app.replication.redis.connection import IO_ERRORS, backoff_delay, honour_cancellation
+from app.replication.redis.instance import Instance
 from app.replication.redis.snapshots import SnapshotSchedule
-from app.replication.redis.stream import APPEND_SCRIPT, NamespaceKeys, id_text
-from app.settings import Settings
+from app.replication.redis.stream import APPEND_SCRIPT, id_text
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +41,12 @@ DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
 
 
 class Outbox:
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        keys: NamespaceKeys,
-        incarnation: int,
-        clock: Callable[[], int],
-        wall_clock: Callable[[], int],
-        counters: ReplicationCounters,
-        schedule: SnapshotSchedule,
-    ) -> None:
-        self.settings = settings
-        self.keys = keys
-        self.incarnation = incarnation
-        self.clock = clock
-        self.wall_clock = wall_clock
-        self.counters = counters
+    def __init__(self, instance: Instance, schedule: SnapshotSchedule) -> None:
+        self.me = instance  # who we are, our clocks and counters
+        self.settings = instance.settings
+        self.counters = instance.counters
         self.schedule = schedule
-        self.capacity = settings.outbox_capacity
+        self.capacity = self.settings.outbox_capacity
         self._queue: EventQueue[dict[str, Any]] = EventQueue(self.capacity)
         self._next_seq = 1
         self._last_appended = ""  # stream id of our newest appended entry
@@ -81,7 +66,7 @@ class Outbox:
     def publish(self, record: dict[str, Any]) -> None:
         """Queue one record for the stream; never blocks, never raises."""
         seq = self._next_seq
-        record["incarnation"] = self.incarnation
+        record["incarnation"] = self.me.incarnation
         record["seq"] = seq
         try:
             self._queue.try_send(record)
@@ -95,7 +80,7 @@ class Outbox:
         if isinstance(error, PublishQueueClosed):
             log.debug("replication outbox closed; dropping a record during shutdown")
             return
-        now = self.clock()
+        now = self.me.clock()
         self._last_drop_ns = now
         self._drops_since_log += 1
         last = self._last_drop_log_ns
@@ -135,7 +120,7 @@ class Outbox:
         if len(self._queue) >= 0.9 * self.capacity:
             reasons.append("outbox nearly full")
         last_drop = self._last_drop_ns
-        if last_drop is not None and self.clock() - last_drop < DEGRADED_AFTER_DROP_NS:
+        if last_drop is not None and self.me.clock() - last_drop < DEGRADED_AFTER_DROP_NS:
             reasons.append("records dropped in the last minute")
         return reasons
 
@@ -152,7 +137,10 @@ class Outbox:
         while True:
             honour_cancellation()
             batch, stop = await collect_batch(
-                self._queue, max_events=max_events, max_duration_ns=max_ns, clock=self.clock
+                self._queue,
+                max_events=max_events,
+                max_duration_ns=max_ns,
+                clock=self.me.clock,
             )
             if batch:
                 await self._append_batch(batch)
@@ -177,10 +165,10 @@ class Outbox:
 
     def _trim_horizon(self) -> str:
         retention_ms = self.settings.stream_retention_seconds * 1000
-        return str(max(0, self.wall_clock() // NS_PER_MS - retention_ms))
+        return str(max(0, self.me.wall_clock() // NS_PER_MS - retention_ms))
 
     async def _append_payloads(self, payloads: list[bytes]) -> None:
-        key = [self.keys.events, self.keys.reset]
+        key = [self.me.keys.events, self.me.keys.reset]
         ids = await self.append(
             keys=key, args=[self._last_appended, self._trim_horizon(), *payloads]
         )
@@ -188,7 +176,7 @@ class Outbox:
             await self._resend_recent()
             ids = await self.append(keys=key, args=["", self._trim_horizon(), *payloads])
         self._last_appended = id_text(ids[-1])
-        now = self.wall_clock()
+        now = self.me.wall_clock()
         recent = self._recent
         recent.extend((now, p) for p in payloads)
         horizon = now - self._resend_window_ns()
@@ -206,7 +194,7 @@ class Outbox:
         instances, which wait for it, need not wait for the periodic round.
         """
         window = self._resend_window_ns()
-        horizon = self.wall_clock() - window
+        horizon = self.me.wall_clock() - window
         recent = self._recent
         while recent and recent[0][0] < horizon:
             recent.popleft()
@@ -224,7 +212,7 @@ class Outbox:
         step = self.settings.replication_batch_events
         for i in range(0, len(payloads), step):
             ids = await self.append(
-                keys=[self.keys.events, self.keys.reset],
+                keys=[self.me.keys.events, self.me.keys.reset],
                 args=["", self._trim_horizon(), *payloads[i : i + step]],
             )
             self._last_appended = id_text(ids[-1])

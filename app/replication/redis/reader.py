@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Histogram
@@ -29,7 +28,6 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from app.core.types import NS_PER_MS, NS_PER_S
-from app.replication.metrics import ReplicationCounters
 from app.replication.port import ReplicaTarget
 from app.replication.records import (
     RECORD_FIELD,
@@ -46,9 +44,10 @@ from app.replication.redis.connection import (
     backoff_delay,
     honour_cancellation,
 )
+from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
 from app.replication.redis.snapshots import Snapshot, SnapshotSchedule, SnapshotStore, gc_paused
-from app.replication.redis.stream import START_ID, NamespaceKeys, id_text, parse_id
+from app.replication.redis.stream import START_ID, id_text, parse_id
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +58,15 @@ LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
 class StreamReader:
     def __init__(
         self,
+        instance: Instance,
         *,
-        keys: NamespaceKeys,
-        instance_id: int,
-        incarnation: int,
-        snapshot_interval_s: int,
-        clock: Callable[[], int],
-        wall_clock: Callable[[], int],
-        counters: ReplicationCounters,
         lag: Histogram,
         bootstrap: Bootstrap,
         outbox: Outbox,
         schedule: SnapshotSchedule,
     ) -> None:
-        self.keys = keys
-        self.instance_id = instance_id
-        self.own_key = (instance_id, incarnation)
-        self.snapshot_interval_s = snapshot_interval_s
-        self.clock = clock
-        self.wall_clock = wall_clock
-        self.counters = counters
+        self.me = instance  # who we are, our clocks and counters
+        self.counters = instance.counters
         self.lag = lag
         self.bootstrap = bootstrap
         self.outbox = outbox
@@ -106,7 +94,7 @@ class StreamReader:
 
     def forget_silent_origins(self) -> None:
         """Forget instances not heard from for a week (their ledger rows would stay forever)."""
-        self._seqs.prune(self.wall_clock() - LEDGER_FORGET_NS)
+        self._seqs.prune(self.me.wall_clock() - LEDGER_FORGET_NS)
 
     # -- the reader task --------------------------------------------------------------------
 
@@ -141,7 +129,7 @@ class StreamReader:
     async def _read_once(self, block_ms: int | None) -> int:
         assert self._client is not None
         reply = await self._client.xread(
-            {self.keys.events: self.position}, count=READ_COUNT, block=block_ms
+            {self.me.keys.events: self.position}, count=READ_COUNT, block=block_ms
         )
         self._set_connected(True)
         entries = reply[0][1] if reply else []
@@ -152,7 +140,7 @@ class StreamReader:
     async def _bootstrap(self) -> None:
         assert self._store is not None
         self.bootstrap.loading()
-        started = self.clock()
+        started = self.me.clock()
         # checked before loading: a snapshot written in between clears the marker
         why = (
             "Redis lost data and no snapshot was written since: the stream alone may lack "
@@ -177,7 +165,7 @@ class StreamReader:
         self.bootstrap.loaded()
         log.info(
             "replication bootstrapped in %.0f ms from %s and %d stream entries; reading from %s",
-            (self.clock() - started) / NS_PER_MS,
+            (self.me.clock() - started) / NS_PER_MS,
             f"snapshot {snapshot.stream_id}" if snapshot else "no snapshot",
             read,
             self.position,
@@ -209,7 +197,7 @@ class StreamReader:
         meanwhile: its ids are newer than our position, but it holds nothing from before."""
         assert self._client is not None and self._store is not None
         try:
-            info = await self._client.xinfo_stream(self.keys.events)
+            info = await self._client.xinfo_stream(self.me.keys.events)
             last = id_text(info["last-generated-id"])
         except ResponseError:  # no such key
             last = None
@@ -217,7 +205,7 @@ class StreamReader:
         own_lost = (
             bool(own)
             and last is not None
-            and not await self._client.xrange(self.keys.events, own, own)
+            and not await self._client.xrange(self.me.keys.events, own, own)
         )
         if self.position == START_ID:
             self.bootstrap.position_checked()
@@ -243,8 +231,12 @@ class StreamReader:
     async def _ingest(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Filter one XREAD reply and apply it as one batch."""
         seqs = self._seqs
-        own_id, own_key, floor = self.instance_id, self.own_key, self.bootstrap.local_floor
-        now = self.wall_clock()
+        own_id, own_key, floor = (
+            self.me.instance_id,
+            self.me.own_key,
+            self.bootstrap.local_floor,
+        )
+        now = self.me.wall_clock()
         batch: list[dict[str, Any]] = []
         position = self.position
         for entry_id, fields in entries:
@@ -331,10 +323,12 @@ class StreamReader:
             key[0],
             seq,
         )
-        self._seqs.advance(key, seq - 1, self.wall_clock())
+        self._seqs.advance(key, seq - 1, self.me.wall_clock())
         # our ledger now claims records our state lacks: no snapshot from us for a round, so
         # that an instance holding them (which saw the reset too) writes the next one
-        self.bootstrap.went_on_without_records(self.snapshot_interval_s * NS_PER_S)
+        self.bootstrap.went_on_without_records(
+            self.me.settings.snapshot_interval_seconds * NS_PER_S
+        )
 
     def _set_connected(self, ok: bool, error: BaseException | None = None) -> None:
         was = self.connected

@@ -27,7 +27,7 @@ import contextlib
 import gc
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,6 @@ import msgpack
 from redis.asyncio import Redis
 
 from app.core.types import NS_PER_MS, NS_PER_S
-from app.replication.metrics import ReplicationCounters
 from app.replication.port import ReplicaTarget
 from app.replication.records import SeqLedger, random_id
 from app.replication.redis.bootstrap import Bootstrap
@@ -44,6 +43,7 @@ from app.replication.redis.connection import IO_ERRORS, honour_cancellation
 from app.replication.redis.stream import WRITE_SNAPSHOT_SCRIPT, NamespaceKeys
 
 if TYPE_CHECKING:
+    from app.replication.redis.instance import Instance
     from app.replication.redis.outbox import Outbox
     from app.replication.redis.reader import StreamReader
 
@@ -195,25 +195,15 @@ class SnapshotWriter:
 
     def __init__(
         self,
+        instance: Instance,
         *,
-        interval_s: int,
-        instance_id: int,
-        incarnation: int,
-        clock: Callable[[], int],
-        wall_clock: Callable[[], int],
-        counters: ReplicationCounters,
         schedule: SnapshotSchedule,
         bootstrap: Bootstrap,
         outbox: Outbox,
         reader: StreamReader,
     ) -> None:
-        self.interval_s = interval_s
-        self.instance_id = instance_id
-        self.incarnation = incarnation
-        self.own_key = (instance_id, incarnation)
-        self.clock = clock
-        self.wall_clock = wall_clock
-        self.counters = counters
+        self.me = instance  # who we are, our clocks and counters
+        self.counters = instance.counters
         self.schedule = schedule
         self.bootstrap = bootstrap
         self.outbox = outbox
@@ -226,7 +216,7 @@ class SnapshotWriter:
         self._target = target
 
     async def run(self) -> None:
-        interval = self.interval_s
+        interval = self.me.settings.snapshot_interval_seconds
         while True:
             urgent = await self.schedule.next_round(interval * random.uniform(0.8, 1.2))
             honour_cancellation()
@@ -254,7 +244,7 @@ class SnapshotWriter:
         assert self.store is not None
         self.reader.forget_silent_origins()
         if self.allowed():
-            token = f"{self.instance_id}:{self.incarnation}:{random_id()}"
+            token = f"{self.me.instance_id}:{self.me.incarnation}:{random_id()}"
             if await self.store.try_lease(token, lease_ms):
                 return await self.write(token)
         if urgent and await self.store.reset_pending():
@@ -268,7 +258,7 @@ class SnapshotWriter:
     def allowed(self) -> bool:
         """Whether our state is worth saving now (``Bootstrap.snapshot_allowed``)."""
         return self.bootstrap.snapshot_allowed(
-            bool(self.reader.connected), self.reader.applied_seq(self.own_key)
+            bool(self.reader.connected), self.reader.applied_seq(self.me.own_key)
         )
 
     def take(self) -> Snapshot:
@@ -276,12 +266,12 @@ class SnapshotWriter:
         assert self._target is not None
         seqs = self.reader.ledger_copy()
         last_local = self.outbox.last_accepted_seq
-        if last_local > seqs.get(self.own_key):
-            seqs.advance(self.own_key, last_local, self.wall_clock())
+        if last_local > seqs.get(self.me.own_key):
+            seqs.advance(self.me.own_key, last_local, self.me.wall_clock())
         return Snapshot(
             self.reader.position,
-            self.wall_clock(),
-            self.instance_id,
+            self.me.wall_clock(),
+            self.me.instance_id,
             seqs,
             self._target.export_state(),
         )
@@ -290,7 +280,7 @@ class SnapshotWriter:
         """Write a snapshot now (unfenced without a token); False if not possible or fenced off."""
         if self.store is None or not self.allowed():
             return False
-        started = self.clock()
+        started = self.me.clock()
         with gc_paused():
             snapshot = self.take()
             blob = snapshot.encode()
@@ -303,6 +293,6 @@ class SnapshotWriter:
             snapshot.stream_id,
             len(snapshot.trackers),
             len(blob),
-            (self.clock() - started) / NS_PER_MS,
+            (self.me.clock() - started) / NS_PER_MS,
         )
         return True
