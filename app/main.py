@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,23 +19,16 @@ from fastapi import FastAPI
 
 from app.http.app import build_http_app
 from app.observability import build_registry, watch_service
+from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
 
-def make_replication(settings: Settings, registry) -> Any:
-    if settings.redis_url:
-        from app.replication.redis_bus import RedisReplication
-
-        return RedisReplication(settings, registry)
-    from app.replication.embedded import EmbeddedReplication
-
-    return EmbeddedReplication(settings, registry)
-
-
-def create_app(settings: Settings | None = None, *, clock=None, replication=None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, clock=None, replication: Replication | None = None
+) -> FastAPI:
     settings = settings if settings is not None else load_settings()
     service_kwargs: dict[str, Any] = {}
     if clock is not None:
@@ -44,22 +36,20 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     registry = build_registry()
     if replication is None:
         replication = make_replication(settings, registry)
-    instance_id = getattr(replication, "instance_id", 0) or random.getrandbits(63) + 1
     service = SlotTrackerService(
         expiry_seconds=settings.expiry_seconds,
         expiry_check_seconds=settings.expiry_check_seconds,
         max_hashes_per_request=settings.max_hashes_per_request,
-        instance_id=instance_id,
-        replicator=replication if settings.redis_url else None,
+        instance_id=replication.instance_id,  # the replication owns the instance id
+        replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
     )
     watch_service(registry, service)
-    replication.attach(service)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(_expiry_sweeper(service, settings), name="expiry-sweep")
-        await replication.start()
+        await replication.start(service)
         try:
             yield
         finally:

@@ -47,7 +47,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 from kv_slot_tracker_client import BatchBuilder  # noqa: E402
 
-from app.replication.stream import NamespaceKeys  # noqa: E402
+from app.replication.redis.stream import NamespaceKeys  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from tests.e2e.servers import Fleet, ServerProcess, wait_until  # noqa: E402
 

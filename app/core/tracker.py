@@ -16,8 +16,7 @@ from .errors import (
     DuplicateRequest,
     MissingExpectedDuration,
     PrefillTokensOverflow,
-    PublishQueueClosed,
-    PublishQueueError,
+    PublishRejected,
     RequestNotFound,
     WorkerNotFound,
 )
@@ -441,13 +440,11 @@ class ActiveSequencesMultiWorker:
     def _enqueue(self, event: ActiveSequenceEvent) -> None:
         try:
             self.publisher.enqueue_event(event)
-        except PublishQueueClosed as e:
+        except PublishRejected as e:
             if e.during_shutdown:
                 log.debug("%s", e)
             else:
                 log.error("Failed to publish replica-sync event: %s", e)
-        except PublishQueueError as e:
-            log.error("Failed to publish replica-sync event: %s", e)
 
     # -- replica apply path ----------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from app.http.routes import (
     query_endpoint,
 )
 from app.observability import HttpMetrics
+from app.replication.port import Replication
 from app.service import SlotTrackerService
 from app.settings import Settings
 
@@ -73,7 +74,7 @@ def build_http_app(
     *,
     settings: Settings,
     service: SlotTrackerService,
-    replication: Any,
+    replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
 ) -> SlotTrackerApp:

@@ -21,6 +21,7 @@ from app.http import schemas as s
 from app.http.body import read_asgi_body
 from app.http.errors import EXPECTED, error_result, query_error
 from app.http.responses import JSON, json_response, raw_response
+from app.replication.port import Replication
 from app.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
 
 ERROR_DOCS: dict[int, str] = {
@@ -131,7 +132,7 @@ def _single(params: QueryParams, name: str) -> str | None:
 class Queries:
     """The GET routes' handlers: query parameters in, ``Response`` out."""
 
-    def __init__(self, service: SlotTrackerService, replication: Any) -> None:
+    def __init__(self, service: SlotTrackerService, replication: Replication) -> None:
         self.service = service
         self.replication = replication
 
@@ -141,11 +142,11 @@ class Queries:
     def ready(self, params: QueryParams) -> Response:
         if self.replication.ready():
             return json_response({"status": "ready", "reason": None})
-        reason = self.replication.status().get("not_ready_reason") or "replication is catching up"
+        reason = self.replication.status().not_ready_reason or "replication is catching up"
         return json_response({"status": "not_ready", "reason": reason}, 503)
 
     def replication_status(self, params: QueryParams) -> Response:
-        return json_response(self.replication.status())
+        return json_response(self.replication.status().as_dict())
 
     def workers(self, params: QueryParams) -> Response:
         m, g = _single(params, "model_name"), _single(params, "routing_group")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.e2e.conftest import FleetFactory
 from tests.e2e.servers import Fleet, ProxyThread, ServerProcess, wait_until
 from tests.e2e.traffic import (
