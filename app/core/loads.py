@@ -35,14 +35,16 @@ def potential_rows(
     by_worker = deltas.by_worker if deltas is not None else None
     default = deltas.default_tokens if deltas is not None else 0
     rows = []
+    append = rows.append
     for w in workers:
         s = slots[w]
-        extra = by_worker.get(w, default) if by_worker else default
-        tokens = s.prefill.active_tokens(now) + extra
-        rows.append(
+        tokens = s.prefill.active_tokens(now) + (
+            by_worker.get(w, default) if by_worker else default
+        )
+        append(
             (
-                w.worker_id,
-                w.dp_rank,
+                w[0],
+                w[1],
                 tokens if tokens <= U64_MAX else U64_MAX,
                 blocks[w] + q_len - overlaps.get(w, 0),
                 len(s.requests),
