@@ -26,14 +26,16 @@ def potential_rows(
     blocks: dict[WorkerWithDpRank, int],
     overlaps: dict[WorkerWithDpRank, int],
     q_len: int,
-    deltas: PrefillTokenDeltas | None,
+    deltas: PrefillTokenDeltas | int | None,
     now: int,
 ) -> list[PotentialLoadRow]:
     """Each rank's prefill tokens and KV blocks if a prompt of ``q_len`` blocks, sharing
     ``overlaps[rank]`` of them with the rank's active prompts, went there. Prefill tokens
-    saturate at 2^64-1."""
-    by_worker = deltas.by_worker if deltas is not None else None
-    default = deltas.default_tokens if deltas is not None else 0
+    saturate at 2^64-1. ``deltas``: the prompt's tokens per rank, or one count for every rank."""
+    if deltas is None or type(deltas) is int:
+        by_worker, default = None, deltas or 0
+    else:
+        by_worker, default = deltas.by_worker, deltas.default_tokens
     rows = []
     append = rows.append
     for w in workers:

@@ -590,7 +590,10 @@ class ActiveSequencesMultiWorker:
         return blocks, tokens, requests if include_active_requests else None
 
     def potential_loads(
-        self, token_sequence: list[int] | None, deltas: PrefillTokenDeltas | None, decay_now: int
+        self,
+        token_sequence: list[int] | None,
+        deltas: PrefillTokenDeltas | int | None,
+        decay_now: int,
     ) -> list[PotentialLoadRow]:
         """Per rank, sorted: its load if this prompt went there (``loads.potential_rows``)."""
         q_len = len(token_sequence) if token_sequence else 0
