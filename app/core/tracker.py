@@ -56,10 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_REPLICA_BATCH_EVENTS = 256
-MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
-
-
 PotentialLoads = tuple[
     dict[WorkerWithDpRank, int],
     dict[WorkerWithDpRank, int],
@@ -247,37 +243,16 @@ class ActiveSequencesMultiWorker:
 
     # -- inspection (tests and invariant checks read these; nothing may write them) ---------
 
-    @property
-    def slots(self) -> dict[WorkerWithDpRank, ActiveSequences]:
-        return self._slots
-
-    @property
-    def blocks(self) -> dict[WorkerWithDpRank, int]:
-        return self._blocks
-
-    @property
-    def table(self) -> WorkerTable:
-        return self._table
-
-    @property
-    def trie(self) -> PromptTrie:
-        return self._trie
-
-    @property
-    def request_index(self) -> RequestIndex:
-        return self._requests
-
-    @property
-    def request_worker(self) -> dict[str, WorkerWithDpRank]:
-        return self._requests.workers
-
-    @property
-    def request_lora(self) -> dict[str, str]:
-        return self._requests.loras
-
-    @property
-    def lora_counts(self) -> dict[str, int]:
-        return self._requests.lora_counts
+    slots = property(lambda self: self._slots, doc="dict[WorkerWithDpRank, ActiveSequences]")
+    blocks = property(lambda self: self._blocks, doc="dict[WorkerWithDpRank, int]")
+    table = property(lambda self: self._table, doc="WorkerTable")
+    trie = property(lambda self: self._trie, doc="PromptTrie")
+    request_index = property(lambda self: self._requests, doc="RequestIndex")
+    request_worker = property(
+        lambda self: self._requests.workers, doc="dict[str, WorkerWithDpRank]"
+    )
+    request_lora = property(lambda self: self._requests.loras, doc="dict[str, str]")
+    lora_counts = property(lambda self: self._requests.lora_counts, doc="dict[str, int]")
 
     # -- lifecycle -------------------------------------------------------------------------
 
