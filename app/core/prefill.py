@@ -5,12 +5,17 @@ full until it becomes the anchor. When every prefill has a modeled duration, tim
 the anchor's own duration keeps completing later prefills' tokens ("spillover"). Freeing a
 non-anchor modeled prefill credits its duration to the anchor (``shift_anchor_forward``), capped
 at the removal time. Removing the anchor re-anchors the next prefill at the removal time.
+
+Every operation costs O(1), however many prefills a rank holds: the prefills live in one
+insertion-ordered map with O(1) removal anywhere (``OrderedDict``, a linked list in C), so its
+first key is always the anchor and completing a prefill in the middle of the queue scans nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
+from collections.abc import KeysView
 from dataclasses import dataclass
 
 from .errors import MissingExpectedDuration
@@ -93,7 +98,6 @@ class PrefillLoadTracker:
 
     __slots__ = (
         "prefills",
-        "order",
         "full_sum",
         "unmodeled_count",
         "modeled_ms_sum",
@@ -102,8 +106,8 @@ class PrefillLoadTracker:
     )
 
     def __init__(self) -> None:
-        self.prefills: dict[str, PrefillLoadState] = {}
-        self.order: deque[str] = deque()
+        # insertion order is prefill order: the first key is the anchor
+        self.prefills: OrderedDict[str, PrefillLoadState] = OrderedDict()
         self.full_sum = 0
         self.unmodeled_count = 0
         self.modeled_ms_sum = 0  # sum of whole-millisecond modeled durations
@@ -113,6 +117,11 @@ class PrefillLoadTracker:
     def __len__(self) -> int:
         return len(self.prefills)
 
+    @property
+    def order(self) -> KeysView[str]:
+        """The tracked request ids, oldest (the anchor) first."""
+        return self.prefills.keys()
+
     def insert(self, request_id: str, state: PrefillLoadState, decay_now: int) -> None:
         self.prefills[request_id] = state
         self.full_sum += state.tokens
@@ -120,34 +129,33 @@ class PrefillLoadTracker:
             self.unmodeled_count += 1
         else:
             self.modeled_ms_sum += state.duration_ns // NS_PER_MS
-        self.order.append(request_id)
         if self.anchor_rid is None:
             self.anchor_rid = request_id
             self.anchor_since = decay_now
 
     def remove(self, request_id: str, decay_now: int) -> PrefillLoadState | None:
-        state = self.prefills.pop(request_id, None)
+        prefills = self.prefills
+        state = prefills.pop(request_id, None)
         if state is None:
             return None
         self.full_sum -= state.tokens
-        if state.duration_ns is None:
+        duration = state.duration_ns
+        if duration is None:
             self.unmodeled_count -= 1
         else:
-            self.modeled_ms_sum -= state.duration_ns // NS_PER_MS
-        if self.order[0] == request_id:
-            self.order.popleft()
-        else:
-            self.order.remove(request_id)
-            if state.duration_ns is not None and self.anchor_rid is not None:
-                # Anchor credit: the freed prefill's modeled time no longer needs to elapse.
-                self.anchor_since = min(self.anchor_since + state.duration_ns, decay_now)
-        if self.anchor_rid == request_id:
-            if self.order:
-                self.anchor_rid = self.order[0]
+            self.modeled_ms_sum -= duration // NS_PER_MS
+        if request_id == self.anchor_rid:
+            # the next oldest prefill becomes the anchor, starting now
+            if prefills:
+                self.anchor_rid = next(iter(prefills))
                 self.anchor_since = decay_now
             else:
                 self.anchor_rid = None
                 self.anchor_since = 0
+        elif duration is not None:
+            # Anchor credit: the freed prefill's modeled time no longer needs to elapse.
+            since = self.anchor_since + duration
+            self.anchor_since = since if since < decay_now else decay_now
         return state
 
     def anchored(self) -> AnchoredPrefillSnapshot | None:
@@ -191,13 +199,12 @@ class PrefillLoadTracker:
         return PrefillLoadSnapshot(self.full_sum, self.anchored(), self.total_modeled_ms())
 
     def assert_consistent(self) -> None:
-        assert list(self.order) == list(self.prefills), "order must follow insertion order"
         assert self.full_sum == sum(s.tokens for s in self.prefills.values())
         unmodeled = [s for s in self.prefills.values() if s.duration_ns is None]
         assert self.unmodeled_count == len(unmodeled)
         assert self.modeled_ms_sum == sum(
             s.duration_ns // NS_PER_MS for s in self.prefills.values() if s.duration_ns is not None
         )
-        assert (self.anchor_rid is None) == (not self.order)
-        if self.order:
-            assert self.anchor_rid == self.order[0]
+        assert (self.anchor_rid is None) == (not self.prefills)
+        if self.prefills:
+            assert self.anchor_rid == next(iter(self.prefills)), "the oldest prefill is the anchor"

@@ -143,7 +143,7 @@ class ActiveSequences:
             log.warning("Trying to free non-existent request %s", request_id)
             return delta
         refcount = self.blocks.refcount
-        fraction = self.blocks.fraction
+        drop_fraction = self.blocks.drop_fraction if self.blocks.has_fractions() else None
         removed: list[int] | None = None
         for h in state.prompt_blocks:
             c = refcount[h] - 1
@@ -153,8 +153,8 @@ class ActiveSequences:
                     removed.append(h)
             else:
                 del refcount[h]
-                if fraction:
-                    fraction.pop(h, None)
+                if drop_fraction is not None:
+                    drop_fraction(h)
                 if removed is None:
                     removed = [h]
                 else:
@@ -234,5 +234,5 @@ class ActiveSequences:
             for h in (*st.prompt_blocks, *st.output_blocks):
                 expected[h] = expected.get(h, 0) + 1
         assert expected == self.blocks.refcount, "refcounts must equal the held references"
-        assert set(self.blocks.fraction) <= set(self.blocks.refcount)
+        self.blocks.assert_consistent()
         assert set(self.prefill.prefills) <= set(self.requests)
