@@ -87,19 +87,43 @@ def add_free_us(svc: SlotTrackerService, rounds: int = 7, number: int = 1000) ->
     return statistics.median(per) * 1e6
 
 
+class GcTimer:
+    """Time spent in the cyclic collector, per generation, and the longest single pass."""
+
+    def __init__(self) -> None:
+        self.total = [0.0, 0.0, 0.0]
+        self.passes = [0, 0, 0]
+        self.longest = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        spent = time.perf_counter() - self._start
+        gen = info["generation"]
+        self.total[gen] += spent
+        self.passes[gen] += 1
+        self.longest = max(self.longest, spent)
+
+
 def inprocess(fill_count: int, gc_mode: str) -> dict:
     if gc_mode == "tuned":
         from app.gc_tuning import tune_gc
 
         tune_gc()
+    timer = GcTimer()
+    gc.callbacks.append(timer)
     base = rss_self_mb()
     svc = new_service()
-    res: dict = {"gc": gc_mode}
+    res: dict = {"gc_mode": gc_mode}
     chunks = fill(svc, 0, 1000)
     res["add_free_us_1000"] = add_free_us(svc)
     chunks += fill(svc, 1000, fill_count)
     res["add_free_us_full"] = add_free_us(svc)
     res["fill_s"] = sum(sec for _, sec in chunks)
+    gc.callbacks.remove(timer)
+    res["gc"] = timer
     res["fill_chunks_s"] = chunks
     gc.collect()
     res["rss_above_idle_mb"] = rss_self_mb() - base
@@ -116,11 +140,16 @@ def main() -> int:
     if args.inprocess:
         r = inprocess(args.fill, args.gc)
         chunks = ", ".join(f"{sec * 1e6 / n:.1f}" for n, sec in r["fill_chunks_s"])
-        print(f"gc {r['gc']}: active {r['active']}")
+        t = r["gc"]
+        print(f"gc {r['gc_mode']}: active {r['active']}")
         print(f"  fill {args.fill}: {r['fill_s']:.2f} s; us per add, by chunk: {chunks}")
         print(f"  add+free at 1,000 active: {r['add_free_us_1000']:.1f} us")
         print(f"  add+free at {args.fill:,} active: {r['add_free_us_full']:.1f} us")
         print(f"  RSS above idle: {r['rss_above_idle_mb']:.0f} MB")
+        print(
+            f"  collector: {sum(t.total):.2f} s in {t.passes} passes (gen 0/1/2), "
+            f"gen 2 {t.total[2]:.2f} s, longest pass {t.longest * 1e3:.1f} ms"
+        )
     return 0
 
 
