@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .blocks import BlockTracker
-from .prefill import PrefillLoadState, PrefillLoadTracker
+from .prefill import PrefillLoadTracker
 from .types import (
     NS_PER_S,
     PrefillLoadHint,
@@ -123,12 +123,10 @@ class ActiveSequences:
             and prefill_load_hint is not None
             and prefill_load_hint.initial_effective_prefill_tokens > 0
         ):
-            self.prefill.insert(
+            self.prefill.add(
                 request_id,
-                PrefillLoadState(
-                    prefill_load_hint.initial_effective_prefill_tokens,
-                    prefill_load_hint.expected_prefill_duration_ns,
-                ),
+                prefill_load_hint.initial_effective_prefill_tokens,
+                prefill_load_hint.expected_prefill_duration_ns,
                 decay_now,
             )
         self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
