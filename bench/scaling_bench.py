@@ -53,7 +53,7 @@ def add_call(tag: str, n: int) -> AddCall:
         f"{tag}{n}",
         rank // RANKS_PER_WORKER,
         rank % RANKS_PER_WORKER,
-        PREFIX + [n * 64 + i for i in range(1, 17)],
+        [1000003 * i for i in range(1, 17)] + [n * 64 + i for i in range(1, 17)],
         new_isl_tokens=512,
     )
 
