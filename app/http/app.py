@@ -24,21 +24,23 @@ from app.http.auth import OPEN_PATHS, BearerAuth
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
-from app.http.lean import LeanDispatcher
+from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
     Queries,
-    body_endpoint,
     body_models,
+    call_endpoint,
     fastapi_route_args,
     query_endpoint,
 )
+from app.http.selection_operations import SelectionOperations, SelectionQueries
 from app.observability import HttpMetrics
 from app.replication.port import Replication
 from app.service import SlotTrackerService
+from app.service.selection import SelectionService
 from app.settings import Settings
 
 DESCRIPTION = (
@@ -63,17 +65,18 @@ class SlotTrackerApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
-        op = lean.operation_for(scope) if lean is not None else None
-        if op is None:
+        found = lean.route_for(scope) if lean is not None else None
+        if found is None:
             await super().__call__(scope, receive, send)
         else:
-            await lean.serve(op, scope, receive, send)  # type: ignore[union-attr]
+            await lean.serve(found, scope, receive, send)  # type: ignore[union-attr]
 
 
 def build_http_app(
     *,
     settings: Settings,
     service: SlotTrackerService,
+    selection: SelectionService,
     replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
@@ -90,17 +93,28 @@ def build_http_app(
     )
     _install_error_handlers(app)
 
-    operations = Operations(service, settings.max_hashes_per_request)
-    queries = Queries(service, replication)
-    lean_ops = {}
+    operations = {
+        "slot": Operations(service, settings.max_hashes_per_request),
+        "selection": SelectionOperations(selection),
+    }
+    queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
+    lean_routes = []
     for route in ROUTES:
-        if route.body is not None:
-            op = operations.get(route.name)
-            endpoint = body_endpoint(route, op, settings.max_body_bytes)
+        if route.is_call:
+            op = operations[route.api].get(route.name)
+            endpoint = call_endpoint(route, op, settings.max_body_bytes)
             if route.lean:
-                lean_ops[route.path] = op
+                lean_routes.append(
+                    LeanRoute(
+                        route.method,
+                        route.path,
+                        op,
+                        route.body is not None,
+                        tuple(p.parse for p in route.path_params),
+                    )
+                )
         else:
-            endpoint = query_endpoint(route, getattr(queries, route.name))
+            endpoint = query_endpoint(route, getattr(queries[route.api], route.name))
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
     app.include_router(build_dashboard_router())
     app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))
@@ -112,11 +126,13 @@ def build_http_app(
     ).add(http_metrics.instrumentation).instrument(app).expose(
         app, include_in_schema=True, should_gzip=False
     )
-    app.lean = LeanDispatcher(lean_ops, http_metrics.observe, settings.max_body_bytes, api_key)
+    app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
 
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(HeadAsGet)  # outermost: also strips the body of a 401
+    app.add_middleware(
+        HeadAsGet, templated=app.lean.matches_template
+    )  # outermost: also strips the body of a 401
     app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
     return app
 

@@ -117,12 +117,19 @@ def shape_error(exc: ValidationError) -> HttpError:
     return HttpError(422, JSON_SHAPE + _describe(errors[0]))
 
 
+_FIELD_NEEDLES: dict[type[BaseModel], tuple[bytes, ...]] = {}
+
+
 def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
     """A field name given twice at the top level of the object (serde rejects that).
 
     A cheap substring count gates the (rare) full check, so ordinary bodies pay ~1 us.
     """
-    if not any(raw.count(b'"' + name.encode() + b'"') > 1 for name in model.model_fields):
+    needles = _FIELD_NEEDLES.get(model)
+    if needles is None:
+        needles = _FIELD_NEEDLES[model] = tuple(f'"{n}"'.encode() for n in model.model_fields)
+    count = raw.count
+    if not any(count(needle) > 1 for needle in needles):
         return None
     found: list[str] = []
 

@@ -43,6 +43,13 @@ def _check_range(name: str, value: float, lo: float, hi: float) -> str | None:
     return f"{name} must be between {_rust_display(lo)} and {_rust_display(hi)}"
 
 
+def _check_finite_non_negative(name: str, value: float) -> str | None:
+    """The per-request override's wording (observed on the reference for SCALE and T)."""
+    if math.isfinite(value) and value >= 0.0:
+        return None
+    return f"{name} must be finite and non-negative"
+
+
 def _check_credit(value: float) -> str | None:
     if math.isfinite(value) and value >= 0.0:
         return None
@@ -117,7 +124,11 @@ class RouterConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RouterConfig:
-        """Defaults overridden by the ``DYN_ROUTER_*`` variables present in ``env``.
+        """Defaults overridden by the ``DYN_ROUTER_*`` variables present in ``env``."""
+        return cls().with_env(env)
+
+    def with_env(self, env: Mapping[str, str]) -> RouterConfig:
+        """This config with the ``DYN_ROUTER_*`` variables present in ``env`` applied on top.
 
         ``DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT`` (or ``DYN_OVERLAP_SCORE_WEIGHT``) is the deprecated
         alias of ``DYN_ROUTER_PREFILL_LOAD_SCALE`` and wins over it; a value of 0 also sets the
@@ -138,7 +149,7 @@ class RouterConfig:
         for var, name in _BOOL_ENV:
             if var in env:
                 values[name] = _env_bool(var, env[var])
-        return cls(**values)  # type: ignore[arg-type]
+        return replace(self, **values) if values else self  # type: ignore[arg-type]
 
 
 _FLOAT_ENV = (
@@ -198,10 +209,10 @@ class RouterConfigOverride:
             None if self.overlap_score_credit is None else _check_credit(self.overlap_score_credit),
             None
             if self.prefill_load_scale is None
-            else _check_min("prefill_load_scale", self.prefill_load_scale, 0.0),
+            else _check_finite_non_negative("prefill_load_scale", self.prefill_load_scale),
             None
             if self.router_temperature is None
-            else _check_min("router_temperature", self.router_temperature, 0.0),
+            else _check_finite_non_negative("router_temperature", self.router_temperature),
             None
             if self.shared_cache_multiplier is None
             else _check_range("shared_cache_multiplier", self.shared_cache_multiplier, 0.0, 1.0),
