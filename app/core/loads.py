@@ -76,3 +76,22 @@ def rank_rows(
             )
         )
     return rows
+
+
+def load_columns(
+    workers: list[WorkerWithDpRank],
+    slots: Slots,
+    blocks: dict[WorkerWithDpRank, int],
+    overlaps: dict[WorkerWithDpRank, int],
+    q_len: int,
+    now: int,
+) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    """``potential_rows`` without deltas as parallel lists, for a selection over all ranks: the
+    sorted ranks, their prefill tokens, their active blocks plus the prompt's blocks not active
+    there (prefix rule), and their active requests. No row object is built."""
+    get = overlaps.get
+    states = [slots[w] for w in workers]
+    prefill = [s.prefill.active_tokens(now) for s in states]
+    decode = [blocks[w] + q_len - get(w, 0) for w in workers]
+    requests = [len(s.requests) for s in states]
+    return workers, prefill, decode, requests

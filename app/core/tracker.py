@@ -21,7 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
-from .loads import PotentialLoadRow, RankLoadRow, potential_rows, rank_rows
+from .loads import PotentialLoadRow, RankLoadRow, load_columns, potential_rows, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     ModeledPrefillTimeLoad,
@@ -580,18 +580,10 @@ class ActiveSequencesMultiWorker:
     def load_columns(
         self, token_sequence: list[int] | None, decay_now: int
     ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
-        """``potential_loads`` without deltas as parallel lists, for a selection over all ranks:
-        the sorted ranks, their prefill tokens, their active blocks plus the prompt's blocks not
-        active there (prefix rule), and their active requests. No row object is built."""
-        workers = self.workers()
+        """``potential_loads`` as parallel lists (``loads.load_columns``)."""
         q_len = len(token_sequence) if token_sequence else 0
-        get = self.overlaps(token_sequence).get
-        slots, blocks = self._slots, self._blocks
-        states = [slots[w] for w in workers]
-        prefill = [s.prefill.active_tokens(decay_now) for s in states]
-        decode = [blocks[w] + q_len - get(w, 0) for w in workers]
-        requests = [len(s.requests) for s in states]
-        return workers, prefill, decode, requests
+        over = self.overlaps(token_sequence)
+        return load_columns(self.workers(), self._slots, self._blocks, over, q_len, decay_now)
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""
