@@ -240,7 +240,8 @@ class RankLoad(BaseModel):
 
 
 class PartitionLoads(BaseModel):
-    """The ranks' loads of one selection partition and its pending (unbooked) selections."""
+    """The loads of one selection partition's ranks (``pending_count`` and
+    ``pending_isl_tokens`` are the reference's router-queue counters: 0 without a queue)."""
 
     model_name: str
     routing_group: str
