@@ -351,3 +351,17 @@ async def test_readiness_and_bodies_sent() -> None:
         ),
         ("POST", "/selection/reservations/a%20b/output_block", {}),
     ]
+
+
+def test_sync_and_async_selection_have_the_same_methods() -> None:
+    def public(cls: type) -> dict[str, inspect.Signature]:
+        return {n: inspect.signature(f) for n, f in vars(cls).items() if not n.startswith("_")}
+
+    sync, async_ = public(SelectionClient), public(AsyncSelectionClient)
+    assert len(sync) == 18 and sorted(sync) == sorted(async_)
+    for name, signature in sync.items():
+        assert str(async_[name]) == str(signature), name
+        assert inspect.iscoroutinefunction(getattr(AsyncSelectionClient, name)), name
+        assert getattr(SelectionClient, name).__qualname__ == f"SelectionClient.{name}"
+    assert sync["select"].return_annotation is SelectResponse
+    assert sync["free"].return_annotation is None
