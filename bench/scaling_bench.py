@@ -1,20 +1,32 @@
-"""How the cost of a call grows with the number of active requests.
+"""How the cost of a call grows with the number of active requests, here and in the reference.
 
-In process (``--inprocess``), through the service layer (no HTTP):
+Over HTTP, for kv-slot-tracker and Dynamo's Rust slot tracker (bench/reference.py), each on a
+fresh server per level, alternating reference / ours so a busy machine hits both alike:
 
-  fill        adding N requests of 32 blocks (16 shared), tracked prefill, never freed;
-              the rate per 10,000 as they accumulate
-  add+free    one more request added and freed, at 1,000 and at 100,000 active
+  fill        0, 10,000 and 100,000 active prefill-tracked requests of 32 blocks (16 shared),
+              never freed and never prefill-completed (bench/wrk/fill.lua)
+  lifecycle   /add + /free alternating (bench/wrk/lifecycle.lua), req/s
+  potential   /potential_loads, 64 ranks, 256-block prompt (bench/wrk/potential.lua, plus the
+              200 requests http_bench.py adds for it), req/s
+  memory      resident size above idle with 100,000 active requests
+
+In process (``--inprocess``, ours only, through the service layer, no HTTP):
+
+  fill        adding N such requests; microseconds per add as they accumulate
+  add+free    one more request added and freed, at 1,000 and at N active
   memory      resident size above idle with N active requests
 
-Run:  .venv/bin/python bench/scaling_bench.py --inprocess [--fill 100000] [--gc default|tuned]
+Run:  .venv/bin/python bench/scaling_bench.py [--duration 8] [--levels 0,10000,100000]
+      .venv/bin/python bench/scaling_bench.py --inprocess [--fill 100000] [--gc default|tuned]
+Needs (HTTP): wrk, taskset, the reference venv (python bench/reference.py ensure).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,11 +35,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from app.service import AddCall, SlotTrackerService  # noqa: E402
+from bench.http_bench import post, rss_mb, setup_active, setup_topology, started, wrk  # noqa: E402
 
 WORKERS, RANKS_PER_WORKER = 16, 4
 RANKS = WORKERS * RANKS_PER_WORKER
 KEY = ("bench", "default")
-PREFIX = [1000003 * i for i in range(1, 17)]  # the 16 shared blocks, as bench/wrk/fill.lua
 
 
 def rss_self_mb() -> float:
@@ -72,8 +84,9 @@ def fill(
     return out
 
 
-def add_free_us(svc: SlotTrackerService, rounds: int = 7, number: int = 1000) -> float:
-    """Median microseconds for one add plus its free, next to the active requests."""
+def add_free_us(svc: SlotTrackerService, rounds: int = 9, number: int = 1000) -> float:
+    """Microseconds for one add plus its free, next to the active requests: the fastest of
+    ``rounds`` rounds (a shared machine only ever adds time)."""
     calls = [add_call("x", 10_000_000 + i) for i in range(rounds * number)]
     free = svc.free
     per = []
@@ -84,7 +97,7 @@ def add_free_us(svc: SlotTrackerService, rounds: int = 7, number: int = 1000) ->
             svc.add(c)
             free(KEY, c.request_id)
         per.append((time.perf_counter() - t0) / number)
-    return statistics.median(per) * 1e6
+    return min(per) * 1e6
 
 
 class GcTimer:
@@ -131,16 +144,118 @@ def inprocess(fill_count: int, gc_mode: str) -> dict:
     return res
 
 
+def active_requests(url: str) -> int:
+    """Active requests over all ranks (``/potential_loads`` reports them on both services)."""
+    status, body = post(
+        url,
+        "/potential_loads",
+        {"model_name": "bench", "sequence_hashes": [1], "new_isl_tokens": 0},
+    )
+    assert status == 200, body
+    return sum(row["active_requests"] for row in json.loads(body))
+
+
+def fill_http(url: str, count: int) -> float:
+    """Add requests 1..count (fill.lua) until (nearly) all are active; returns the seconds.
+
+    A wrk run that ends early is simply repeated: ids already added answer 409. wrk spends a
+    call or two of the script on start-up, so up to 0.1 % may stay missing."""
+    t0 = time.perf_counter()
+    while active_requests(url) < count * 0.999:
+        wrk(url, "fill.lua", max(5, count // 6000), {"FILL_COUNT": str(count)}, connections=16)
+    return time.perf_counter() - t0
+
+
+def http_level(kind: str, level: int, duration: int) -> dict:
+    with started(kind) as s:
+        setup_topology(s.url)
+        time.sleep(0.5)
+        idle = rss_mb(s.pid)
+        out: dict = {"kind": kind, "level": level, "rss_idle_mb": idle}
+        if level:
+            out["fill_s"] = fill_http(s.url, level)
+            time.sleep(1)
+            out["rss_filled_mb"] = rss_mb(s.pid)
+        out["active"] = active_requests(s.url)
+        tag = f"{kind}{level}"
+        wrk(s.url, "lifecycle.lua", 2, {"WRK_TAG": f"w{tag}"})
+        life = wrk(s.url, "lifecycle.lua", duration, {"WRK_TAG": f"m{tag}"})
+        out["lifecycle_rps"], out["lifecycle_non2xx"] = life["rps"], life["non2xx"]
+        setup_active(s.url)
+        wrk(s.url, "potential.lua", 2)
+        pot = wrk(s.url, "potential.lua", duration)
+        out["potential_rps"], out["potential_non2xx"] = pot["rps"], pot["non2xx"]
+        return out
+
+
+def inprocess_subprocess(fill_count: int) -> dict:
+    """The in-process figures from a fresh interpreter (collector tuned as when serving)."""
+    cmd = [sys.executable, str(Path(__file__)), "--inprocess", "--gc", "tuned", "--json"]
+    cmd += ["--fill", str(fill_count)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def table(http: list[dict], inproc: dict, levels: list[int]) -> str:
+    def cell(kind: str, level: int, key: str) -> float:
+        return next(r[key] for r in http if r["kind"] == kind and r["level"] == level)
+
+    top = levels[-1]
+    head = ["Figure"]
+    for name in ("reference", "ours"):
+        head += [f"{name}, {level:,} active" for level in levels]
+    head.append(f"ours {top:,} / ours {levels[0]:,}")
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for key, label in (
+        ("lifecycle_rps", "`/add` + `/free` req/s"),
+        ("potential_rps", "`/potential_loads` req/s"),
+    ):
+        vals = [cell(k, lv, key) for k in ("ref", "ours") for lv in levels]
+        ratio = cell("ours", top, key) / cell("ours", levels[0], key)
+        rows.append(f"| {label} | " + " | ".join(f"{v:,.0f}" for v in vals) + f" | {ratio:.2f} |")
+    lines = ["\n".join(rows), ""]
+    if top:
+        ref_mb = cell("ref", top, "rss_filled_mb") - cell("ref", top, "rss_idle_mb")
+        ours_mb = cell("ours", top, "rss_filled_mb") - cell("ours", top, "rss_idle_mb")
+        lines += [
+            f"| Memory, RSS | idle | with {top:,} active | above idle |",
+            "| --- | --- | --- | --- |",
+            f"| reference | {cell('ref', top, 'rss_idle_mb'):.0f} MB | "
+            f"{cell('ref', top, 'rss_filled_mb'):.0f} MB | {ref_mb:.0f} MB |",
+            f"| ours | {cell('ours', top, 'rss_idle_mb'):.0f} MB | "
+            f"{cell('ours', top, 'rss_filled_mb'):.0f} MB | {ours_mb:.0f} MB "
+            f"({ours_mb / ref_mb:.2f} x the reference) |",
+            "",
+        ]
+    n = inproc["fill"]
+    lines += [
+        f"| In process (ours, service layer) | 1,000 active | {n:,} active | ratio |",
+        "| --- | --- | --- | --- |",
+        f"| add + free of one more request | {inproc['add_free_us_1000']:.1f} us | "
+        f"{inproc['add_free_us_full']:.1f} us | "
+        f"{inproc['add_free_us_full'] / inproc['add_free_us_1000']:.2f} |",
+        f"| fill of {n:,}: {inproc['fill_s']:.1f} s; RSS above idle "
+        f"{inproc['rss_above_idle_mb']:.0f} MB | | | |",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--inprocess", action="store_true")
+    ap.add_argument("--inprocess", action="store_true", help="only the in-process figures")
     ap.add_argument("--fill", type=int, default=100_000)
     ap.add_argument("--gc", choices=["default", "tuned"], default="default")
+    ap.add_argument("--json", action="store_true", help="(--inprocess) one JSON line")
+    ap.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
+    ap.add_argument("--levels", default="0,10000,100000")
     args = ap.parse_args()
     if args.inprocess:
         r = inprocess(args.fill, args.gc)
+        t = r.pop("gc")
+        if args.json:
+            print(json.dumps({**r, "fill": args.fill, "gc_seconds": sum(t.total)}))
+            return 0
         chunks = ", ".join(f"{sec * 1e6 / n:.1f}" for n, sec in r["fill_chunks_s"])
-        t = r["gc"]
         print(f"gc {r['gc_mode']}: active {r['active']}")
         print(f"  fill {args.fill}: {r['fill_s']:.2f} s; us per add, by chunk: {chunks}")
         print(f"  add+free at 1,000 active: {r['add_free_us_1000']:.1f} us")
@@ -150,6 +265,18 @@ def main() -> int:
             f"  collector: {sum(t.total):.2f} s in {t.passes} passes (gen 0/1/2), "
             f"gen 2 {t.total[2]:.2f} s, longest pass {t.longest * 1e3:.1f} ms"
         )
+        return 0
+    levels = [int(x) for x in args.levels.split(",")]
+    results = []
+    for level in levels:
+        for kind in ("ref", "ours"):
+            r = http_level(kind, level, args.duration)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    inproc = inprocess_subprocess(max(levels[-1], 1000))
+    print(json.dumps({"inprocess": inproc}), flush=True)
+    print()
+    print(table(results, inproc, levels))
     return 0
 
 
