@@ -1,13 +1,15 @@
 """How the cost of a call grows with the number of active requests, here and in the reference.
 
-Over HTTP, for kv-slot-tracker and Dynamo's Rust slot tracker (bench/reference.py), each on a
-fresh server per level, alternating reference / ours so a busy machine hits both alike:
+Over HTTP, one kv-slot-tracker and one Dynamo Rust slot tracker (bench/reference.py) run side
+by side and are measured at each level as they fill up; each figure is the median of
+``--rounds`` wrk runs that alternate reference / ours, so a busy machine hits both alike. The
+memory figure comes from a separate pair of fresh servers filled once:
 
   fill        0, 10,000 and 100,000 active prefill-tracked requests of 32 blocks (16 shared),
               never freed and never prefill-completed (bench/wrk/fill.lua)
   lifecycle   /add + /free alternating (bench/wrk/lifecycle.lua), req/s
-  potential   /potential_loads, 64 ranks, 256-block prompt (bench/wrk/potential.lua, plus the
-              200 requests http_bench.py adds for it), req/s
+  potential   /potential_loads, 64 ranks, 256-block prompt (bench/wrk/potential.lua), req/s;
+              every level also holds the 200 requests http_bench.py adds for this query
   memory      resident size above idle with 100,000 active requests
 
 In process (``--inprocess``, ours only, through the service layer, no HTTP):
@@ -16,7 +18,7 @@ In process (``--inprocess``, ours only, through the service layer, no HTTP):
   add+free    one more request added and freed, at 1,000 and at N active
   memory      resident size above idle with N active requests
 
-Run:  .venv/bin/python bench/scaling_bench.py [--duration 8] [--levels 0,10000,100000]
+Run:  .venv/bin/python bench/scaling_bench.py [--duration 5] [--rounds 3] [--levels 0,10000,100000]
       .venv/bin/python bench/scaling_bench.py --inprocess [--fill 100000] [--gc default|tuned]
 Needs (HTTP): wrk, taskset, the reference venv (python bench/reference.py ensure).
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -155,37 +159,83 @@ def active_requests(url: str) -> int:
     return sum(row["active_requests"] for row in json.loads(body))
 
 
-def fill_http(url: str, count: int) -> float:
-    """Add requests 1..count (fill.lua) until (nearly) all are active; returns the seconds.
+def fill_http(url: str, count: int, already: int = 0) -> float:
+    """Add ``count`` more requests with fill.lua (after ``already`` added earlier); returns the
+    seconds it took.
 
-    A wrk run that ends early is simply repeated: ids already added answer 409. wrk spends a
-    call or two of the script on start-up, so up to 0.1 % may stay missing."""
+    When a wrk run ends before all were sent, another one (at most three more) adds the missing
+    number with fresh ids. A wrk run loses a call of the script on start-up, so a request or
+    two (at most 0.1 %) may stay missing."""
     t0 = time.perf_counter()
-    while active_requests(url) < count * 0.999:
-        wrk(url, "fill.lua", max(5, count // 6000), {"FILL_COUNT": str(count)}, connections=16)
+    base = active_requests(url)
+    start, missing = already + 1, count
+    for _ in range(4):
+        env = {"FILL_COUNT": str(missing), "FILL_START": str(start)}
+        wrk(url, "fill.lua", max(5, missing // 2000 + 3), env, connections=16)
+        start += missing
+        missing = count - (active_requests(url) - base)
+        if missing <= max(2, count // 1000):
+            break
     return time.perf_counter() - t0
 
 
-def http_level(kind: str, level: int, duration: int) -> dict:
-    with started(kind) as s:
-        setup_topology(s.url)
-        time.sleep(0.5)
-        idle = rss_mb(s.pid)
-        out: dict = {"kind": kind, "level": level, "rss_idle_mb": idle}
-        if level:
-            out["fill_s"] = fill_http(s.url, level)
-            time.sleep(1)
-            out["rss_filled_mb"] = rss_mb(s.pid)
-        out["active"] = active_requests(s.url)
-        tag = f"{kind}{level}"
-        wrk(s.url, "lifecycle.lua", 2, {"WRK_TAG": f"w{tag}"})
-        life = wrk(s.url, "lifecycle.lua", duration, {"WRK_TAG": f"m{tag}"})
-        out["lifecycle_rps"], out["lifecycle_non2xx"] = life["rps"], life["non2xx"]
-        setup_active(s.url)
+def measure(servers: dict, res: dict, level: int, duration: int, rounds: int) -> None:
+    """Lifecycle and potential loads on every server; each measured wrk run alternates between
+    them (reference, ours, reference, ours, ...), so a busy neighbour hits both alike."""
+    for k, s in servers.items():
+        row = res[k][level] = {"kind": k, "level": level, "active": active_requests(s.url)}
+        row["lifecycle"], row["potential"], row["non2xx"] = [], [], 0
+        wrk(s.url, "lifecycle.lua", 2, {"WRK_TAG": f"w{level}"})
         wrk(s.url, "potential.lua", 2)
-        pot = wrk(s.url, "potential.lua", duration)
-        out["potential_rps"], out["potential_non2xx"] = pot["rps"], pot["non2xx"]
-        return out
+    for workload in ("lifecycle", "potential"):
+        for r in range(rounds):
+            for k, s in servers.items():
+                run = wrk(s.url, f"{workload}.lua", duration, {"WRK_TAG": f"r{level}-{r}"})
+                res[k][level][workload].append(run["rps"])
+                res[k][level]["non2xx"] += run["non2xx"]
+    for k in servers:
+        row = res[k][level]
+        row["lifecycle_rps"] = statistics.median(row["lifecycle"])
+        row["potential_rps"] = statistics.median(row["potential"])
+        print(json.dumps(row), flush=True)
+
+
+def http_scaling(levels: list[int], duration: int, rounds: int) -> list[dict]:
+    """One reference and one ours side by side, measured at each level as they fill up (the
+    same processes throughout, so a level is compared with the same server empty)."""
+    res: dict[str, dict[int, dict]] = {"ref": {}, "ours": {}}
+    with started("ref") as ref, started("ours") as ours:
+        servers = {"ref": ref, "ours": ours}
+        for s in servers.values():
+            setup_topology(s.url)
+            setup_active(s.url)  # the 200 requests potential.lua overlaps with
+        filled = 0
+        for level in levels:
+            if level > filled:
+                for s in servers.values():
+                    fill_http(s.url, level - filled, filled)
+            filled = level
+            measure(servers, res, level, duration, rounds)
+    return [res[k][level] for k in res for level in levels]
+
+
+def http_memory(count: int) -> dict:
+    """RSS with no request and with ``count`` active ones, on fresh servers (no churn before)."""
+    out = {}
+    with started("ref") as ref, started("ours") as ours:
+        servers = {"ref": ref, "ours": ours}
+        for s in servers.values():
+            setup_topology(s.url)
+        time.sleep(0.5)
+        idle = {k: rss_mb(s.pid) for k, s in servers.items()}
+        for s in servers.values():
+            fill_http(s.url, count)
+        time.sleep(1)
+        for k, s in servers.items():
+            out[k] = {"rss_idle_mb": idle[k], "rss_filled_mb": rss_mb(s.pid)}
+            out[k]["active"] = active_requests(s.url)
+    print(json.dumps({"memory": out}), flush=True)
+    return out
 
 
 def inprocess_subprocess(fill_count: int) -> dict:
@@ -196,7 +246,7 @@ def inprocess_subprocess(fill_count: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def table(http: list[dict], inproc: dict, levels: list[int]) -> str:
+def table(http: list[dict], memory: dict, inproc: dict, levels: list[int]) -> str:
     def cell(kind: str, level: int, key: str) -> float:
         return next(r[key] for r in http if r["kind"] == kind and r["level"] == level)
 
@@ -204,29 +254,36 @@ def table(http: list[dict], inproc: dict, levels: list[int]) -> str:
     head = ["Figure"]
     for name in ("reference", "ours"):
         head += [f"{name}, {level:,} active" for level in levels]
-    head.append(f"ours {top:,} / ours {levels[0]:,}")
+    head += [f"reference {top:,} / {levels[0]:,}", f"ours {top:,} / {levels[0]:,}"]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key, label in (
         ("lifecycle_rps", "`/add` + `/free` req/s"),
         ("potential_rps", "`/potential_loads` req/s"),
     ):
         vals = [cell(k, lv, key) for k in ("ref", "ours") for lv in levels]
-        ratio = cell("ours", top, key) / cell("ours", levels[0], key)
-        rows.append(f"| {label} | " + " | ".join(f"{v:,.0f}" for v in vals) + f" | {ratio:.2f} |")
+        ratios = [cell(k, top, key) / cell(k, levels[0], key) for k in ("ref", "ours")]
+        rows.append(
+            f"| {label} | "
+            + " | ".join(f"{v:,.0f}" for v in vals)
+            + " | "
+            + " | ".join(f"{x:.2f}" for x in ratios)
+            + " |"
+        )
     lines = ["\n".join(rows), ""]
-    if top:
-        ref_mb = cell("ref", top, "rss_filled_mb") - cell("ref", top, "rss_idle_mb")
-        ours_mb = cell("ours", top, "rss_filled_mb") - cell("ours", top, "rss_idle_mb")
+    if memory:
+        count = memory["ours"]["active"]
+        above = {k: m["rss_filled_mb"] - m["rss_idle_mb"] for k, m in memory.items()}
         lines += [
-            f"| Memory, RSS | idle | with {top:,} active | above idle |",
+            f"| Memory, RSS | idle | with {count:,} active | above idle |",
             "| --- | --- | --- | --- |",
-            f"| reference | {cell('ref', top, 'rss_idle_mb'):.0f} MB | "
-            f"{cell('ref', top, 'rss_filled_mb'):.0f} MB | {ref_mb:.0f} MB |",
-            f"| ours | {cell('ours', top, 'rss_idle_mb'):.0f} MB | "
-            f"{cell('ours', top, 'rss_filled_mb'):.0f} MB | {ours_mb:.0f} MB "
-            f"({ours_mb / ref_mb:.2f} x the reference) |",
-            "",
         ]
+        for k, name in (("ref", "reference"), ("ours", "ours")):
+            m = memory[k]
+            lines.append(
+                f"| {name} | {m['rss_idle_mb']:.0f} MB | {m['rss_filled_mb']:.0f} MB | "
+                f"{above[k]:.0f} MB |"
+            )
+        lines += [f"| ours / reference | | | {above['ours'] / above['ref']:.2f} |", ""]
     n = inproc["fill"]
     lines += [
         f"| In process (ours, service layer) | 1,000 active | {n:,} active | ratio |",
@@ -246,7 +303,8 @@ def main() -> int:
     ap.add_argument("--fill", type=int, default=100_000)
     ap.add_argument("--gc", choices=["default", "tuned"], default="default")
     ap.add_argument("--json", action="store_true", help="(--inprocess) one JSON line")
-    ap.add_argument("--duration", type=int, default=8, help="seconds per measured wrk run")
+    ap.add_argument("--duration", type=int, default=5, help="seconds per measured wrk run")
+    ap.add_argument("--rounds", type=int, default=3, help="measured runs per service and level")
     ap.add_argument("--levels", default="0,10000,100000")
     args = ap.parse_args()
     if args.inprocess:
@@ -266,17 +324,15 @@ def main() -> int:
             f"gen 2 {t.total[2]:.2f} s, longest pass {t.longest * 1e3:.1f} ms"
         )
         return 0
+    # stop the servers (context managers) also when killed, e.g. by timeout(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     levels = [int(x) for x in args.levels.split(",")]
-    results = []
-    for level in levels:
-        for kind in ("ref", "ours"):
-            r = http_level(kind, level, args.duration)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+    memory = http_memory(levels[-1]) if levels[-1] else {}
+    results = http_scaling(levels, args.duration, args.rounds)
     inproc = inprocess_subprocess(max(levels[-1], 1000))
     print(json.dumps({"inprocess": inproc}), flush=True)
     print()
-    print(table(results, inproc, levels))
+    print(table(results, memory, inproc, levels))
     return 0
 
 
