@@ -24,6 +24,7 @@ from app.http.auth import OPEN_PATHS, BearerAuth
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
@@ -90,7 +91,8 @@ def build_http_app(
     )
     _install_error_handlers(app)
 
-    operations = Operations(service, settings.max_hashes_per_request)
+    gate = None if replication.mode == "embedded" else ReadinessGate(replication)
+    operations = Operations(service, settings.max_hashes_per_request, gate)
     queries = Queries(service, replication)
     lean_ops = {}
     for route in ROUTES:
@@ -100,7 +102,10 @@ def build_http_app(
             if route.lean:
                 lean_ops[route.path] = op
         else:
-            endpoint = query_endpoint(route, getattr(queries, route.name))
+            handler = getattr(queries, route.name)
+            if gate is not None and route.needs_state:
+                handler = gate.guard(handler)
+            endpoint = query_endpoint(route, handler)
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
     app.include_router(build_dashboard_router())
     app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))

@@ -20,6 +20,7 @@ from app.core.types import U64_MAX
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
+from app.http.gate import ReadinessGate
 from app.service import SlotTrackerService
 from app.service import commands as c
 
@@ -117,16 +118,23 @@ BATCH_MODELS: dict[str, type[BaseModel]] = {
 class Operations:
     """Every body route's operation, by name (the route table names them)."""
 
-    def __init__(self, service: SlotTrackerService, max_batch: int) -> None:
+    def __init__(
+        self, service: SlotTrackerService, max_batch: int, gate: ReadinessGate | None = None
+    ) -> None:
         self.service = service
         self.max_batch = max_batch
+        self.gate = gate  # replicated mode: 503 until caught up (``app.http.gate``)
 
     def get(self, name: str) -> Operation:
         op = getattr(self, name)
         return lambda raw: self.run(op, raw)
 
-    @staticmethod
-    def run(op: Operation, raw: bytes) -> Result:
+    def run(self, op: Operation, raw: bytes) -> Result:
+        gate = self.gate
+        if gate is not None and gate.closed:
+            refused = gate.refusal()
+            if refused is not None:
+                return error_result(refused)
         try:
             return op(raw)
         except EXPECTED as e:

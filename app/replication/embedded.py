@@ -25,6 +25,9 @@ class EmbeddedReplication:
     async def start(self, target: ReplicaTarget) -> None:
         pass
 
+    async def settled(self, timeout_s: float) -> None:
+        pass
+
     async def stop(self) -> None:
         pass
 

@@ -40,7 +40,13 @@ class Replication(Protocol):
         ...
 
     async def start(self, target: ReplicaTarget) -> None:
-        """Start keeping ``target`` in agreement with the peers; never raises for I/O trouble."""
+        """Start keeping ``target`` in agreement with the peers, in the background: returns at
+        once (the instance listens while it bootstraps); never raises for I/O trouble."""
+        ...
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until the bootstrap settled (ready, or Redis unreachable, or failed), at most
+        ``timeout_s``: for callers that want to wait for the state before going on."""
         ...
 
     async def stop(self) -> None: ...

@@ -53,3 +53,11 @@ class TooManyRanks(ServiceError):
 class TooManyHashes(ServiceError):
     def __init__(self, count: int, limit: int) -> None:
         super().__init__(f"too many block hashes: {count} > max_hashes_per_request ({limit})")
+
+
+class NotReady(ServiceError):
+    """The instance has not caught up with its peers yet (bootstrapping): it cannot answer a
+    call about tracker state correctly, so it refuses it and changes nothing."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"not ready: {reason}")

@@ -90,7 +90,9 @@ class RedisReplication:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self, target: ReplicaTarget) -> None:
-        """Connect, bootstrap ``target`` (snapshot + catch-up) and start the background tasks.
+        """Start the background tasks, which connect and bootstrap ``target`` (snapshot +
+        catch-up); returns at once, so the instance listens (``/health`` 200, ``/ready`` 503
+        with the reason) while it bootstraps. ``settled`` waits for the bootstrap.
 
         Never raises for Redis trouble: when Redis is unreachable, bootstrap keeps being retried
         in the background and ``ready()`` stays False until it succeeds.
@@ -104,7 +106,11 @@ class RedisReplication:
         self._publisher = self._spawn(self.outbox.run(), "replication-publisher")
         self._spawn(self.reader.run(), "replication-reader")
         self._spawn(self.snapshots.run(), "replication-snapshots")
-        await self.bootstrap.settled(START_WAIT_S)
+
+    async def settled(self, timeout_s: float = START_WAIT_S) -> None:
+        """Until the bootstrap settled (ready, Redis unreachable, or failed), at most
+        ``timeout_s``; an instance waiting for a snapshot keeps it waiting."""
+        await self.bootstrap.settled(timeout_s)
         if not self.bootstrap.ready():
             log.warning(
                 "replication not ready (%s); retrying in the background",

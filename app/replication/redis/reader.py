@@ -111,7 +111,7 @@ class StreamReader:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
-            except BootstrapPending as e:  # start() keeps waiting (up to START_WAIT_S)
+            except BootstrapPending as e:  # settled() keeps waiting (up to START_WAIT_S)
                 attempt = 0
                 self.bootstrap.waiting_for_snapshot(e.why)
                 await asyncio.sleep(BOOTSTRAP_RETRY_S)
