@@ -94,6 +94,11 @@ class Settings(BaseSettings):
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)
 
+    # Consistency of lifecycle calls across instances
+    consistency_wait_ms: int = Field(default=500, ge=0)
+    tombstone_capacity: int = Field(default=100_000, gt=0)
+    tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:

@@ -28,6 +28,7 @@ from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
+from app.http.replicated import ReplicatedOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
@@ -40,6 +41,7 @@ from app.http.routes import (
 from app.observability import HttpMetrics
 from app.replication.port import Replication
 from app.service import SlotTrackerService
+from app.service.consistency import Consistency
 from app.settings import Settings
 
 DESCRIPTION = (
@@ -78,7 +80,10 @@ def build_http_app(
     replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
+    consistency: Consistency | None = None,
 ) -> SlotTrackerApp:
+    """The app; ``consistency`` (replicated mode) makes lifecycle calls wait for unknown ids
+    and answer 503 until the instance caught up (``app.http.replicated``)."""
     app = SlotTrackerApp(
         title="kv-slot-tracker",
         version=__version__,
@@ -91,8 +96,13 @@ def build_http_app(
     )
     _install_error_handlers(app)
 
-    gate = None if replication.mode == "embedded" else ReadinessGate(replication)
-    operations = Operations(service, settings.max_hashes_per_request, gate)
+    gate = None
+    operations = Operations(service, settings.max_hashes_per_request)
+    if consistency is not None:
+        gate = ReadinessGate(replication)
+        operations = ReplicatedOperations(
+            service, settings.max_hashes_per_request, gate, consistency
+        )
     queries = Queries(service, replication)
     lean_ops = {}
     for route in ROUTES:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from time import perf_counter
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -25,7 +26,8 @@ from app.http.responses import send_json
 
 log = logging.getLogger(__name__)
 
-Operation = Callable[[bytes], tuple[int, bytes]]
+# An operation answers at once, or (replicated mode, rarely) with an awaitable of its answer.
+Operation = Callable[[bytes], Any]
 Observe = Callable[[str, str, int, float], None]
 
 _INTERNAL = b'{"error":"internal error"}'
@@ -64,7 +66,10 @@ class LeanDispatcher:
             except HttpError as e:
                 status, payload = error_result(e)
             else:
-                status, payload = op(body)
+                result = op(body)
+                if type(result) is not tuple:  # it waits for replication (app.http.replicated)
+                    result = await result
+                status, payload = result
         except Exception:  # a bug, never client input: answer 500 and keep serving
             log.exception("unexpected error serving %s", scope["path"])
             status, payload = 500, _INTERNAL

@@ -20,7 +20,6 @@ from app.core.types import U64_MAX
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
-from app.http.gate import ReadinessGate
 from app.service import SlotTrackerService
 from app.service import commands as c
 
@@ -118,23 +117,16 @@ BATCH_MODELS: dict[str, type[BaseModel]] = {
 class Operations:
     """Every body route's operation, by name (the route table names them)."""
 
-    def __init__(
-        self, service: SlotTrackerService, max_batch: int, gate: ReadinessGate | None = None
-    ) -> None:
+    def __init__(self, service: SlotTrackerService, max_batch: int) -> None:
         self.service = service
         self.max_batch = max_batch
-        self.gate = gate  # replicated mode: 503 until caught up (``app.http.gate``)
 
     def get(self, name: str) -> Operation:
         op = getattr(self, name)
         return lambda raw: self.run(op, raw)
 
-    def run(self, op: Operation, raw: bytes) -> Result:
-        gate = self.gate
-        if gate is not None and gate.closed:
-            refused = gate.refusal()
-            if refused is not None:
-                return error_result(refused)
+    @staticmethod
+    def run(op: Operation, raw: bytes) -> Result:
         try:
             return op(raw)
         except EXPECTED as e:
@@ -222,8 +214,10 @@ class Operations:
             return _batch_error(e)
         return _DONE
 
-    def _loose_op(self, op: Any) -> bytes:
-        """An operation of a batch that did not validate as a whole: validated on its own."""
+    @staticmethod
+    def _loose_op(op: Any) -> Any:
+        """An operation of a batch that did not validate as a whole, validated on its own: its
+        model, or its error result (bytes)."""
         try:
             if not isinstance(op, dict):
                 raise HttpError(422, "operation must be a JSON object")
@@ -233,12 +227,16 @@ class Operations:
                 raise HttpError(
                     422, "`op` must be one of add, prefill_complete, free, output_block"
                 )
-            b = parse_object(op, model)
+            return parse_object(op, model)
         except HttpError as e:
             return _batch_error(e)
-        return self._apply(b)
 
     def batch(self, raw: bytes) -> Result:
+        return self._run_batch(self._batch_ops(raw))
+
+    def _batch_ops(self, raw: bytes) -> list[Any]:
+        """The operations of a batch body: each a validated model, or its error result (bytes)
+        when it did not validate (the others still apply)."""
         ops = None
         if b"NaN" not in raw and b"Infinity" not in raw:
             # one validation pass when every operation is well formed (the common case)
@@ -246,12 +244,15 @@ class Operations:
                 ops = s.StrictBatchBody.model_validate_json(raw).operations
         if ops is not None:
             self._check_size(len(ops))
-            results = [self._apply(b) for b in ops]
-        else:
-            # malformed somewhere: validate each operation alone so the others still apply
-            loose = parse_json(raw, s.BatchBody).operations
-            self._check_size(len(loose))
-            results = [self._loose_op(op) for op in loose]
+            return ops
+        # malformed somewhere: validate each operation alone so the others still apply
+        loose = parse_json(raw, s.BatchBody).operations
+        self._check_size(len(loose))
+        return [self._loose_op(op) for op in loose]
+
+    def _run_batch(self, ops: list[Any], apply: Callable[[Any], bytes] | None = None) -> Result:
+        apply = apply or self._apply
+        results = [op if type(op) is bytes else apply(op) for op in ops]
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
     def _check_size(self, n: int) -> None:

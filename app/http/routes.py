@@ -197,15 +197,20 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
 
 
 def body_endpoint(
-    route: Route, operation: Callable[[bytes], tuple[int, bytes]], max_body: int
+    route: Route, operation: Callable[[bytes], Any], max_body: int
 ) -> Callable[..., Any]:
+    """``operation`` answers ``(status, body)``, or an awaitable of it (``app.http.replicated``)."""
+
     async def endpoint(request: Request) -> Response:
         try:
             raw = await read_asgi_body(request.scope, request.receive, max_body)
         except EXPECTED as e:
             status, payload = error_result(e)
         else:
-            status, payload = operation(raw)
+            result = operation(raw)
+            if type(result) is not tuple:
+                result = await result
+            status, payload = result
         return raw_response(payload, status)
 
     endpoint.__name__ = route.name

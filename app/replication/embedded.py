@@ -34,5 +34,8 @@ class EmbeddedReplication:
     def ready(self) -> bool:
         return True
 
+    async def caught_up(self, timeout_s: float) -> bool:
+        return True  # nothing is shared: this instance has everything
+
     def status(self) -> ReplicationStatus:
         return ReplicationStatus(mode=self.mode, instance_id=self.instance_id)

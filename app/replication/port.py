@@ -24,8 +24,15 @@ class ReplicaTarget(Protocol):
         """Every tracker's state, for a snapshot."""
         ...
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        """Replace every tracker by those of an ``export_state``; all or nothing."""
+    def export_early(self) -> list[list[Any]]:
+        """The early lifecycle calls kept (tombstones, pending marks), for a snapshot."""
+        ...
+
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        """Replace every tracker by those of an ``export_state`` and the early calls by those
+        of an ``export_early``; all or nothing."""
         ...
 
 
@@ -53,6 +60,11 @@ class Replication(Protocol):
 
     def ready(self) -> bool:
         """Whether the local state may be served (caught up with the peers)."""
+        ...
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """The read barrier: True once this instance has applied every record that was in the
+        shared stream when called; False when that could not be established in time."""
         ...
 
     def status(self) -> ReplicationStatus: ...

@@ -11,8 +11,13 @@ whole batch. A record that cannot be applied (malformed, or refused by the core,
 topology that conflicts with the local one) is counted, logged and skipped: the records behind
 it in the batch are still applied.
 
+Early lifecycle calls (``app.service.early``): a free or prefill completion of an id that was
+still unknown after the read barrier is kept and sent as an ``early`` record; every instance
+applies it to the add when that arrives (a tombstone cancels it, a pending mark completes its
+prefill), or at once to a copy it already holds.
+
 Snapshots: ``export_state`` / ``restore_state`` carry every tracker (``app.core.snapshot``),
-instants as wall-clock time.
+instants as wall-clock time, and the early calls.
 """
 
 from __future__ import annotations
@@ -22,10 +27,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.core.errors import TrackerError
-from app.core.events import ActiveSequenceEvent, AddRequest, Free, event_from_wire, event_to_wire
+from app.core.events import (
+    FREE,
+    MARK_PREFILL_COMPLETED,
+    ActiveSequenceEvent,
+    AddRequest,
+    Free,
+    event_from_wire,
+    event_to_wire,
+)
 from app.core.publisher import ReplicaEffects, SequencePublisher
 from app.core.snapshot import wall_mapping
-from app.core.types import WorkerDpRange
+from app.core.types import WorkerDpRange, WorkerWithDpRank
+from app.service import early as e
 from app.service.commands import Key
 
 if TYPE_CHECKING:
@@ -68,6 +82,12 @@ class Replica:
         self.applied = 0
         self.dropped = 0  # records of peers that could not be applied
         self._registry: TrackerRegistry | None = None
+        self.early: e.EarlyCalls | None = None  # replicated mode (``use_early_calls``)
+        self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
+
+    def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
+        self.early = e.EarlyCalls(capacity, ttl_ns)
+        return self.early
 
     def bind(self, registry: TrackerRegistry) -> None:
         self._registry = registry
@@ -105,6 +125,26 @@ class Replica:
         record = self._envelope(key, block_size)
         record["topology"] = op
         self.replicator.publish(record)
+
+    def remember_early(self, key: Key, op: str, request_id: str) -> None:
+        """A free (tombstone) or prefill completion (pending mark) of an id still unknown here
+        after the read barrier: keep it and tell every instance (``app.service.early``)."""
+        early = self.early
+        if early is None:
+            return
+        record = self._envelope(key, self._block_size(key))
+        early.put((key[0], key[1], request_id), op, record["ts"], record["ts"])
+        if op == e.FREE:
+            early.counters.tombstones_created += 1
+        else:
+            early.counters.marks_created += 1
+        record["early"] = {"op": op, "request_id": request_id}
+        if self.replicator is not None:
+            self.replicator.publish(record)
+
+    def _block_size(self, key: Key) -> int:
+        t = self.registry.find(key)
+        return t.block_size if t is not None else 0
 
     def emit_upsert(
         self, key: Key, block_size: int, worker_id: int, dp_start: int, dp_size: int
@@ -151,6 +191,8 @@ class Replica:
             t = trackers.get(key)
             if t is not None:
                 t.flush_replica_effects(eff)
+        if self.on_applied is not None:
+            self.on_applied()
         return applied
 
     def _apply_one(self, rec: dict[str, Any], effects: dict[Key, ReplicaEffects]) -> bool:
@@ -160,6 +202,8 @@ class Replica:
         block_size = rec["block_size"]
         if "topology" in rec:
             return self._apply_topology(key, block_size, rec["topology"])
+        if "early" in rec:
+            return self._apply_early(key, rec["early"], rec["ts"], effects)
         registry = self.registry
         t = registry.find(key)
         if t is None or t.block_size != block_size:
@@ -173,14 +217,66 @@ class Replica:
         eff = effects.get(key)
         if eff is None:
             eff = effects[key] = ReplicaEffects()
+        data = event.data
+        early = None
+        if type(data) is AddRequest and self.early is not None and len(self.early):
+            early = self.early.get((key[0], key[1], event.request_id), self.wall_clock())
+            if early is not None and early.op == e.FREE and rec["ts"] <= early.ts:
+                self.early.counters.tombstones_applied += 1  # freed before it arrived
+                return False
         changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
         if changed:
-            data = event.data
             if isinstance(data, AddRequest):
                 registry.counters_of(key).added += 1
+                if early is not None and rec["ts"] <= early.ts:  # a pending mark
+                    self._complete_prefill(t, event.request_id, early.ts, eff)
+                    self.early.discard((key[0], key[1], event.request_id))  # type: ignore[union-attr]
             elif isinstance(data, Free):
                 registry.counters_of(key).freed += 1
         return changed
+
+    # -- early lifecycle calls ---------------------------------------------------------------
+
+    def _apply_early(
+        self, key: Key, op: dict[str, Any], ts: int, effects: dict[Key, ReplicaEffects]
+    ) -> bool:
+        """A peer's tombstone or pending mark: applied at once to a copy of the request that
+        started before it, else kept for the add (a tombstone is kept in any case, for a
+        duplicate add still on its way)."""
+        kind, rid = op["op"], op["request_id"]
+        if kind not in e.OPS or not isinstance(rid, str) or type(ts) is not int:
+            raise ValueError(f"malformed early call {op!r}")
+        early = self.early
+        if early is None:
+            return False
+        t = self.registry.find(key)
+        started = t.started_at(rid) if t is not None else None
+        applied = False
+        if t is not None and started is not None and started <= self.producer_instant(ts):
+            eff = effects.get(key)
+            if eff is None:
+                eff = effects[key] = ReplicaEffects()
+            if kind == e.FREE:
+                self._free_copy(key, t, rid, ts, eff)
+                early.counters.tombstones_applied += 1
+            else:
+                self._complete_prefill(t, rid, ts, eff)
+            applied = True
+        if kind == e.FREE or not applied:
+            early.put((key[0], key[1], rid), kind, ts, self.wall_clock())
+        return applied
+
+    def _free_copy(self, key: Key, t: Any, rid: str, ts: int, eff: ReplicaEffects) -> None:
+        """Free this instance's copy of a request as a peer's free would (nothing is sent)."""
+        event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
+        if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
+            self.registry.counters_of(key).freed += 1
+
+    def _complete_prefill(self, t: Any, rid: str, ts: int, eff: ReplicaEffects) -> None:
+        """Apply a pending mark: the request's prefill completed at the mark's time."""
+        event = ActiveSequenceEvent(rid, _ANY_RANK, MARK_PREFILL_COMPLETED, 0)
+        if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
+            self.early.counters.marks_applied += 1  # type: ignore[union-attr]
 
     def _apply_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> bool:
         kind = op["op"]
@@ -225,6 +321,10 @@ class Replica:
 
     # -- snapshots -------------------------------------------------------------------------
 
+    def export_early(self) -> list[list[Any]]:
+        """The early calls kept here, for a snapshot."""
+        return self.early.export() if self.early is not None else []
+
     def export_state(self) -> list[dict[str, Any]]:
         """Every tracker's replicated state (``app.core.snapshot``), instants as wall time."""
         to_wall, _ = wall_mapping(self.clock(), self.wall_clock())
@@ -233,8 +333,11 @@ class Replica:
             for key, t in sorted(self.registry.trackers.items())
         ]
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        """Replace every tracker by those of an ``export_state`` (counters are kept).
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        """Replace every tracker by those of an ``export_state``, and the early calls by
+        ``early`` (an ``export_early``; None: none) (counters are kept).
 
         All or nothing: on malformed data the previous trackers stay in place.
         """
@@ -247,6 +350,11 @@ class Replica:
                 key = (entry["model_name"], entry["routing_group"])
                 data = entry["tracker"]
                 registry.create(key, data["block_size"]).restore(data, from_wall)
+            if self.early is not None:
+                self.early.restore(early or [], self.wall_clock())
         except Exception:
             registry.replace_all(previous)
             raise
+
+
+_ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id

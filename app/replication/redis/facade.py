@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from app.replication.metrics import ReplicationCounters, lag_histogram, register_collector
 from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.records import random_id, resolve_instance_id
+from app.replication.redis.barrier import ReadBarrier
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
 from app.replication.redis.connection import RedisClients
 from app.replication.redis.instance import Instance
@@ -81,6 +82,8 @@ class RedisReplication:
             outbox=self.outbox,
             reader=self.reader,
         )
+        self.barrier = ReadBarrier(self.me.keys)
+        self.reader.on_position = self.barrier.advanced
         register_collector(registry, self.counters, self.outbox.pending, self.connected)
         self._clients: RedisClients | None = None
         self._tasks: list[asyncio.Task] = []
@@ -100,6 +103,7 @@ class RedisReplication:
         clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
         store = SnapshotStore(clients.commands, self.me.keys)
         self.outbox.connect(clients.commands)
+        self.barrier.connect(clients.commands)
         self.reader.connect(clients.reads, store, target)
         self.snapshots.connect(store, target)
         self.bootstrap.connecting()
@@ -159,6 +163,10 @@ class RedisReplication:
     def publish(self, record: dict[str, Any]) -> None:
         """Queue one record for the stream; never blocks, never raises."""
         self.outbox.publish(record)
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """The read barrier (``barrier.ReadBarrier.caught_up``)."""
+        return await self.barrier.caught_up(timeout_s)
 
     def ready(self) -> bool:
         return self.bootstrap.ready()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Histogram
@@ -72,6 +73,7 @@ class StreamReader:
         self.outbox = outbox
         self.schedule = schedule
         self.position = START_ID  # the stream id up to which the local state has read
+        self.on_position: Callable[[str], None] | None = None  # the read barrier's hook
         self.connected: bool | None = None  # None until the first read was tried
         self.last_lag_ms: float | None = None
         self._seqs = SeqLedger()
@@ -179,17 +181,24 @@ class StreamReader:
         """
         assert self._target is not None
         if snapshot is None:
-            self._target.restore_state([])
+            self._target.restore_state([], [])
             self._seqs = SeqLedger()
             self.position = START_ID
         else:
             with gc_paused(freeze=True):
-                self._target.restore_state(snapshot.trackers)
+                self._target.restore_state(snapshot.trackers, snapshot.early)
             self._seqs = snapshot.seqs.copy()
             self.position = snapshot.stream_id
             self.schedule.note(snapshot.stream_id, snapshot.at)
         self.bootstrap.restored(self.outbox.next_seq)
         self.counters.bootstraps += 1
+        self._moved(self.position)
+
+    def _moved(self, position: str) -> None:
+        """The local state now includes the stream up to ``position``."""
+        self.position = position
+        if self.on_position is not None:
+            self.on_position(position)
 
     async def _check_stream_reset(self) -> None:
         """After a reconnect: did the stream disappear, roll back behind our position, or lose
@@ -226,7 +235,7 @@ class StreamReader:
             restart_from,
             self.position,
         )
-        self.position = restart_from
+        self._moved(restart_from)
 
     async def _ingest(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Filter one XREAD reply and apply it as one batch."""
@@ -271,11 +280,12 @@ class StreamReader:
 
     def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
         assert self._target is not None
-        self.position = position
+        if batch:
+            with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
+                self._target.apply_remote(batch)
+        self._moved(position)
         if not batch:
             return
-        with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
-            self._target.apply_remote(batch)
         self.counters.applied += len(batch)
         observe = self.lag.observe
         lag_ns = 0
