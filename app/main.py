@@ -87,11 +87,11 @@ def make_consistency(
 ) -> Consistency:
     """Replicated mode: lifecycle calls for ids not known yet wait for their add, and those
     still unknown are kept as early calls (tombstones, pending marks) for every instance."""
-    early = service.replica.use_early_calls(
+    service.replica.use_early_calls(
         settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
     )
     consistency = Consistency(service, replication, wait_ms=settings.consistency_wait_ms)
-    watch_consistency(registry, consistency.counters, early)
+    watch_consistency(registry, consistency.counters, service.replica)
     return consistency
 
 

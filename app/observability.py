@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 from app.service import SlotTrackerService
 from app.service.consistency import ConsistencyCounters
-from app.service.early import EarlyCalls
+from app.service.replica import Replica
 
 RANK_LABELS = ["model_name", "routing_group", "worker_id", "dp_rank"]
 KEY_LABELS = ["model_name", "routing_group"]
@@ -82,12 +82,14 @@ class TrackerCollector(Collector):
 class ConsistencyCollector(Collector):
     """Replicated mode: lifecycle calls that waited for their add, and early calls kept."""
 
-    def __init__(self, counters: ConsistencyCounters, early: EarlyCalls) -> None:
+    def __init__(self, counters: ConsistencyCounters, replica: Replica) -> None:
         self.counters = counters
-        self.early = early
+        self.replica = replica
 
     def collect(self) -> Iterator:
-        c, e = self.counters, self.early.counters
+        early = self.replica.early
+        assert early is not None
+        c, e = self.counters, early.counters
         for name, value, doc in (
             ("barrier_waits", c.barrier_waits,
              "Lifecycle calls that waited for the add of a request id unknown here"),
@@ -104,6 +106,8 @@ class ConsistencyCollector(Collector):
              "Tombstones and pending marks dropped by age or capacity before their add came"),
             ("output_blocks_dropped", c.output_blocks_dropped,
              "Output blocks for ids still unknown after the wait"),
+            ("duplicate_adds", self.replica.duplicate_adds,
+             "Adds of an id already active here, resolved by stream order (first add wins)"),
         ):  # fmt: skip
             counter = CounterMetricFamily(f"kv_slot_tracker_consistency_{name}", doc)
             counter.add_metric([], value)
@@ -112,14 +116,14 @@ class ConsistencyCollector(Collector):
             "kv_slot_tracker_consistency_early_calls",
             "Tombstones and pending marks kept, waiting for their add",
         )
-        kept.add_metric([], len(self.early))
+        kept.add_metric([], len(early))
         yield kept
 
 
 def watch_consistency(
-    registry: CollectorRegistry, counters: ConsistencyCounters, early: EarlyCalls
+    registry: CollectorRegistry, counters: ConsistencyCounters, replica: Replica
 ) -> None:
-    registry.register(ConsistencyCollector(counters, early))
+    registry.register(ConsistencyCollector(counters, replica))
 
 
 def build_registry() -> CollectorRegistry:

@@ -19,8 +19,9 @@ class EmbeddedReplication:
     def __init__(self, settings: Settings) -> None:
         self.instance_id = resolve_instance_id(settings.instance_id)
 
-    def publish(self, record: dict[str, Any]) -> None:
+    def publish(self, record: dict[str, Any]) -> int:
         """Nothing to send to: a no-op."""
+        return 0
 
     async def start(self, target: ReplicaTarget) -> None:
         pass

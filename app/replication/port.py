@@ -42,8 +42,9 @@ class Replication(Protocol):
     mode: str  # "embedded" (nothing to replicate) or "redis"
     instance_id: int  # non-zero; the origin of this instance's records
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one of the service's records for the peers; never blocks, never raises."""
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one of the service's records for the peers; never blocks, never raises.
+        Returns the record's sequence number among this process's records (0: not queued)."""
         ...
 
     async def start(self, target: ReplicaTarget) -> None:

@@ -11,6 +11,14 @@ whole batch. A record that cannot be applied (malformed, or refused by the core,
 topology that conflicts with the local one) is counted, logged and skipped: the records behind
 it in the batch are still applied.
 
+The same request id added on two instances at once: the first add in stream order wins on
+every instance. An instance that holds a copy ignores a peer's add of the id, except when its
+own add's record has not come back from the stream yet (the reader says which own records it
+read back, in stream order, with ``{"own_seq": n}`` markers in the batch): then the peer's add
+came first, and the instance drops its own copy for the peer's. When its own record does come
+back, it is applied like a peer's (usually ignored, the id being active). Counted in
+``duplicate_adds``.
+
 Early lifecycle calls (``app.service.early``): a free or prefill completion of an id that was
 still unknown after the read barrier is kept and sent as an ``early`` record; every instance
 applies it to the add when that arrives (a tombstone cancels it, a pending mark completes its
@@ -43,15 +51,17 @@ from app.service import early as e
 from app.service.commands import Key
 
 if TYPE_CHECKING:
+    from app.core.tracker import ActiveSequencesMultiWorker as Tracker
     from app.service.registry import TrackerRegistry
 
 log = logging.getLogger(__name__)
 
 
 class Replicator(Protocol):
-    """Where a service sends its replica records. ``publish`` must never block."""
+    """Where a service sends its replica records. ``publish`` must never block; it returns the
+    record's sequence number among this process's records (0 or None: not queued)."""
 
-    def publish(self, record: dict[str, Any]) -> None: ...
+    def publish(self, record: dict[str, Any]) -> int | None: ...
 
 
 class _TrackerPublisher(SequencePublisher):
@@ -83,6 +93,11 @@ class Replica:
         self.dropped = 0  # records of peers that could not be applied
         self._registry: TrackerRegistry | None = None
         self.early: e.EarlyCalls | None = None  # replicated mode (``use_early_calls``)
+        self.duplicate_adds = 0  # adds of an id already active here, resolved by stream order
+        # own add records not read back from the stream yet, by id, oldest first: (seq, record)
+        self._own_adds: dict[e.EarlyKey, tuple[int, dict[str, Any]]] = {}
+        # own add records whose copy a peer's earlier add replaced: applied when read back
+        self._superseded: list[tuple[int, dict[str, Any]]] = []
         self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
 
     def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
@@ -117,7 +132,11 @@ class Replica:
         t = self.registry.find(key)
         record = self._envelope(key, t.block_size if t is not None else 0)
         record["event"] = event_to_wire(event)
-        self.replicator.publish(record)
+        seq = self.replicator.publish(record)
+        if seq and type(event.data) is AddRequest:
+            own = (key[0], key[1], event.request_id)
+            self._own_adds.pop(own, None)  # re-inserted: the dict stays in seq order
+            self._own_adds[own] = (seq, record)
 
     def _emit_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> None:
         if self.replicator is None:
@@ -177,6 +196,9 @@ class Replica:
         applied = 0
         effects: dict[Key, ReplicaEffects] = {}
         for rec in records:
+            if "own_seq" in rec:
+                self._read_back(rec["own_seq"], effects)
+                continue
             try:
                 changed = self._apply_one(rec, effects)
             except (TrackerError, KeyError, TypeError, ValueError) as e:
@@ -219,10 +241,15 @@ class Replica:
             eff = effects[key] = ReplicaEffects()
         data = event.data
         early = None
-        if type(data) is AddRequest and self.early is not None and len(self.early):
-            early = self.early.get((key[0], key[1], event.request_id), self.wall_clock())
-            if early is not None and early.op == e.FREE and rec["ts"] <= early.ts:
-                self.early.counters.tombstones_applied += 1  # freed before it arrived
+        if type(data) is AddRequest:
+            rid = event.request_id
+            if self.early is not None and len(self.early):
+                early = self.early.get((key[0], key[1], rid), self.wall_clock())
+                if early is not None and early.op == e.FREE and rec["ts"] <= early.ts:
+                    self.early.counters.tombstones_applied += 1  # freed before it arrived
+                    return False
+            if t.has_request(rid) and not self._replace_own_copy(key, t, rid, eff):
+                self.duplicate_adds += 1  # the copy here came first in the stream: keep it
                 return False
         changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
         if changed:
@@ -234,6 +261,39 @@ class Replica:
             elif isinstance(data, Free):
                 registry.counters_of(key).freed += 1
         return changed
+
+    # -- the same id added on two instances -------------------------------------------------
+
+    def _replace_own_copy(self, key: Key, t: Tracker, rid: str, eff: ReplicaEffects) -> bool:
+        """A peer's add of an id active here: True (and our copy is gone) when our copy is our
+        own add whose record has not come back yet, i.e. the peer's add is first in the
+        stream."""
+        own = self._own_adds.pop((key[0], key[1], rid), None)
+        if own is None:
+            return False
+        self._superseded.append(own)  # counted when it comes back (and is ignored)
+        event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
+        t.apply_replica_event(event, eff, decay_now=self.clock())
+        log.info("request %s was added here and on a peer first; the peer's add wins", rid)
+        return True
+
+    def _read_back(self, seq: int, effects: dict[Key, ReplicaEffects]) -> None:
+        """Own records up to ``seq`` came back from the stream (at this point of the batch)."""
+        own = self._own_adds
+        while own:
+            first = next(iter(own))
+            if own[first][0] > seq:
+                break
+            del own[first]
+        superseded = self._superseded
+        while superseded and superseded[0][0] <= seq:
+            _, record = superseded.pop(0)
+            try:  # applied as a peer's record would be, in its place in the stream
+                if self._apply_one(as_peer(record), effects):
+                    self.applied += 1
+            except (TrackerError, KeyError, TypeError, ValueError) as err:
+                self.dropped += 1
+                log.warning("dropping a replica record that cannot be applied: %r", err)
 
     # -- early lifecycle calls ---------------------------------------------------------------
 
@@ -266,13 +326,13 @@ class Replica:
             early.put((key[0], key[1], rid), kind, ts, self.wall_clock())
         return applied
 
-    def _free_copy(self, key: Key, t: Any, rid: str, ts: int, eff: ReplicaEffects) -> None:
+    def _free_copy(self, key: Key, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
         """Free this instance's copy of a request as a peer's free would (nothing is sent)."""
         event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
         if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
             self.registry.counters_of(key).freed += 1
 
-    def _complete_prefill(self, t: Any, rid: str, ts: int, eff: ReplicaEffects) -> None:
+    def _complete_prefill(self, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
         """Apply a pending mark: the request's prefill completed at the mark's time."""
         event = ActiveSequenceEvent(rid, _ANY_RANK, MARK_PREFILL_COMPLETED, 0)
         if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
@@ -355,6 +415,17 @@ class Replica:
         except Exception:
             registry.replace_all(previous)
             raise
+        # own records not in the snapshot are applied like peers' when read back
+        self._own_adds.clear()
+        self._superseded.clear()
 
 
 _ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id
+
+
+def as_peer(record: dict[str, Any]) -> dict[str, Any]:
+    """One of our own records, to be applied like a peer's (origin and router id cleared)."""
+    copy = dict(record)
+    copy["origin"] = 0
+    copy["event"] = {**record["event"], "router_id": 0}
+    return copy

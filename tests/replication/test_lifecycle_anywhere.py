@@ -147,3 +147,39 @@ async def test_tombstones_and_marks_survive_snapshots(redis_url: str, namespace:
                 assert d.metric("consistency_marks_applied_total") == 1
     finally:
         await proxy.close()
+
+
+async def test_the_same_id_added_on_two_instances_keeps_the_first_in_stream_order(
+    redis_url: str, namespace: str
+) -> None:
+    """a and b both accept an add of x (ranks 0 and 1) before either hears of the other's: b's
+    record reaches the stream first, so b's copy wins everywhere; a drops its own copy when b's
+    add arrives before its own record came back, c ignores the second add."""
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    try:
+        async with running_apps(
+            settings(proxy.url(), namespace),
+            settings(redis_url, namespace),
+            settings(redis_url, namespace),
+        ) as (a, b, c):
+            await register(a, [b, c])
+            proxy.cut()  # a's add stays in its outbox until b's is in the stream
+            assert await a.add("x", rank=0, tokens=10) == 201
+            assert await b.add("x", rank=1, tokens=20) == 201
+            await until(lambda: b.outbox_empty(), what="b's add in the stream")
+            proxy.restore()
+            await until(lambda: converged([a, b, c]), what="convergence")
+            rows = await same_loads([a, b, c])
+            assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
+                (0, 0),
+                (1, 20),  # b's copy
+            ]
+            for app in (a, b, c):
+                assert app.metric("consistency_duplicate_adds_total") == 1
+            assert (await a.call("free", "x")).status_code == 200
+            await until(lambda: converged([a, b, c]), what="convergence after the free")
+            rows = await same_loads([a, b, c])
+            assert [r["active_requests"] for r in rows] == [0, 0]
+    finally:
+        await proxy.close()

@@ -160,9 +160,9 @@ class RedisReplication:
 
     # -- the port ---------------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one record for the stream; never blocks, never raises."""
-        self.outbox.publish(record)
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one record for the stream; never blocks, never raises; its seq (0: dropped)."""
+        return self.outbox.publish(record)
 
     async def caught_up(self, timeout_s: float) -> bool:
         """The read barrier (``barrier.ReadBarrier.caught_up``)."""

@@ -63,8 +63,9 @@ class Outbox:
 
     # -- accepting records ------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one record for the stream; never blocks, never raises."""
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one record for the stream; never blocks, never raises. Returns its sequence
+        number (0 when it was dropped)."""
         seq = self._next_seq
         record["incarnation"] = self.me.incarnation
         record["seq"] = seq
@@ -72,8 +73,9 @@ class Outbox:
             self._queue.try_send(record)
         except PublishQueueError as e:
             self._dropped(record, e)
-            return
+            return 0
         self._next_seq = seq + 1  # only accepted records use up a number
+        return seq
 
     def _dropped(self, record: dict[str, Any], error: PublishQueueError) -> None:
         self.counters.dropped += 1

@@ -248,6 +248,7 @@ class StreamReader:
         now = self.me.wall_clock()
         batch: list[dict[str, Any]] = []
         position = self.position
+        own_read = marked = 0  # own records read back in this reply, and told to the target
         for entry_id, fields in entries:
             eid = id_text(entry_id)
             try:
@@ -265,6 +266,8 @@ class StreamReader:
                 position = eid
                 continue
             if missing > 0:
+                if own_read > marked:
+                    batch.append({"own_seq": own_read})
                 self._apply(batch, position, now)
                 await self._on_gap(key, seq, missing)
                 return  # the next read starts again from the (possibly new) position
@@ -273,9 +276,15 @@ class StreamReader:
             if record["origin"] == own_id:
                 if key == own_key and seq >= floor:
                     self.counters.own_skipped += 1
+                    own_read = seq
                     continue
                 record = as_replayed(record)  # ours, but older than the local state
+            if own_read > marked:  # the target learns which own records precede this one
+                batch.append({"own_seq": own_read})
+                marked = own_read
             batch.append(record)
+        if own_read > marked:
+            batch.append({"own_seq": own_read})
         self._apply(batch, position, now)
 
     def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
@@ -286,13 +295,17 @@ class StreamReader:
         self._moved(position)
         if not batch:
             return
-        self.counters.applied += len(batch)
         observe = self.lag.observe
-        lag_ns = 0
+        lag_ns = applied = 0
         for record in batch:
+            if "own_seq" in record:  # a marker, not a record
+                continue
+            applied += 1
             lag_ns = max(0, now - record["ts"])
             observe(lag_ns / NS_PER_S)
-        self.last_lag_ms = lag_ns / NS_PER_MS
+        self.counters.applied += applied
+        if applied:
+            self.last_lag_ms = lag_ns / NS_PER_MS
 
     async def _on_gap(self, key: OriginKey, seq: int, missing: int) -> None:
         assert self._store is not None
