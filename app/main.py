@@ -90,7 +90,12 @@ def make_consistency(
     service.replica.use_early_calls(
         settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
     )
-    consistency = Consistency(service, replication, wait_ms=settings.consistency_wait_ms)
+    consistency = Consistency(
+        service,
+        replication,
+        wait_ms=settings.consistency_wait_ms,
+        durable_acks=settings.replication_ack == "redis",
+    )
     watch_consistency(registry, consistency.counters, service.replica)
     return consistency
 

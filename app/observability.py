@@ -106,6 +106,12 @@ class ConsistencyCollector(Collector):
              "Tombstones and pending marks dropped by age or capacity before their add came"),
             ("output_blocks_dropped", c.output_blocks_dropped,
              "Output blocks for ids still unknown after the wait"),
+            ("ack_waits", c.ack_waits,
+             "replication_ack = redis: calls that waited for their records to reach Redis"),
+            ("ack_timeouts", c.ack_timeouts,
+             "... answered 503 because Redis did not take them in time (applied here)"),
+            ("ack_refused", c.ack_refused,
+             "... refused with 503 before applying: Redis known unreachable"),
             ("duplicate_adds", self.replica.duplicate_adds,
              "Adds of an id already active here, resolved by stream order (first add wins)"),
         ):  # fmt: skip

@@ -96,6 +96,8 @@ class Settings(BaseSettings):
 
     # Consistency of lifecycle calls across instances
     consistency_wait_ms: int = Field(default=500, ge=0)
+    replication_ack: Literal["local", "redis"] = "local"
+    replication_ack_timeout_ms: int = Field(default=2000, gt=0)
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
 

@@ -100,8 +100,13 @@ def build_http_app(
     operations = Operations(service, settings.max_hashes_per_request)
     if consistency is not None:
         gate = ReadinessGate(replication)
+        durable = settings.replication_ack == "redis"
         operations = ReplicatedOperations(
-            service, settings.max_hashes_per_request, gate, consistency
+            service,
+            settings.max_hashes_per_request,
+            gate,
+            consistency,
+            settings.replication_ack_timeout_ms if durable else None,
         )
     queries = Queries(service, replication)
     lean_ops = {}

@@ -2,6 +2,12 @@
 
 * The readiness gate (``app.http.gate``): 503 before anything runs while the instance has not
   caught up with its peers.
+* With ``replication_ack = "redis"``, a mutating call is answered only once its records are in
+  the stream: refused (503, nothing applied) while Redis is known to be unreachable, else
+  applied, then answered when the append holding its last record returns (calls waiting at one
+  moment share it), or 503 after ``replication_ack_timeout_ms`` (applied here, not
+  acknowledged). A call that queued no record (an error, a read, an output block) is answered
+  at once.
 * Lifecycle calls for request ids this instance does not know yet (``/prefill_complete``,
   ``/output_block``, ``/free``, and the same inside ``/batch``) wait for the add's record
   (``app.service.consistency``). Only they take this slow path: the operation returns a
@@ -31,11 +37,16 @@ from app.http.operations import (
 from app.service import SlotTrackerService
 from app.service import commands as c
 from app.service.consistency import Consistency
+from app.service.errors import NotAcknowledged, WritesRefused
 
 _DONE = b'{"status":200}'
 
 Lifecycle = c.PrefillComplete | c.Free | c.OutputBlock
 Deferred = Result | Awaitable[Result]
+
+# operations that may queue replica records: with durable acknowledgements they wait for them
+MUTATING = frozenset({"register", "upsert", "unregister", "reconcile", "add",
+                      "prefill_complete", "free", "output_block", "batch"})  # fmt: skip
 
 
 async def _finish(pending: Awaitable[Result]) -> Result:
@@ -53,10 +64,59 @@ class ReplicatedOperations(Operations):
         max_batch: int,
         gate: ReadinessGate,
         consistency: Consistency,
+        ack_timeout_ms: int | None = None,
     ) -> None:
         super().__init__(service, max_batch)
         self.gate = gate
         self.consistency = consistency
+        self.replication = consistency.replication
+        self.ack_timeout_ms = ack_timeout_ms  # None: local acknowledgements
+
+    def get(self, name: str) -> Callable[[bytes], Any]:
+        if self.ack_timeout_ms is None or name not in MUTATING:
+            return super().get(name)
+        op = getattr(self, name)
+        return lambda raw: self.run_durable(op, raw)
+
+    def run_durable(self, op: Callable[[bytes], Any], raw: bytes) -> Any:
+        """``run`` with a durable acknowledgement (see the module docstring)."""
+        gate = self.gate
+        if gate.closed:
+            refused = gate.refusal()
+            if refused is not None:
+                return error_result(refused)
+        replication = self.replication
+        reason = replication.write_refusal()
+        if reason is not None:
+            self.consistency.counters.ack_refused += 1
+            return error_result(WritesRefused(reason))
+        before = replication.last_accepted()
+        try:
+            result = op(raw)
+        except EXPECTED as e:
+            return error_result(e)
+        if type(result) is tuple and replication.last_accepted() == before:
+            return result  # nothing to replicate: answered at once
+        return self._acknowledged(result, before)
+
+    async def _acknowledged(self, result: Deferred, before: int) -> Result:
+        if type(result) is not tuple:
+            try:
+                result = await result  # type: ignore[misc]
+            except EXPECTED as e:
+                return error_result(e)
+        replication = self.replication
+        seq = replication.last_accepted()
+        if seq == before:
+            return result  # type: ignore[return-value]
+        counters = self.consistency.counters
+        counters.ack_waits += 1
+        timeout_ms = self.ack_timeout_ms
+        assert timeout_ms is not None
+        if await replication.appended(seq, timeout_ms / 1000):
+            return result  # type: ignore[return-value]
+        counters.ack_timeouts += 1
+        return error_result(NotAcknowledged(timeout_ms))
 
     def run(self, op: Callable[[bytes], Any], raw: bytes) -> Any:  # type: ignore[override]
         gate = self.gate

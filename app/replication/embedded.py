@@ -35,6 +35,15 @@ class EmbeddedReplication:
     def ready(self) -> bool:
         return True
 
+    def write_refusal(self) -> str | None:
+        return None
+
+    def last_accepted(self) -> int:
+        return 0
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        return True
+
     async def caught_up(self, timeout_s: float) -> bool:
         return True  # nothing is shared: this instance has everything
 

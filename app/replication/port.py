@@ -63,6 +63,20 @@ class Replication(Protocol):
         """Whether the local state may be served (caught up with the peers)."""
         ...
 
+    def write_refusal(self) -> str | None:
+        """Why a change must not be accepted now, with durable acknowledgements (None: it
+        may): Redis is known to be unreachable."""
+        ...
+
+    def last_accepted(self) -> int:
+        """The sequence number of this instance's newest record queued for its peers."""
+        ...
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until this instance's records up to ``seq`` are in the shared stream (True), at most
+        ``timeout_s`` (False)."""
+        ...
+
     async def caught_up(self, timeout_s: float) -> bool:
         """The read barrier: True once this instance has applied every record that was in the
         shared stream when called; False when that could not be established in time."""

@@ -43,6 +43,10 @@ class ConsistencyCounters:
     barrier_waits: int = 0  # calls that waited for unknown request ids
     barrier_timeouts: int = 0  # ... whose read barrier could not be confirmed in time
     output_blocks_dropped: int = 0  # output blocks for ids still unknown after the wait
+    # replication_ack = "redis"
+    ack_waits: int = 0  # calls that waited for their records to reach the stream
+    ack_timeouts: int = 0  # ... and were answered 503 after the timeout (applied here)
+    ack_refused: int = 0  # calls refused before applying: Redis known unreachable
 
 
 class Consistency:

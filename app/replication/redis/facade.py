@@ -15,7 +15,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.replication.metrics import ReplicationCounters, lag_histogram, register_collector
+from app.core.types import NS_PER_MS
+from app.replication.metrics import (
+    ReplicationCounters,
+    group_commit_histogram,
+    lag_histogram,
+    register_collector,
+)
 from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.records import random_id, resolve_instance_id
 from app.replication.redis.barrier import ReadBarrier
@@ -82,6 +88,7 @@ class RedisReplication:
             outbox=self.outbox,
             reader=self.reader,
         )
+        self.outbox.group_commit = group_commit_histogram(registry).observe
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
         register_collector(registry, self.counters, self.outbox.pending, self.connected)
@@ -163,6 +170,20 @@ class RedisReplication:
     def publish(self, record: dict[str, Any]) -> int:
         """Queue one record for the stream; never blocks, never raises; its seq (0: dropped)."""
         return self.outbox.publish(record)
+
+    # -- durable acknowledgements (``replication_ack = "redis"``) -----------------------------
+
+    def write_refusal(self) -> str | None:
+        """Why a change must not be accepted now (None: it may): Redis known unreachable."""
+        return self.outbox.refusal(self.settings.replication_ack_timeout_ms * NS_PER_MS)
+
+    def last_accepted(self) -> int:
+        """The sequence number of our newest record queued for the stream."""
+        return self.outbox.last_accepted_seq
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
+        return await self.outbox.appended(seq, timeout_s)
 
     async def caught_up(self, timeout_s: float) -> bool:
         """The read barrier (``barrier.ReadBarrier.caught_up``)."""
