@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,7 @@ class Tally:
     answers: Counter[str] = field(default_factory=Counter)  # "op status" of every answer
     retries: int = 0
     transport_errors: int = 0
+    last_answer: float = 0.0  # time.monotonic() of the last definite answer
     spurious_404: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)  # answers no client should get
 
@@ -121,13 +123,23 @@ class LoadBalancer:
 class Traffic:
     """``clients`` tasks sending lifecycle calls until ``stop``; on a thread of their own."""
 
-    def __init__(self, urls: list[str], *, clients: int = 6, seed: int = 1, pace_s: float = 0.0):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        clients: int = 6,
+        seed: int = 1,
+        pace_s: float = 0.0,
+        prefix: str = "c",
+        truth: GroundTruth | None = None,
+    ) -> None:
         self.balancer = LoadBalancer(urls)
-        self.truth = GroundTruth()
+        self.truth = truth if truth is not None else GroundTruth()  # shared by earlier traffic
         self.tally = Tally()
         self.clients = clients
         self.seed = seed
         self.pace_s = pace_s  # pause between a client's calls (0: as fast as answered)
+        self.prefix = prefix  # of request ids: traffic of its own in a namespace already used
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -169,7 +181,7 @@ class Traffic:
             if len(mine) < 3 or roll < 0.45:
                 rank = rng.choice(RANKS)
                 blocks = self.prompts.blocks(rng)
-                req = Request(f"c{cid}-{n}", rank, chain(blocks), rng.randint(1, 4096))
+                req = Request(f"{self.prefix}{cid}-{n}", rank, chain(blocks), rng.randint(1, 4096))
                 n += 1
                 await self._add(http, req)
                 mine.append(req)
@@ -210,6 +222,7 @@ class Traffic:
             else:
                 self.tally.answers[f"{op} {r.status_code}"] += 1
                 if r.status_code != 503 and r.status_code < 500:
+                    self.tally.last_answer = time.monotonic()
                     return r.status_code, attempts
                 message = _error(r)
                 if r.status_code != 503 or not message.startswith(DOCUMENTED_503):
@@ -277,3 +290,37 @@ def register_topology(url: str) -> None:
                                              "worker_id": worker_id, "block_size": BLOCK_SIZE,
                                              "dp_start": 0, "dp_size": dp_size})  # fmt: skip
             assert r.status_code == 201, r.text
+
+
+class Watcher:
+    """Reads every instance's ``/loads`` at once (one keep-alive connection each), to tell
+    when they all report the ground truth."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.clients = [httpx.Client(base_url=u, timeout=5) for u in urls]
+        self.pool = ThreadPoolExecutor(len(urls))
+
+    def _loads(self, client: httpx.Client) -> list[dict[str, int]] | None:
+        try:
+            r = client.get("/loads")
+        except httpx.TransportError:
+            return None
+        return load_view(r.json()) if r.status_code == 200 else None
+
+    def all_loads(self) -> list[list[dict[str, int]] | None]:
+        return list(self.pool.map(self._loads, self.clients))
+
+    def wait_for(self, want: list[dict[str, int]], timeout: float) -> float | None:
+        """Until every instance reports ``want``: the time.monotonic() when a check found it
+        (None after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(rows == want for rows in self.all_loads()):
+                return time.monotonic()
+            time.sleep(0.001)
+        return None
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.pool.shutdown()
