@@ -42,6 +42,7 @@ from tests.e2e.consistency import (  # noqa: E402
     GroundTruth,
     Traffic,
     Watcher,
+    inject_faults,
     load_view,
     register_topology,
 )  # noqa: E402
@@ -173,32 +174,8 @@ def run(seconds: float, ack: str, clients: int) -> dict:
         servers = fleet.servers
         traffic = Traffic([s.url for s in servers], clients=clients, seed=11)
         traffic.start()
-        faults = []
-        step = seconds / 5
         try:
-            time.sleep(step)
-            victim = servers[1]
-            sig = signal.SIGKILL if ack == "redis" else signal.SIGTERM
-            victim.kill(sig)
-            fleet.restart(victim, wait=False)
-            victim.wait_ready(60)
-            faults.append(f"{victim.name} {signal.Signals(sig).name} + restart")
-            time.sleep(step)
-            setup.pause_redis(4.0)
-            faults.append("Redis SIGSTOP 4 s")
-            time.sleep(step)
-            setup.redis.stop()
-            time.sleep(1.0)
-            setup.redis.start()
-            faults.append("Redis killed, restarted empty after 1 s")
-            time.sleep(step)
-            if ack == "redis":
-                victim = servers[2]
-                victim.kill(signal.SIGKILL)
-                fleet.restart(victim, wait=False)
-                victim.wait_ready(60)
-                faults.append(f"{victim.name} SIGKILL + restart")
-            time.sleep(step)
+            faults = inject_faults(fleet, setup.redis, ack, seconds / (5 if ack == "redis" else 4))
         finally:
             watcher = Watcher([s.url for s in servers])  # connected before the traffic ends
             watcher.all_loads()

@@ -18,7 +18,9 @@ unreachable) is *unexpected*.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -324,3 +326,44 @@ class Watcher:
         for c in self.clients:
             c.close()
         self.pool.shutdown()
+
+
+def inject_faults(fleet: Any, redis: Any, ack: str, step_s: float) -> list[str]:
+    """The faults of a consistency run, ``step_s`` apart, while traffic runs (``fleet``: a
+    ``tests.e2e.servers.Fleet`` of three; ``redis``: the ``RedisServer`` it uses):
+
+    1. an instance stopped (SIGTERM; with ``replication_ack = "redis"`` killed with SIGKILL)
+       and started again;
+    2. the Redis server stopped with SIGSTOP for 4 s (what a network stall looks like);
+    3. the Redis server killed and started again empty 1 s later;
+    4. with ``replication_ack = "redis"``, another instance killed with SIGKILL and restarted.
+
+    Returns what was done."""
+    done = []
+    servers = fleet.servers
+    time.sleep(step_s)
+    sig = signal.SIGKILL if ack == "redis" else signal.SIGTERM
+    servers[1].kill(sig)
+    fleet.restart(servers[1], wait=False)
+    servers[1].wait_ready(60)
+    done.append(f"{servers[1].name} {signal.Signals(sig).name} + restart")
+    time.sleep(step_s)
+    os.kill(redis.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(4.0)
+    finally:
+        os.kill(redis.proc.pid, signal.SIGCONT)
+    done.append("Redis SIGSTOP 4 s")
+    time.sleep(step_s)
+    redis.stop()
+    time.sleep(1.0)
+    redis.start()
+    done.append("Redis killed, restarted empty 1 s later")
+    time.sleep(step_s)
+    if ack == "redis":
+        servers[2].kill(signal.SIGKILL)
+        fleet.restart(servers[2], wait=False)
+        servers[2].wait_ready(60)
+        done.append(f"{servers[2].name} SIGKILL + restart")
+        time.sleep(step_s)
+    return done

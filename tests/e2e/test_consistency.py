@@ -9,7 +9,6 @@ The longer form with figures is ``bench/consistency_bench.py``.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import FleetFactory
-from tests.e2e.consistency import Traffic, load_view, register_topology
+from tests.e2e.consistency import Traffic, inject_faults, load_view, register_topology
 from tests.e2e.servers import Fleet, ServerProcess, wait_until
 from tests.replication.helpers import RedisServer
 
@@ -94,11 +93,27 @@ def test_rolling_restart_under_traffic_converges_exactly(
         assert "not published" not in log, server.log_tail()  # the outbox was flushed
 
 
-def redis_pause(redis: RedisServer, seconds: float) -> None:
-    """SIGSTOP the Redis server for ``seconds`` (what a network stall looks like), then SIGCONT."""
-    assert redis.proc is not None
-    os.kill(redis.proc.pid, signal.SIGSTOP)
+@pytest.mark.parametrize("ack", ["local", "redis"])
+def test_any_call_to_any_instance_through_faults(
+    fleet_factory: FleetFactory, own_redis: RedisServer, ack: str
+) -> None:
+    """The faults of ``inject_faults`` while six clients send lifecycle calls round robin.
+    With local acknowledgements no call is refused at all, except by an instance still
+    loading the shared state after its restart; with ``replication_ack = "redis"`` calls are
+    refused (or not acknowledged) while Redis is away, and a SIGKILL loses nothing a client
+    was told."""
+    fleet = start_fleet(fleet_factory, own_redis, ack)
+    traffic = Traffic([s.url for s in fleet.servers], clients=6, seed=17 if ack == "local" else 18)
+    traffic.start()
     try:
-        time.sleep(seconds)
+        faults = inject_faults(fleet, own_redis, ack, step_s=2.0)
     finally:
-        os.kill(redis.proc.pid, signal.SIGCONT)
+        traffic.stop()
+    converge(fleet.servers, traffic)
+    check_answers(traffic)
+    assert len(faults) == (4 if ack == "redis" else 3)
+    refused = {k: v for k, v in traffic.tally.answers.items() if k.endswith(" 503")}
+    if ack == "redis":
+        assert refused, traffic.tally.summary()  # Redis was away: calls had to be refused
+    for server in fleet.servers:
+        assert server.status()["dropped"] == 0
