@@ -18,13 +18,15 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
-from app.observability import build_registry, watch_service
+from app.observability import build_registry, watch_consistency, watch_service
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
+from app.service.consistency import Consistency
 from app.service.selection import SelectionService
 from app.settings import Settings, load_settings
 
@@ -51,6 +53,9 @@ def create_app(
     )
     selection = build_selection(settings, service)
     watch_service(registry, service)
+    consistency = None
+    if replication.mode != "embedded":
+        consistency = make_consistency(settings, service, replication, registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,6 +78,7 @@ def create_app(
         replication=replication,
         registry=registry,
         lifespan=lifespan,
+        consistency=consistency,
     )
     app.state.settings = settings
     app.state.service = service
@@ -80,6 +86,27 @@ def create_app(
     app.state.replication = replication
     app.state.registry = registry
     return app
+
+
+def make_consistency(
+    settings: Settings,
+    service: SlotTrackerService,
+    replication: Replication,
+    registry: CollectorRegistry,
+) -> Consistency:
+    """Replicated mode: lifecycle calls for ids not known yet wait for their add, and those
+    still unknown are kept as early calls (tombstones, pending marks) for every instance."""
+    service.replica.use_early_calls(
+        settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
+    )
+    consistency = Consistency(
+        service,
+        replication,
+        wait_ms=settings.consistency_wait_ms,
+        durable_acks=settings.replication_ack == "redis",
+    )
+    watch_consistency(registry, consistency.counters, service.replica)
+    return consistency
 
 
 def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:

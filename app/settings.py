@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     router_temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     router_track_prefill_tokens: bool = True
     router_ttl_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    # Consistency of lifecycle calls across instances
+    consistency_wait_ms: int = Field(default=500, ge=0)
+    replication_ack: Literal["local", "redis"] = "local"
+    replication_ack_timeout_ms: int = Field(default=2000, gt=0)
+    tombstone_capacity: int = Field(default=100_000, gt=0)
+    tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -67,6 +67,8 @@ async def propagation(settings: Settings, n: int = 1_000) -> dict[str, float]:
     a, b = Instance(settings), Instance(settings)
     await a.rep.start(a.service)
     await b.rep.start(b.service)
+    await a.rep.settled()
+    await b.rep.settled()
     try:
         a.service.register(
             c.Register(model_name=KEY[0], worker_id=1, block_size=BLOCK_SIZE, dp_size=RANKS)
@@ -161,6 +163,7 @@ async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) 
     rng = random.Random(7)
     a = Instance(settings)
     await a.rep.start(a.service)
+    await a.rep.settled()
     out: dict = {}
     try:
         fill(a, active, rng)
@@ -199,6 +202,7 @@ async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) 
             b = Instance(settings)
             t0 = time.perf_counter()
             await b.rep.start(b.service)
+            await b.rep.settled()
             ready_ms = (time.perf_counter() - t0) * 1e3
             assert b.rep.ready()
             same, token_diff = compare_loads(a, b)

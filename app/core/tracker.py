@@ -201,6 +201,13 @@ class ActiveSequencesMultiWorker:
     def lora_of(self, request_id: str) -> str | None:
         return self._requests.lora(request_id)
 
+    def started_at(self, request_id: str) -> int | None:
+        """When an indexed request started (the producer's add time for a replicated one)."""
+        worker = self._requests.worker(request_id)
+        slot = self._slots.get(worker) if worker is not None else None
+        state = slot.requests.get(request_id) if slot is not None else None
+        return state.started_at if state is not None else None
+
     def indexed_requests(self) -> list[tuple[str, WorkerWithDpRank]]:
         """Every indexed request id with its rank."""
         return list(self._requests.workers.items())

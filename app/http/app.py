@@ -24,9 +24,11 @@ from app.http.auth import OPEN_PATHS, BearerAuth
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
+from app.http.replicated import ReplicatedOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
@@ -40,6 +42,7 @@ from app.http.selection_operations import SelectionOperations, SelectionQueries
 from app.observability import HttpMetrics
 from app.replication.port import Replication
 from app.service import SlotTrackerService
+from app.service.consistency import Consistency
 from app.service.selection import SelectionService
 from app.settings import Settings
 
@@ -80,7 +83,10 @@ def build_http_app(
     replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
+    consistency: Consistency | None = None,
 ) -> SlotTrackerApp:
+    """The app; ``consistency`` (replicated mode) makes lifecycle calls wait for unknown ids
+    and answer 503 until the instance caught up (``app.http.replicated``)."""
     app = SlotTrackerApp(
         title="kv-slot-tracker",
         version=__version__,
@@ -93,10 +99,19 @@ def build_http_app(
     )
     _install_error_handlers(app)
 
-    operations = {
-        "slot": Operations(service, settings.max_hashes_per_request),
-        "selection": SelectionOperations(selection),
-    }
+    gate = None
+    slot_ops: Operations = Operations(service, settings.max_hashes_per_request)
+    if consistency is not None:
+        gate = ReadinessGate(replication)
+        durable = settings.replication_ack == "redis"
+        slot_ops = ReplicatedOperations(
+            service,
+            settings.max_hashes_per_request,
+            gate,
+            consistency,
+            settings.replication_ack_timeout_ms if durable else None,
+        )
+    operations = {"slot": slot_ops, "selection": SelectionOperations(selection)}
     queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
     lean_routes = []
     for route in ROUTES:
@@ -114,7 +129,10 @@ def build_http_app(
                     )
                 )
         else:
-            endpoint = query_endpoint(route, getattr(queries[route.api], route.name))
+            handler = getattr(queries[route.api], route.name)
+            if gate is not None and route.api == "slot" and route.needs_state:
+                handler = gate.guard(handler)
+            endpoint = query_endpoint(route, handler)
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
     app.include_router(build_dashboard_router())
     app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))

@@ -38,7 +38,8 @@ ERROR_DOCS: dict[int, str] = {
     413: "Body larger than the limit.",
     415: "Content type is not JSON.",
     422: "Well-formed JSON of the wrong shape.",
-    503: "No schedulable worker for the partition (selection API).",
+    503: 'Not ready (still loading the shared state), with `replication_ack = "redis"` '
+    "Redis cannot be reached, or (selection API) no schedulable worker for the partition.",
 }
 BODY_ERRORS = (400, 401, 404, 413, 415, 422)
 TOPOLOGY_ERRORS = (400, 401, 409, 413, 415, 422)
@@ -91,6 +92,7 @@ class Route:
     other_ok: dict[int, str] = field(default_factory=dict)
     query: tuple[QueryParam, ...] = ()
     lean: bool = False  # served by the lean dispatcher (hot routes)
+    needs_state: bool = True  # reads or writes tracker state: 503 while not ready (gate.py)
     extra: dict[str, Any] = field(default_factory=dict)  # other FastAPI route arguments
     path_params: tuple[PathParam, ...] = ()
     api: str = "slot"  # "slot" or "selection": which operations serve it
@@ -166,13 +168,14 @@ SELECTION_ROUTES: tuple[Route, ...] = (
 
 ROUTES: tuple[Route, ...] = (
     Route("/health", "GET", "health", "Liveness: 200 with an empty body", errors=(),
+          needs_state=False,
           extra={"response_class": Response,
                  "responses": {200: {"description": "Alive.", "content": {}}}}),
     Route("/ready", "GET", "ready", "Readiness: 200 once the instance can serve",
-          response=s.ReadyBody, errors=(),
+          response=s.ReadyBody, errors=(), needs_state=False,
           extra={"responses": {503: {"model": s.ReadyBody, "description": "Not ready yet."}}}),
     Route("/replication", "GET", "replication_status", "Replication status of this instance",
-          response=s.ReplicationStatus, errors=(401,)),
+          response=s.ReplicationStatus, errors=(401,), needs_state=False),
     Route("/register", "POST", "register", "Register a worker's ranks", s.RegisterBody,
           s.StatusOk, 201, TOPOLOGY_ERRORS),
     Route("/upsert", "POST", "upsert", "Register a worker or replace its ranks (201 when created)",
@@ -283,6 +286,8 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
         if route.response is not None:
             args["response_model"] = route.response
         args["responses"] = error_responses(route.errors)
+    if route.needs_state:
+        args["responses"].update(error_responses((503,)))
     for k, v in route.extra.items():
         if k == "responses":
             args["responses"] = {**args["responses"], **v}
@@ -308,7 +313,10 @@ def call_endpoint(
         except EXPECTED as e:
             status, payload = error_result(e)
         else:
-            status, payload = operation(raw, *args)
+            result = operation(raw, *args)
+            if type(result) is not tuple:  # it waits for replication
+                result = await result
+            status, payload = result
         return raw_response(payload, status)
 
     params = [

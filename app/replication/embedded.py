@@ -19,10 +19,14 @@ class EmbeddedReplication:
     def __init__(self, settings: Settings) -> None:
         self.instance_id = resolve_instance_id(settings.instance_id)
 
-    def publish(self, record: dict[str, Any]) -> None:
+    def publish(self, record: dict[str, Any]) -> int:
         """Nothing to send to: a no-op."""
+        return 0
 
     async def start(self, target: ReplicaTarget) -> None:
+        pass
+
+    async def settled(self, timeout_s: float) -> None:
         pass
 
     async def stop(self) -> None:
@@ -30,6 +34,18 @@ class EmbeddedReplication:
 
     def ready(self) -> bool:
         return True
+
+    def write_refusal(self) -> str | None:
+        return None
+
+    def last_accepted(self) -> int:
+        return 0
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        return True
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        return True  # nothing is shared: this instance has everything
 
     def status(self) -> ReplicationStatus:
         return ReplicationStatus(mode=self.mode, instance_id=self.instance_id)

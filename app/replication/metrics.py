@@ -87,6 +87,19 @@ def lag_histogram(registry: CollectorRegistry) -> Histogram:
     )
 
 
+GROUP_COMMIT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def group_commit_histogram(registry: CollectorRegistry) -> Histogram:
+    """``replication_ack = "redis"``: how many waiting calls one append acknowledged."""
+    return Histogram(
+        "kv_slot_tracker_replication_group_commit_calls",
+        "Calls acknowledged by one append to the stream (replication_ack = redis)",
+        buckets=GROUP_COMMIT_BUCKETS,
+        registry=registry,
+    )
+
+
 def register_collector(
     registry: CollectorRegistry,
     counters: ReplicationCounters,

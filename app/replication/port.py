@@ -24,8 +24,15 @@ class ReplicaTarget(Protocol):
         """Every tracker's state, for a snapshot."""
         ...
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        """Replace every tracker by those of an ``export_state``; all or nothing."""
+    def export_early(self) -> list[list[Any]]:
+        """The early lifecycle calls kept (tombstones, pending marks), for a snapshot."""
+        ...
+
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        """Replace every tracker by those of an ``export_state`` and the early calls by those
+        of an ``export_early``; all or nothing."""
         ...
 
 
@@ -35,18 +42,44 @@ class Replication(Protocol):
     mode: str  # "embedded" (nothing to replicate) or "redis"
     instance_id: int  # non-zero; the origin of this instance's records
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one of the service's records for the peers; never blocks, never raises."""
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one of the service's records for the peers; never blocks, never raises.
+        Returns the record's sequence number among this process's records (0: not queued)."""
         ...
 
     async def start(self, target: ReplicaTarget) -> None:
-        """Start keeping ``target`` in agreement with the peers; never raises for I/O trouble."""
+        """Start keeping ``target`` in agreement with the peers, in the background: returns at
+        once (the instance listens while it bootstraps); never raises for I/O trouble."""
+        ...
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until the bootstrap settled (ready, or Redis unreachable, or failed), at most
+        ``timeout_s``: for callers that want to wait for the state before going on."""
         ...
 
     async def stop(self) -> None: ...
 
     def ready(self) -> bool:
         """Whether the local state may be served (caught up with the peers)."""
+        ...
+
+    def write_refusal(self) -> str | None:
+        """Why a change must not be accepted now, with durable acknowledgements (None: it
+        may): Redis is known to be unreachable."""
+        ...
+
+    def last_accepted(self) -> int:
+        """The sequence number of this instance's newest record queued for its peers."""
+        ...
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until this instance's records up to ``seq`` are in the shared stream (True), at most
+        ``timeout_s`` (False)."""
+        ...
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """The read barrier: True once this instance has applied every record that was in the
+        shared stream when called; False when that could not be established in time."""
         ...
 
     def status(self) -> ReplicationStatus: ...

@@ -314,5 +314,10 @@ class SlotTrackerService:
     def export_state(self) -> list[dict[str, Any]]:
         return self.replica.export_state()
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        self.replica.restore_state(trackers)
+    def export_early(self) -> list[list[Any]]:
+        return self.replica.export_early()
+
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        self.replica.restore_state(trackers, early)

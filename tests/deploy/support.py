@@ -50,6 +50,7 @@ async def app_client(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
     """An application built like ``python -m app`` builds it, inside its lifespan."""
     app = create_app(load_settings(**overrides))
     async with app.router.lifespan_context(app):
+        await app.state.replication.settled(10)  # what a probe of /ready would wait for
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://deploy") as client:
             yield client

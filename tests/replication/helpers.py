@@ -21,6 +21,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from app.replication.redis import RedisReplication
+from app.replication.redis.bootstrap import START_WAIT_S
 from app.service import SlotTrackerService
 from app.settings import Settings
 from tests.calls import AddCall
@@ -111,6 +112,7 @@ class Cluster:
         self.nodes.append(node)
         if start:
             await rep.start(service)
+            await rep.settled(START_WAIT_S)
         return node
 
     async def close(self) -> None:

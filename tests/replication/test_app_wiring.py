@@ -26,6 +26,7 @@ STATUS_KEYS = [
 @asynccontextmanager
 async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
+        await app.state.replication.settled(10)  # the lifespan does not wait for the bootstrap
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield client

@@ -182,6 +182,7 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
     )
     service = SlotTrackerService(instance_id=rep.instance_id, replicator=rep)
     await rep.start(service)
+    await rep.settled(10)
     try:
         register(service, KEY, 1, 4, 0, 1)
         for i in range(300):
@@ -273,7 +274,8 @@ async def test_instance_started_after_a_reset_waits_for_a_snapshot(
     try:
         client.set(keys.reset, "1")  # what an instance does when it notices the loss
         b = await cluster.node(start=False)
-        starting = asyncio.create_task(b.rep.start(b.service))
+        await b.rep.start(b.service)  # returns at once: the bootstrap runs in the background
+        starting = asyncio.create_task(b.rep.settled(10))
         await asyncio.sleep(1.0)
         assert not b.rep.ready()
         assert "waiting for a snapshot" in b.rep.status().not_ready_reason

@@ -107,6 +107,7 @@ async def test_each_read_reply_is_applied_as_one_batch(cluster: Cluster, stream:
 
     b.service.apply_remote = spy
     await b.rep.start(b.service)
+    await b.rep.settled(10)
     assert b.rep.ready()
     assert batches == [6]  # one reply, one apply (one flush of effects per tracker)
     assert b.service.tracker(KEY).active_request_counts() == {(1, 0): 5}

@@ -10,8 +10,9 @@ transition::
                   WAITING_FOR_SNAPSHOT ◄─waiting_for_snapshot─ LOADING
     UNREACHABLE, FAILED, WAITING_FOR_SNAPSHOT ─loading─► LOADING (the reader retries)
 
-``start()`` waits until the machine *settles* (READY, UNREACHABLE or FAILED) or for
-``START_WAIT_S``; an instance waiting for a snapshot keeps ``start()`` waiting.
+``start()`` returns at once (the instance listens and answers 503 until READY);
+``settled()`` waits until the machine *settles* (READY, UNREACHABLE or FAILED) or for
+``START_WAIT_S``; an instance waiting for a snapshot keeps ``settled()`` waiting.
 
 Redis losing data. Until a snapshot is written after a reset (``{ns}:reset`` is set), starting
 instances stay not ready, for at most ``SNAPSHOT_WAIT_NS``: the stream then holds only the
@@ -36,7 +37,7 @@ from app.core.types import NS_PER_S
 
 log = logging.getLogger(__name__)
 
-START_WAIT_S = 10.0  # start() returns after this even if still catching up (then not ready)
+START_WAIT_S = 10.0  # settled() returns after this even if still catching up (then not ready)
 BOOTSTRAP_RETRY_S = 0.5  # while waiting for a snapshot that a running instance is to write
 SNAPSHOT_WAIT_NS = 60 * NS_PER_S  # then bootstrap anyway (no instance able to write one is up)
 

@@ -2,8 +2,9 @@
 
 Retry policy. redis-py retries nothing (``Retry(NoBackoff(), 0)``): a failed command raises at
 once into the loop that issued it, and that loop alone decides what the failure means and when
-to try again, with ``backoff_delay`` (exponential from 50 ms, jittered, capped at 1 s), for as
-long as Redis stays away:
+to try again, with ``backoff_delay`` (exponential from 50 ms, jittered, capped at 250 ms: an attempt
+against a Redis that is down costs one refused connection, and an instance should be back in
+agreement within a second of Redis returning), for as long as Redis stays away:
 
 * the publisher keeps its batch and appends it again (nothing in the outbox is lost);
 * the reader marks its stream position unverified and checks it for a reset before reading on;
@@ -30,7 +31,7 @@ from redis.exceptions import RedisError
 
 READ_BLOCK_MS = 2_000  # the reader's XREAD BLOCK
 BACKOFF_BASE_S = 0.05
-BACKOFF_CAP_S = 1.0
+BACKOFF_CAP_S = 0.25
 CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 10.0
 HEALTH_CHECK_INTERVAL_S = 10

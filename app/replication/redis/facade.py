@@ -15,9 +15,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.replication.metrics import ReplicationCounters, lag_histogram, register_collector
+from app.core.types import NS_PER_MS
+from app.replication.metrics import (
+    ReplicationCounters,
+    group_commit_histogram,
+    lag_histogram,
+    register_collector,
+)
 from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.records import random_id, resolve_instance_id
+from app.replication.redis.barrier import ReadBarrier
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
 from app.replication.redis.connection import RedisClients
 from app.replication.redis.instance import Instance
@@ -81,6 +88,9 @@ class RedisReplication:
             outbox=self.outbox,
             reader=self.reader,
         )
+        self.outbox.group_commit = group_commit_histogram(registry).observe
+        self.barrier = ReadBarrier(self.me.keys)
+        self.reader.on_position = self.barrier.advanced
         register_collector(registry, self.counters, self.outbox.pending, self.connected)
         self._clients: RedisClients | None = None
         self._tasks: list[asyncio.Task] = []
@@ -90,7 +100,9 @@ class RedisReplication:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self, target: ReplicaTarget) -> None:
-        """Connect, bootstrap ``target`` (snapshot + catch-up) and start the background tasks.
+        """Start the background tasks, which connect and bootstrap ``target`` (snapshot +
+        catch-up); returns at once, so the instance listens (``/health`` 200, ``/ready`` 503
+        with the reason) while it bootstraps. ``settled`` waits for the bootstrap.
 
         Never raises for Redis trouble: when Redis is unreachable, bootstrap keeps being retried
         in the background and ``ready()`` stays False until it succeeds.
@@ -98,13 +110,18 @@ class RedisReplication:
         clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
         store = SnapshotStore(clients.commands, self.me.keys)
         self.outbox.connect(clients.commands)
+        self.barrier.connect(clients.commands)
         self.reader.connect(clients.reads, store, target)
         self.snapshots.connect(store, target)
         self.bootstrap.connecting()
         self._publisher = self._spawn(self.outbox.run(), "replication-publisher")
         self._spawn(self.reader.run(), "replication-reader")
         self._spawn(self.snapshots.run(), "replication-snapshots")
-        await self.bootstrap.settled(START_WAIT_S)
+
+    async def settled(self, timeout_s: float = START_WAIT_S) -> None:
+        """Until the bootstrap settled (ready, Redis unreachable, or failed), at most
+        ``timeout_s``; an instance waiting for a snapshot keeps it waiting."""
+        await self.bootstrap.settled(timeout_s)
         if not self.bootstrap.ready():
             log.warning(
                 "replication not ready (%s); retrying in the background",
@@ -150,9 +167,27 @@ class RedisReplication:
 
     # -- the port ---------------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one record for the stream; never blocks, never raises."""
-        self.outbox.publish(record)
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one record for the stream; never blocks, never raises; its seq (0: dropped)."""
+        return self.outbox.publish(record)
+
+    # -- durable acknowledgements (``replication_ack = "redis"``) -----------------------------
+
+    def write_refusal(self) -> str | None:
+        """Why a change must not be accepted now (None: it may): Redis known unreachable."""
+        return self.outbox.refusal(self.settings.replication_ack_timeout_ms * NS_PER_MS)
+
+    def last_accepted(self) -> int:
+        """The sequence number of our newest record queued for the stream."""
+        return self.outbox.last_accepted_seq
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
+        return await self.outbox.appended(seq, timeout_s)
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """The read barrier (``barrier.ReadBarrier.caught_up``)."""
+        return await self.barrier.caught_up(timeout_s)
 
     def ready(self) -> bool:
         return self.bootstrap.ready()

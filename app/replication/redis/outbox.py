@@ -9,6 +9,14 @@ than ``stream_retention_seconds``. On a Redis error it keeps the batch, backs of
 with jitter, at most ~1 s) and retries, so nothing within the outbox capacity is lost to an
 outage.
 
+Durable acknowledgements (``replication_ack = "redis"``). A caller notes ``last_accepted_seq``
+after its change and awaits ``appended(seq)``: one future per waiting call, resolved after the
+append of the batch holding its last record returns. Calls waiting at one moment therefore
+share one append round trip (group commit; ``group_commit`` observes how many). Before applying
+a change, a caller asks ``refusal()``: while the publisher is known to be cut off from Redis
+(its last append failed, or the running one has not returned for longer than the ack timeout)
+the call is refused, so it changes nothing.
+
 The append is a short script (``stream.APPEND_SCRIPT``) rather than a plain pipeline so it can
 refuse to append when the stream no longer holds this publisher's previous entry (Redis
 restarted without persistence, or failed over to a lagging replica): the publisher then
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -55,6 +64,10 @@ class Outbox:
         self._last_drop_log_ns: int | None = None
         self._drops_since_log = 0
         self.connected: bool | None = None  # None until the first append was tried
+        self.appended_seq = 0  # our highest sequence number known to be in the stream
+        self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()  # (seq, waiting call)
+        self._append_started: int | None = None  # clock ns: an append running since then
+        self.group_commit: Callable[[int], None] | None = None  # observes calls per append
         # the append script, bound to the client by connect(): ``append(keys=..., args=...)``
         self.append: Any = None
 
@@ -63,8 +76,9 @@ class Outbox:
 
     # -- accepting records ------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Queue one record for the stream; never blocks, never raises."""
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one record for the stream; never blocks, never raises. Returns its sequence
+        number (0 when it was dropped)."""
         seq = self._next_seq
         record["incarnation"] = self.me.incarnation
         record["seq"] = seq
@@ -72,8 +86,9 @@ class Outbox:
             self._queue.try_send(record)
         except PublishQueueError as e:
             self._dropped(record, e)
-            return
+            return 0
         self._next_seq = seq + 1  # only accepted records use up a number
+        return seq
 
     def _dropped(self, record: dict[str, Any], error: PublishQueueError) -> None:
         self.counters.dropped += 1
@@ -151,6 +166,7 @@ class Outbox:
         """Append until it succeeds; the batch is kept across any number of Redis errors."""
         payloads = [encode_record(r) for r in batch]
         attempt = 0
+        self._append_started = self.me.clock()
         while True:
             honour_cancellation()
             try:
@@ -160,8 +176,51 @@ class Outbox:
                 attempt += 1
                 self._set_connected(False, e)
                 await asyncio.sleep(backoff_delay(attempt))
+        self._append_started = None
         self.counters.published += len(payloads)
         self._set_connected(True)
+        self.appended_seq = batch[-1]["seq"]
+        if self._acks:
+            self._acknowledge()
+
+    # -- durable acknowledgements -----------------------------------------------------------
+
+    def refusal(self, stall_ns: int) -> str | None:
+        """Why a change must not be accepted now (None: it may): the publisher is known to be
+        cut off from Redis, or its running append has not returned for ``stall_ns``."""
+        if self.connected is False:
+            return "Redis unreachable"
+        started = self._append_started
+        if started is not None and self.me.clock() - started > stall_ns:
+            return "Redis not answering"
+        if self._queue.closed:
+            return "shutting down"
+        return None
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
+        if seq <= self.appended_seq:
+            return True
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        self._acks.append((seq, done))
+        # a timer rather than wait_for, which would wrap each waiting call in a task
+        timer = loop.call_later(timeout_s, _resolve, done, False)
+        try:
+            return await done
+        finally:
+            timer.cancel()
+
+    def _acknowledge(self) -> None:
+        """Release the calls whose records the last append took (one group commit)."""
+        acks, appended, released = self._acks, self.appended_seq, 0
+        while acks and acks[0][0] <= appended:
+            _, done = acks.popleft()
+            if not done.done():
+                done.set_result(True)
+                released += 1
+        if released and self.group_commit is not None:
+            self.group_commit(released)
 
     def _trim_horizon(self) -> str:
         retention_ms = self.settings.stream_retention_seconds * 1000
@@ -231,3 +290,8 @@ class Outbox:
                 error,
                 self.capacity,
             )
+
+
+def _resolve(done: asyncio.Future[bool], value: bool) -> None:
+    if not done.done():
+        done.set_result(value)

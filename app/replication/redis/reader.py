@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Histogram
@@ -72,6 +73,7 @@ class StreamReader:
         self.outbox = outbox
         self.schedule = schedule
         self.position = START_ID  # the stream id up to which the local state has read
+        self.on_position: Callable[[str], None] | None = None  # the read barrier's hook
         self.connected: bool | None = None  # None until the first read was tried
         self.last_lag_ms: float | None = None
         self._seqs = SeqLedger()
@@ -111,7 +113,7 @@ class StreamReader:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
-            except BootstrapPending as e:  # start() keeps waiting (up to START_WAIT_S)
+            except BootstrapPending as e:  # settled() keeps waiting (up to START_WAIT_S)
                 attempt = 0
                 self.bootstrap.waiting_for_snapshot(e.why)
                 await asyncio.sleep(BOOTSTRAP_RETRY_S)
@@ -179,17 +181,24 @@ class StreamReader:
         """
         assert self._target is not None
         if snapshot is None:
-            self._target.restore_state([])
+            self._target.restore_state([], [])
             self._seqs = SeqLedger()
             self.position = START_ID
         else:
             with gc_paused(freeze=True):
-                self._target.restore_state(snapshot.trackers)
+                self._target.restore_state(snapshot.trackers, snapshot.early)
             self._seqs = snapshot.seqs.copy()
             self.position = snapshot.stream_id
             self.schedule.note(snapshot.stream_id, snapshot.at)
         self.bootstrap.restored(self.outbox.next_seq)
         self.counters.bootstraps += 1
+        self._moved(self.position)
+
+    def _moved(self, position: str) -> None:
+        """The local state now includes the stream up to ``position``."""
+        self.position = position
+        if self.on_position is not None:
+            self.on_position(position)
 
     async def _check_stream_reset(self) -> None:
         """After a reconnect: did the stream disappear, roll back behind our position, or lose
@@ -226,7 +235,7 @@ class StreamReader:
             restart_from,
             self.position,
         )
-        self.position = restart_from
+        self._moved(restart_from)
 
     async def _ingest(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Filter one XREAD reply and apply it as one batch."""
@@ -239,6 +248,7 @@ class StreamReader:
         now = self.me.wall_clock()
         batch: list[dict[str, Any]] = []
         position = self.position
+        own_read = marked = 0  # own records read back in this reply, and told to the target
         for entry_id, fields in entries:
             eid = id_text(entry_id)
             try:
@@ -256,6 +266,8 @@ class StreamReader:
                 position = eid
                 continue
             if missing > 0:
+                if own_read > marked:
+                    batch.append({"own_seq": own_read})
                 self._apply(batch, position, now)
                 await self._on_gap(key, seq, missing)
                 return  # the next read starts again from the (possibly new) position
@@ -264,25 +276,36 @@ class StreamReader:
             if record["origin"] == own_id:
                 if key == own_key and seq >= floor:
                     self.counters.own_skipped += 1
+                    own_read = seq
                     continue
                 record = as_replayed(record)  # ours, but older than the local state
+            if own_read > marked:  # the target learns which own records precede this one
+                batch.append({"own_seq": own_read})
+                marked = own_read
             batch.append(record)
+        if own_read > marked:
+            batch.append({"own_seq": own_read})
         self._apply(batch, position, now)
 
     def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
         assert self._target is not None
-        self.position = position
+        if batch:
+            with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
+                self._target.apply_remote(batch)
+        self._moved(position)
         if not batch:
             return
-        with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
-            self._target.apply_remote(batch)
-        self.counters.applied += len(batch)
         observe = self.lag.observe
-        lag_ns = 0
+        lag_ns = applied = 0
         for record in batch:
+            if "own_seq" in record:  # a marker, not a record
+                continue
+            applied += 1
             lag_ns = max(0, now - record["ts"])
             observe(lag_ns / NS_PER_S)
-        self.last_lag_ms = lag_ns / NS_PER_MS
+        self.counters.applied += applied
+        if applied:
+            self.last_lag_ms = lag_ns / NS_PER_MS
 
     async def _on_gap(self, key: OriginKey, seq: int, missing: int) -> None:
         assert self._store is not None

@@ -82,6 +82,7 @@ class Snapshot:
     origin: int
     seqs: SeqLedger
     trackers: list[dict[str, Any]] = field(default_factory=list)
+    early: list[list[Any]] = field(default_factory=list)  # tombstones and pending marks
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -92,6 +93,7 @@ class Snapshot:
                 "origin": self.origin,
                 "seqs": self.seqs.export(),
                 "trackers": self.trackers,
+                "early": self.early,
             }
         )
 
@@ -106,6 +108,7 @@ class Snapshot:
             origin=data["origin"],
             seqs=SeqLedger.load(data["seqs"]),
             trackers=data["trackers"],
+            early=data.get("early", []),  # absent from snapshots of earlier versions
         )
 
 
@@ -274,6 +277,7 @@ class SnapshotWriter:
             self.me.instance_id,
             seqs,
             self._target.export_state(),
+            self._target.export_early(),
         )
 
     async def write(self, lease_token: str = "") -> bool:
