@@ -405,18 +405,22 @@ class World:
             body["allowed_worker_ids"] = rng.sample(ids, rng.randint(0, 3))
         if rng.random() < 0.2:
             body["advisory"] = True
-        if rng.random() < 0.15:
-            body["router_config_override"] = rng.choice(
+        self._override(body, 0.15)
+        if rng.random() < 0.1:
+            body["expected_output_tokens"] = 16
+
+    def _override(self, body: dict[str, Any], p: float) -> None:
+        if self.rng.random() < p:
+            body["router_config_override"] = self.rng.choice(
                 [
                     {"overlap_score_credit": 0.5},
                     {"prefill_load_scale": 2.0},
                     {"overlap_score_weight": 0},
                     {"track_prefill_tokens": False},
+                    {"track_prefill_tokens": True},
                     {"prefill_load_scale": -1},
                 ]
             )
-        if rng.random() < 0.1:
-            body["expected_output_tokens"] = 16
 
     def op_select(self) -> Req:
         rng = self.rng
@@ -551,6 +555,7 @@ class World:
     def op_potential_loads(self) -> Req:
         part = self.partition()
         body = {**part, **self.prompt_fields(part["model_name"])}
+        self._override(body, 0.15)
         return Req("potential_loads", "POST", "/potential_loads", body, kind="potential")
 
     def op_overlap_scores(self) -> Req:
@@ -559,6 +564,7 @@ class World:
         if self.rng.random() < 0.05:
             body.pop("sequence_hashes", None)
             body.pop("token_ids", None)
+        self._override(body, 0.05)
         return Req("overlap_scores", "POST", "/overlap_scores", body, kind="overlap")
 
     def op_malformed(self) -> Req:

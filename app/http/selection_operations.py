@@ -141,6 +141,7 @@ def _prompt_fields(b: ss.PromptBody) -> dict[str, Any]:
         "sequence_hashes": b.sequence_hashes,
         "isl_tokens": b.isl_tokens,
         "lora_name": b.lora_name,
+        "router_config_override": RouterConfigOverride.from_json(b.router_config_override),
     }
 
 
@@ -154,7 +155,6 @@ def select_command(b: ss.SelectBody, *, reserve: bool) -> sc.Select:
         else WorkerWithDpRank(pinned.worker_id, pinned.dp_rank),
         allowed_worker_ids=b.allowed_worker_ids,
         advisory=b.advisory,
-        router_config_override=RouterConfigOverride.from_json(b.router_config_override),
         expected_output_tokens=b.expected_output_tokens,
         session_id=b.session_id,
         reserve=reserve,

@@ -130,6 +130,13 @@ class PromptBody(_Body):
     isl_tokens: USIZE | None = ISL
     lora_name: StrictStr | None = Field(None, description="LoRA adapter; changes token hashes.")
     cache_salt: StrictStr | None = Field(None, description="Accepted; not used.")
+    router_config_override: dict[str, Any] | None = Field(
+        None,
+        description="Per-request knobs, validated as the reference does: `overlap_score_credit`, "
+        "`prefill_load_scale` (alias `overlap_score_weight`), `router_temperature`, "
+        "`track_prefill_tokens`, `assume_kv_reuse`, `shared_cache_multiplier`. As in Dynamo "
+        "1.6.1 only `track_prefill_tokens` takes effect (the cost, the booking, potential loads).",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -153,12 +160,6 @@ class SelectBody(PromptBody):
     )
     session_id: StrictStr | None = Field(None, description="Accepted; not used.")
     expected_output_tokens: U32 | None = Field(None, description="Stored with a booking.")
-    router_config_override: dict[str, Any] | None = Field(
-        None,
-        description="Per-request knobs: `overlap_score_credit`, `prefill_load_scale` (alias "
-        "`overlap_score_weight`), `router_temperature`, `track_prefill_tokens`, "
-        "`assume_kv_reuse`, `shared_cache_multiplier`.",
-    )
     pinned_worker: PinnedWorker | None = Field(None, description="Forces this rank.")
     allowed_worker_ids: list[U64] | None = Field(
         None, description="Only ranks of these workers are candidates."

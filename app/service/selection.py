@@ -28,7 +28,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from app.core.selection import (
@@ -350,6 +350,15 @@ class SelectionService:
 
     # -- prompts and candidates ------------------------------------------------------------
 
+    def _config_for(self, cmd: sc.PromptCommand) -> RouterConfig:
+        """The knobs for one request: as in the reference (1.6.1), a request's override is
+        validated but only its ``track_prefill_tokens`` takes effect."""
+        override = cmd.router_config_override
+        track = override.track_prefill_tokens if override is not None else None
+        if track is None or track == self.config.track_prefill_tokens:
+            return self.config
+        return replace(self.config, track_prefill_tokens=track)
+
     def _partition(self, key: Key) -> Partition:
         part = self.partitions.get(key)
         if part is None or not part.workers:
@@ -423,13 +432,8 @@ class SelectionService:
                 sid = self.new_selection_id()
             self._check_free(sid, key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        # As in the reference (1.6.1), a request's override is validated but only its
-        # `track_prefill_tokens` takes effect (on the booking); the cost uses the service's knobs.
-        config = self.config
-        override = cmd.router_config_override
+        config = self._config_for(cmd)
         track = config.track_prefill_tokens
-        if override is not None and override.track_prefill_tokens is not None:
-            track = override.track_prefill_tokens
         now = self.clock()
         chain = cache_chain(prompt)
         candidates = self._candidates(part, prompt, now, chain)
@@ -512,7 +516,7 @@ class SelectionService:
         part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
         # without prefill tracking the prompt's own tokens are not added (as in the reference)
-        track = self.config.track_prefill_tokens
+        track = self._config_for(cmd).track_prefill_tokens
         return [
             (
                 w.worker_id,
@@ -647,11 +651,9 @@ class SelectionService:
         spec = self._placed_spec(key, worker)
         if spec is None:
             raise RankNotFound(cmd.worker_id, cmd.dp_rank)
-        track = (
-            cmd.track_prefill_tokens
-            if cmd.track_prefill_tokens is not None
-            else self.config.track_prefill_tokens
-        )
+        # the booking's own flag decides, whatever the router's: only an explicit false stops
+        # the given prefill tokens from counting (as in the reference)
+        track = cmd.track_prefill_tokens is not False
         self.commit(
             m.Book(
                 selection_id=sid,

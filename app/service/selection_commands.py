@@ -63,6 +63,7 @@ class PromptCommand(PartitionCommand):
     sequence_hashes: list[int] | None = None
     isl_tokens: int | None = None
     lora_name: str | None = None
+    router_config_override: RouterConfigOverride | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,7 +74,6 @@ class Select(PromptCommand):
     pinned_worker: WorkerWithDpRank | None = None
     allowed_worker_ids: list[int] | None = None
     advisory: bool = False
-    router_config_override: RouterConfigOverride | None = None
     expected_output_tokens: int | None = None
     session_id: str | None = None
     reserve: bool = False

@@ -11,8 +11,8 @@ weighs prefill against decode memory; ``W`` (``decode_active_request_weight``, 0
 running request; ``DECAY`` (``overlap_score_credit_decay``, 0.0) shrinks the cache credit on ranks
 whose prefill backlog exceeds the least-loaded candidate's, ``decay = 1 / (1 + DECAY * ((P -
 min P)/bs) / ceil(isl/bs))``, so a hot cache on a busy rank counts for less. With
-``track_prefill_tokens`` off, bookings add no P and the decay is 1, but the ``isl/bs - k`` term
-stays. At temperature 0 the minimum cost wins and exact ties are broken uniformly at random; at
+``track_prefill_tokens`` off, bookings add no P, a rank's pending prefill tokens are no load
+(P counts as 0) and the decay is 1, but the ``isl/bs - k`` term stays. At temperature 0 the minimum cost wins and exact ties are broken uniformly at random; at
 ``router_temperature`` T > 0 a rank is drawn with probability proportional to
 ``exp(-(cost - min) / ((max - min) * T))``. A request may override CREDIT, SCALE, T and the
 tracking flags with ``router_config_override``, restrict the candidates with

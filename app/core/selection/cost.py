@@ -6,6 +6,7 @@ follows the reference's ``DefaultWorkerScorer::worker_logit`` so that exact ties
 coin flip) are ties here too:
 
     raw      = (P + max(isl, k*bs)) / bs                    # P + uncached + cached tokens
+                                                            # (P = 0 when prefill is untracked)
     decay    = 1 / (1 + DECAY * (P - min P) / bs / ceil(isl/bs))   if tracking and DECAY > 0
     prefill  = SCALE * max(0, raw - CREDIT * decay * k)
     logit    = prefill + (D + new) + W * A
@@ -100,9 +101,9 @@ def rank_logit(
     bs = float(block_size)
     k = rank.overlap_blocks
     cached = k * block_size
-    raw_prefill_tokens = (
-        rank.active_prefill_tokens + (isl_tokens - min(isl_tokens, cached)) + cached
-    )
+    # untracked prefill is no load: the rank's pending tokens do not count (the reference)
+    active = rank.active_prefill_tokens if config.track_prefill_tokens else 0
+    raw_prefill_tokens = active + (isl_tokens - min(isl_tokens, cached)) + cached
     raw_prefill_blocks = raw_prefill_tokens / bs
     decay = 1.0
     if config.track_prefill_tokens and config.overlap_score_credit_decay > 0.0:
@@ -147,6 +148,8 @@ def rank_logits(
     append = out.append
     # Mixed int/float arithmetic converts the int exactly as float() would (counts < 2^53), so
     # the explicit conversions of rank_logit are left out here.
+    if not config.track_prefill_tokens:  # untracked prefill is no load (see rank_logit)
+        prefill = [0] * len(prefill)
     if not with_decay:  # the usual case, without the decay's branch per rank
         for p, d, a, k in zip(prefill, decode, requests, overlap, strict=True):
             cached = k * block_size

@@ -334,10 +334,14 @@ async def test_track_prefill_tokens_off(make_client) -> None:
         # nor does /potential_loads add the prompt's prefill tokens
         r = await post(client, "/potential_loads", prompt([5, 6]))
         assert r.json()[0]["potential_prefill_tokens"] == 0
+        # an explicit booking's given prefill tokens still count unless it says false
+        await book(client, "e", A, None, seq=[9], isl=6, ept=3)
+        assert await rank_load(client) == (3, 3, 2)
 
 
 async def test_override_sets_only_prefill_tracking(client) -> None:
-    """As Dynamo 1.6.1 does: the override's cost knobs are validated but not applied."""
+    """As Dynamo 1.6.1 does: the override's cost knobs (CREDIT, SCALE, T) are validated but not
+    applied; its `track_prefill_tokens` is."""
     await add_worker(client, A)
     await add_worker(client, B)
     await holds_p8(client)
@@ -358,3 +362,20 @@ async def test_override_sets_only_prefill_tracking(client) -> None:
     assert r.json()["track_prefill_tokens"] is False
     w = r.json()["worker_id"]
     assert (await rank_load(client, w))[0] == 0
+
+
+async def test_untracked_prefill_is_no_load(client) -> None:
+    """Observed on the reference: with the override's `track_prefill_tokens: false` a rank's
+    pending prefill tokens do not count, in the cost and in `/potential_loads`."""
+    await add_worker(client, A, data_parallel_size=2)
+    await book(client, "p100", A, None, seq=[], isl=100, ept=100)  # rank 0: P 100
+    await book(client, "d3", A, None, seq=[7, 8, 9], isl=12, dp_rank=1)  # rank 1: D 3
+    body = prompt([50])
+    untracked = {**body, "router_config_override": {"track_prefill_tokens": False}}
+    for _ in range(5):
+        assert (await post(client, "/select", body)).json()["dp_rank"] == 1  # 27 vs 5
+        assert (await post(client, "/select", untracked)).json()["dp_rank"] == 0  # 2 vs 5
+    rows = (await post(client, "/potential_loads", untracked)).json()
+    assert [r["potential_prefill_tokens"] for r in rows] == [100, 0]
+    rows = (await post(client, "/potential_loads", body)).json()
+    assert [r["potential_prefill_tokens"] for r in rows] == [104, 4]

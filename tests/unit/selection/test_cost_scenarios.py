@@ -197,14 +197,16 @@ def test_prefill_tracking_off_keeps_the_prompt_term() -> None:
     assert sel.worker == A
 
 
-def test_prefill_tracking_off_disables_the_decay() -> None:
+def test_prefill_tracking_off_ignores_pending_prefill_and_the_decay() -> None:
     p = s2(16)
     on = p.select(P8, 32, RouterConfig(overlap_score_credit_decay=1.0)).logits[A]
     off = p.select(
         P8, 32, RouterConfig(overlap_score_credit_decay=1.0, track_prefill_tokens=False)
     ).logits[A]
     assert on == pytest.approx(15.0 + 2 / 3, rel=1e-12)
-    assert off == 16 / 4 + 32 / 4 - 8 + 9  # P still counts, the full credit of 8 blocks applies
+    # observed on the reference: untracked, A's 16 pending tokens are no load and the full credit
+    # of 8 blocks applies; only the prompt's own isl/bs - k stays
+    assert off == 32 / 4 - 8 + 9
 
 
 def test_override_applies_like_the_config() -> None:

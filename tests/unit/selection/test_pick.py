@@ -202,9 +202,10 @@ def exact_cost(r: RankInput, isl: int, bs: int, config: RouterConfig, floor: int
         rb = -(-isl // bs)
         excess = Fraction(r.active_prefill_tokens - floor, bs)
         decay = 1 / (1 + Fraction(config.overlap_score_credit_decay) * excess / rb)
+    active = r.active_prefill_tokens if config.track_prefill_tokens else 0
     prefill = max(
         Fraction(0),
-        Fraction(r.active_prefill_tokens + isl, bs)
+        Fraction(active + isl, bs)
         - Fraction(config.overlap_score_credit) * decay * r.overlap_blocks,
     )
     return (
