@@ -12,18 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import os
+import random
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
 from app.observability import build_registry, watch_consistency, watch_service
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
+from app.service.selection import SelectionService
 from app.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ def create_app(
         replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
     )
+    selection = build_selection(settings, service)
     watch_service(registry, service)
     consistency = None
     if replication.mode != "embedded":
@@ -54,7 +59,9 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(_expiry_sweeper(service, settings), name="expiry-sweep")
+        sweeper = asyncio.create_task(
+            _expiry_sweeper(service, selection, settings), name="expiry-sweep"
+        )
         await replication.start(service)
         try:
             yield
@@ -67,6 +74,7 @@ def create_app(
     app = build_http_app(
         settings=settings,
         service=service,
+        selection=selection,
         replication=replication,
         registry=registry,
         lifespan=lifespan,
@@ -74,6 +82,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.service = service
+    app.state.selection = selection
     app.state.replication = replication
     app.state.registry = registry
     return app
@@ -100,7 +109,38 @@ def make_consistency(
     return consistency
 
 
-async def _expiry_sweeper(service: SlotTrackerService, settings: Settings) -> None:
+def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
+    """The router knobs: the ``router_*`` settings, then Dynamo's ``DYN_ROUTER_*`` variables."""
+    return RouterConfig(
+        overlap_score_credit=settings.router_overlap_score_credit,
+        overlap_score_credit_decay=settings.router_overlap_score_credit_decay,
+        prefill_load_scale=settings.router_prefill_load_scale,
+        decode_active_request_weight=settings.router_decode_active_request_weight,
+        router_temperature=settings.router_temperature,
+        track_prefill_tokens=settings.router_track_prefill_tokens,
+        router_ttl_secs=settings.router_ttl_seconds,
+    ).with_env(env)
+
+
+def build_selection(
+    settings: Settings, service: SlotTrackerService, env: Mapping[str, str] | None = None
+) -> SelectionService:
+    """The selection API's service, on the slot-tracker service's tracker registry."""
+    seed = settings.selection_seed
+    return SelectionService(
+        service.registry,
+        config=router_config(settings, os.environ if env is None else env),
+        clock=service.clock,
+        rng=random.Random(seed) if seed >= 0 else random.Random(),
+        pending_max_entries=settings.selection_cache_max_entries,
+        pending_ttl_ns=settings.selection_cache_ttl_seconds * NS_PER_S,
+        max_hashes_per_request=settings.max_hashes_per_request,
+    )
+
+
+async def _expiry_sweeper(
+    service: SlotTrackerService, selection: SelectionService, settings: Settings
+) -> None:
     """Force expiry on every tracker now and then every interval; missed ticks are skipped."""
     interval = settings.force_expiry_interval_seconds
     while True:
@@ -108,6 +148,9 @@ async def _expiry_sweeper(service: SlotTrackerService, settings: Settings) -> No
             expired = service.expire()
             if expired:
                 log.info("expired %d stale requests", expired)
+            swept = selection.sweep()
+            if swept:
+                log.info("selection sweep dropped %d expired entries", swept)
         except Exception:  # never let the sweeper die
             log.exception("expiry sweep failed")
         await asyncio.sleep(interval)

@@ -101,6 +101,19 @@ class Settings(BaseSettings):
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
 
+    # Selection API (/selection/*): pending selections, randomness and the router knobs. A
+    # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.
+    selection_cache_ttl_seconds: int = Field(default=120, gt=0)
+    selection_cache_max_entries: int = Field(default=100_000, gt=0)
+    selection_seed: int = Field(default=-1, ge=-1)
+    router_overlap_score_credit: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    router_overlap_score_credit_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    router_prefill_load_scale: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    router_decode_active_request_weight: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    router_temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    router_track_prefill_tokens: bool = True
+    router_ttl_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:

@@ -266,9 +266,11 @@ def start_reference(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
+    module: str = REF_MODULE,
 ) -> Server:
-    """Start ``python -m dynamo.slot_tracker --port P`` from the reference venv (installing it if
-    missing) and wait until it is healthy. It binds 0.0.0.0:P; only 127.0.0.1 is used."""
+    """Start ``python -m dynamo.slot_tracker --port P`` (or another ``module`` of the package,
+    e.g. ``dynamo.select_service``) from the reference venv (installing it if missing) and wait
+    until it is healthy. It binds 0.0.0.0:P; only 127.0.0.1 is used."""
     venv = ensure_reference()
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("RUST_LOG", "warn")
@@ -276,7 +278,7 @@ def start_reference(
     def make(port: int) -> Server:
         return Server(
             "reference",
-            [str(ref_python(venv)), "-m", REF_MODULE, "--port", str(port), *extra_args],
+            [str(ref_python(venv)), "-m", module, "--port", str(port), *extra_args],
             port,
             env=child_env,
             cwd=Path(tempfile.gettempdir()),

@@ -21,7 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
-from .loads import PotentialLoadRow, RankLoadRow, potential_rows, rank_rows
+from .loads import PotentialLoadRow, RankLoadRow, load_columns, potential_rows, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     ModeledPrefillTimeLoad,
@@ -55,10 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_REPLICA_BATCH_EVENTS = 256
-MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
-
 
 PotentialLoads = tuple[
     dict[WorkerWithDpRank, int],
@@ -254,37 +250,16 @@ class ActiveSequencesMultiWorker:
 
     # -- inspection (tests and invariant checks read these; nothing may write them) ---------
 
-    @property
-    def slots(self) -> dict[WorkerWithDpRank, ActiveSequences]:
-        return self._slots
-
-    @property
-    def blocks(self) -> dict[WorkerWithDpRank, int]:
-        return self._blocks
-
-    @property
-    def table(self) -> WorkerTable:
-        return self._table
-
-    @property
-    def trie(self) -> PromptTrie:
-        return self._trie
-
-    @property
-    def request_index(self) -> RequestIndex:
-        return self._requests
-
-    @property
-    def request_worker(self) -> dict[str, WorkerWithDpRank]:
-        return self._requests.workers
-
-    @property
-    def request_lora(self) -> dict[str, str]:
-        return self._requests.loras
-
-    @property
-    def lora_counts(self) -> dict[str, int]:
-        return self._requests.lora_counts
+    slots = property(lambda self: self._slots, doc="dict[WorkerWithDpRank, ActiveSequences]")
+    blocks = property(lambda self: self._blocks, doc="dict[WorkerWithDpRank, int]")
+    table = property(lambda self: self._table, doc="WorkerTable")
+    trie = property(lambda self: self._trie, doc="PromptTrie")
+    request_index = property(lambda self: self._requests, doc="RequestIndex")
+    request_worker = property(
+        lambda self: self._requests.workers, doc="dict[str, WorkerWithDpRank]"
+    )
+    request_lora = property(lambda self: self._requests.loras, doc="dict[str, str]")
+    lora_counts = property(lambda self: self._requests.lora_counts, doc="dict[str, int]")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -597,7 +572,10 @@ class ActiveSequencesMultiWorker:
         return blocks, tokens, requests if include_active_requests else None
 
     def potential_loads(
-        self, token_sequence: list[int] | None, deltas: PrefillTokenDeltas | None, decay_now: int
+        self,
+        token_sequence: list[int] | None,
+        deltas: PrefillTokenDeltas | int | None,
+        decay_now: int,
     ) -> list[PotentialLoadRow]:
         """Per rank, sorted: its load if this prompt went there (``loads.potential_rows``)."""
         q_len = len(token_sequence) if token_sequence else 0
@@ -605,6 +583,14 @@ class ActiveSequencesMultiWorker:
         return potential_rows(
             self.workers(), self._slots, self._blocks, over, q_len, deltas, decay_now
         )
+
+    def load_columns(
+        self, token_sequence: list[int] | None, decay_now: int
+    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+        """``potential_loads`` as parallel lists (``loads.load_columns``)."""
+        q_len = len(token_sequence) if token_sequence else 0
+        over = self.overlaps(token_sequence)
+        return load_columns(self.workers(), self._slots, self._blocks, over, q_len, decay_now)
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""

@@ -25,7 +25,7 @@ from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
 from app.http.gate import ReadinessGate
-from app.http.lean import LeanDispatcher
+from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
 from app.http.replicated import ReplicatedOperations
@@ -33,15 +33,17 @@ from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
     Queries,
-    body_endpoint,
     body_models,
+    call_endpoint,
     fastapi_route_args,
     query_endpoint,
 )
+from app.http.selection_operations import SelectionOperations, SelectionQueries
 from app.observability import HttpMetrics
 from app.replication.port import Replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
+from app.service.selection import SelectionService
 from app.settings import Settings
 
 DESCRIPTION = (
@@ -66,17 +68,18 @@ class SlotTrackerApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lean = self.lean
-        op = lean.operation_for(scope) if lean is not None else None
-        if op is None:
+        found = lean.route_for(scope) if lean is not None else None
+        if found is None:
             await super().__call__(scope, receive, send)
         else:
-            await lean.serve(op, scope, receive, send)  # type: ignore[union-attr]
+            await lean.serve(found, scope, receive, send)  # type: ignore[union-attr]
 
 
 def build_http_app(
     *,
     settings: Settings,
     service: SlotTrackerService,
+    selection: SelectionService,
     replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
@@ -97,27 +100,41 @@ def build_http_app(
     _install_error_handlers(app)
 
     gate = None
-    operations = Operations(service, settings.max_hashes_per_request)
+    slot_operations = Operations(service, settings.max_hashes_per_request)
     if consistency is not None:
         gate = ReadinessGate(replication)
         durable = settings.replication_ack == "redis"
-        operations = ReplicatedOperations(
+        slot_operations = ReplicatedOperations(
             service,
             settings.max_hashes_per_request,
             gate,
             consistency,
             settings.replication_ack_timeout_ms if durable else None,
         )
-    queries = Queries(service, replication)
-    lean_ops = {}
+    operations = {
+        "slot": slot_operations,
+        "selection": SelectionOperations(selection),
+    }
+    queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
+    lean_routes = []
     for route in ROUTES:
-        if route.body is not None:
-            op = operations.get(route.name)
-            endpoint = body_endpoint(route, op, settings.max_body_bytes)
+        if route.is_call:
+            op = operations[route.api].get(route.name)
+            if gate is not None and route.api != "slot" and route.needs_state:
+                op = gate.guard_call(op)  # the slot operations have the gate built in
+            endpoint = call_endpoint(route, op, settings.max_body_bytes)
             if route.lean:
-                lean_ops[route.path] = op
+                lean_routes.append(
+                    LeanRoute(
+                        route.method,
+                        route.path,
+                        op,
+                        route.body is not None,
+                        tuple(p.parse for p in route.path_params),
+                    )
+                )
         else:
-            handler = getattr(queries, route.name)
+            handler = getattr(queries[route.api], route.name)
             if gate is not None and route.needs_state:
                 handler = gate.guard(handler)
             endpoint = query_endpoint(route, handler)
@@ -132,11 +149,13 @@ def build_http_app(
     ).add(http_metrics.instrumentation).instrument(app).expose(
         app, include_in_schema=True, should_gzip=False
     )
-    app.lean = LeanDispatcher(lean_ops, http_metrics.observe, settings.max_body_bytes, api_key)
+    app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
 
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(HeadAsGet)  # outermost: also strips the body of a 401
+    app.add_middleware(
+        HeadAsGet, templated=app.lean.matches_template
+    )  # outermost: also strips the body of a 401
     app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
     return app
 

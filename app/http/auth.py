@@ -10,7 +10,8 @@ from app.http.docs import DOCS_ASSETS
 from app.http.errors import UNAUTHORIZED, error_body
 from app.http.responses import send_json
 
-# Open even when a key is set: probes, metrics, the load page and the docs.
+# Open even when a key is set: probes (also the selection API's), metrics, the load page and
+# the docs.
 OPEN_PATHS = frozenset(
     {
         "/health",
@@ -21,6 +22,8 @@ OPEN_PATHS = frozenset(
         "/openapi.json",
         "/docs/oauth2-redirect",
         "/dashboard",
+        "/selection/health",
+        "/selection/ready",
     }
 )
 

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from app.core import errors as core
+from app.core.selection import errors as sel
 from app.service import errors as svc
 
 # The reference's fixed prefixes (serde / axum rejections).
@@ -68,6 +69,29 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
         422,
         lambda e: f"new_isl_tokens would overflow the prefill token sum of {e.worker.debug()}",
     ),
+    # the selection API (SELECTION.md §8)
+    sel.MissingBlockHashes: (400, _text),
+    sel.MissingSequenceHashes: (400, _text),
+    sel.MissingIslTokens: (400, _text),
+    sel.ZeroIslTokens: (400, _text),
+    sel.HashLengthMismatch: (400, _text),
+    sel.PrefillExceedsIsl: (400, _text),
+    sel.InvalidDecayFraction: (400, _text),
+    sel.PinnedWorkerNotAllowed: (400, _text),
+    sel.CatalogWorkerNotFound: (404, _text),
+    sel.SchedulableWorkerNotFound: (404, _text),
+    sel.RankNotFound: (404, _text),
+    sel.PendingSelectionNotFound: (404, _text),
+    sel.PendingWorkerGone: (404, _text),
+    sel.ReservationNotFound: (404, _text),
+    sel.ReservationConflict: (409, _text),
+    sel.InvalidRouterConfigOverride: (
+        422,
+        lambda e: f"{JSON_SHAPE}router_config_override: {e.detail}",
+    ),
+    sel.NoSchedulableWorkers: (503, _text),
+    sel.NoSchedulableWorkersAvailable: (503, _text),
+    sel.NoEndpoints: (503, _text),
 }
 
 # Every error class an operation may raise on purpose (``except`` clauses catch exactly these).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -15,20 +16,24 @@ _NOT_FOUND = error_body(ROUTE_NOT_FOUND)
 
 class HeadAsGet:
     """HEAD is answered like GET without a body, as the reference does; a percent-encoded path
-    matches no route.
+    matches no route, unless ``templated`` says the encoding sits in a path parameter (which is
+    decoded, as the reference decodes it).
 
     FastAPI's GET routes do not accept HEAD (405). Headers, including ``content-length``, stay
     those of the GET answer; a HEAD on a POST-only route is still a 405.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, templated: Callable[[Scope], bool] = lambda scope: False
+    ) -> None:
         self.app = app
+        self.templated = templated
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if encoded_path(scope):
+        if encoded_path(scope) and not self.templated(scope):
             await send_json(send, 404, _NOT_FOUND, head=scope["method"] == "HEAD")
             return
         if scope["method"] != "HEAD":

@@ -43,13 +43,19 @@ def hashes_u64(hashes: list[int] | None) -> list[int] | None:
     return [h & U64_MAX if h < 0 else h for h in hashes]
 
 
-def prompt_fields(b: Any) -> dict[str, Any]:
-    """A body's prompt fields: ``sequence_hashes`` xor ``token_ids`` (the schema documents it
-    as ``oneOf``; checked before the tracker is looked up, as the reference does)."""
-    if b.sequence_hashes is None and b.token_ids is None:
-        raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
-    if b.sequence_hashes is not None and b.token_ids is not None:
+def check_prompt(b: Any) -> None:
+    """``sequence_hashes`` xor ``token_ids`` (the schema documents it as ``oneOf``; checked
+    before the tracker is looked up, as the reference does)."""
+    if b.sequence_hashes is None:
+        if b.token_ids is None:
+            raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
+    elif b.token_ids is not None:
         raise HttpError(422, JSON_SHAPE + "give either `sequence_hashes` or `token_ids`, not both")
+
+
+def prompt_fields(b: Any) -> dict[str, Any]:
+    """A body's prompt fields, checked (``check_prompt``)."""
+    check_prompt(b)
     return {
         "model_name": b.model_name,
         "routing_group": b.routing_group,
@@ -60,8 +66,13 @@ def prompt_fields(b: Any) -> dict[str, Any]:
 
 
 def add_command(b: s.AddBody) -> c.Add:
+    check_prompt(b)  # the hot path: no intermediate dict
     return c.Add(
-        **prompt_fields(b),
+        model_name=b.model_name,
+        routing_group=b.routing_group,
+        sequence_hashes=hashes_u64(b.sequence_hashes),
+        token_ids=b.token_ids,
+        lora_name=b.lora_name,
         request_id=b.request_id,
         worker_id=b.worker_id,
         dp_rank=b.dp_rank,
@@ -122,15 +133,16 @@ class Operations:
         self.max_batch = max_batch
 
     def get(self, name: str) -> Operation:
+        """The named operation, answering expected errors with their status and body."""
         op = getattr(self, name)
-        return lambda raw: self.run(op, raw)
 
-    @staticmethod
-    def run(op: Operation, raw: bytes) -> Result:
-        try:
-            return op(raw)
-        except EXPECTED as e:
-            return error_result(e)
+        def run(raw: bytes) -> Result:
+            try:
+                return op(raw)
+            except EXPECTED as e:
+                return error_result(e)
+
+        return run
 
     # -- topology -------------------------------------------------------------------------
 

@@ -1,25 +1,31 @@
 """The route table: every API route declared once.
 
-A ``Route`` names its path, method, operation, summary, body and response models and documented
-errors. From this one table ``app.http.app`` builds both the FastAPI routes (and so the OpenAPI
-document and ``/docs``) and the lean dispatcher's table of hot routes. Body routes run an
-operation of ``app.http.operations``; query routes run a ``Queries`` method.
+A ``Route`` names its path, method, operation, summary, body and response models, path
+parameters and documented errors. From this one table ``app.http.app`` builds both the FastAPI
+routes (and so the OpenAPI document and ``/docs``) and the lean dispatcher's table of hot routes.
+A route belongs to one API (``api``): the slot tracker's (``app.http.operations`` and
+``Queries``) or the selection service's under ``/selection`` (``app.http.selection_operations``).
+*Call* routes (a body or path parameters) run an operation ``op(body, *path parameters)``;
+*query* routes run a queries method on the query string.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Query, Request, Response
+from fastapi import Path, Query, Request, Response
 from pydantic import BaseModel
 from starlette.datastructures import QueryParams
 
+from app.core.types import U64_MAX
 from app.http import schemas as s
+from app.http import selection_schemas as ss
 from app.http.body import read_asgi_body
-from app.http.errors import EXPECTED, error_result, query_error
+from app.http.errors import EXPECTED, HttpError, error_result, query_error
 from app.http.responses import JSON, json_response, raw_response
 from app.replication.port import Replication
 from app.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
@@ -32,8 +38,9 @@ ERROR_DOCS: dict[int, str] = {
     413: "Body larger than the limit.",
     415: "Content type is not JSON.",
     422: "Well-formed JSON of the wrong shape.",
-    503: 'Not ready (still loading the shared state), or with `replication_ack = "redis"` '
-    "Redis cannot be reached: retry, here or on another instance.",
+    503: 'Not ready (still loading the shared state); with `replication_ack = "redis"`, Redis '
+    "cannot be reached; no schedulable worker for the partition (selection API). Retry, here or "
+    "on another instance.",
 }
 BODY_ERRORS = (400, 401, 404, 413, 415, 422)
 TOPOLOGY_ERRORS = (400, 401, 409, 413, 415, 422)
@@ -52,6 +59,27 @@ class QueryParam:
     description: str
 
 
+U64_PATH = r"\+?[0-9]+"
+
+
+def parse_u64_path(value: str) -> int:
+    """A ``u64`` path segment as Rust parses it (optional ``+``, digits only, in range)."""
+    if value.isascii() and re.fullmatch(U64_PATH, value) and int(value) <= U64_MAX:
+        return int(value)
+    raise HttpError(400, f"Invalid URL: Cannot parse `{value}` to a `u64`")
+
+
+def _text_path(value: str) -> str:
+    return value
+
+
+@dataclass(frozen=True)
+class PathParam:
+    name: str
+    description: str
+    parse: Callable[[str], Any] = _text_path  # raises ``HttpError`` on a bad value
+
+
 @dataclass(frozen=True)
 class Route:
     path: str
@@ -67,10 +95,77 @@ class Route:
     lean: bool = False  # served by the lean dispatcher (hot routes)
     needs_state: bool = True  # reads or writes tracker state: 503 while not ready (gate.py)
     extra: dict[str, Any] = field(default_factory=dict)  # other FastAPI route arguments
+    path_params: tuple[PathParam, ...] = ()
+    api: str = "slot"  # "slot" or "selection": which operations serve it
+
+    @property
+    def is_call(self) -> bool:
+        """Runs an operation on the body and path parameters (else a query handler)."""
+        return self.body is not None or bool(self.path_params)
 
 
 _MODEL_Q = QueryParam("model_name", str | None, None, "Only this model.")
 _GROUP_Q = QueryParam("routing_group", str | None, None, "Only this routing group.")
+
+# -- the selection API (SELECTION.md): Dynamo's selection service under /selection ------------
+
+SEL = "/selection"
+_SEL_ID = PathParam("selection_id", "Reservation (selection) id, percent-encoded.")
+_WORKER_ID = PathParam("worker_id", "Worker id (u64).", parse_u64_path)
+SELECT_ERRORS = (400, 401, 409, 413, 415, 422, 503)
+BOOK_ERRORS = (400, 401, 404, 409, 413, 415, 422, 503)
+QUERY_ERRORS = (400, 401, 413, 415, 422, 503)
+LIFECYCLE_ERRORS = (401, 404)
+
+SELECTION_ROUTES: tuple[Route, ...] = (
+    Route(SEL + "/health", "GET", "health", "Selection API liveness", response=ss.SelectionStatus,
+          errors=(), api="selection", needs_state=False),
+    Route(SEL + "/ready", "GET", "ready", "200 while some worker is schedulable, else 503",
+          response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
+          extra={"responses": {503: {"model": ss.SelectionReady,
+                                     "description": "No schedulable worker anywhere."}}}),
+    Route(SEL + "/workers", "POST", "upsert_worker",
+          "Register a worker or replace it (it may move partition)", ss.WorkerBody,
+          ss.WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection"),
+    Route(SEL + "/workers", "GET", "workers", "The worker catalog",
+          response=list[ss.WorkerRecord], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          api="selection"),
+    Route(SEL + "/workers/{worker_id}", "PATCH", "patch_worker",
+          "Change some fields of a worker", ss.WorkerPatchBody, ss.WorkerRecord,
+          errors=BODY_ERRORS, path_params=(_WORKER_ID,), lean=True, api="selection"),
+    Route(SEL + "/workers/{worker_id}", "DELETE", "delete_worker",
+          "Remove a worker; its reservations are freed", response=ss.WorkerRecord,
+          errors=(400, 401, 404), path_params=(_WORKER_ID,), lean=True, api="selection"),
+    Route(SEL + "/select", "POST", "select", "Choose a worker rank for a prompt (books nothing)",
+          ss.SelectBody, ss.SelectResponse, errors=SELECT_ERRORS, lean=True, api="selection"),
+    Route(SEL + "/select_and_reserve", "POST", "select_and_reserve",
+          "Choose a worker rank and book the prompt there", ss.SelectBody,
+          ss.SelectAndReserveResponse, errors=SELECT_ERRORS, lean=True, api="selection"),
+    Route(SEL + "/reservations", "POST", "reserve",
+          "Book a pending selection, or a prompt on a given rank", ss.ReservationBody,
+          ss.ReservationResponse, 201, BOOK_ERRORS, lean=True, api="selection"),
+    Route(SEL + "/reservations/{selection_id}/prefill_complete", "POST",
+          "reservation_prefill_complete", "The reservation's prefill is done",
+          response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS, path_params=(_SEL_ID,),
+          lean=True, api="selection"),
+    Route(SEL + "/reservations/{selection_id}/output_block", "POST", "reservation_output_block",
+          "Add a generated block to the reservation", ss.ReservationOutputBlockBody, ss.SelectionStatus,
+          errors=BODY_ERRORS, path_params=(_SEL_ID,), lean=True, api="selection"),
+    Route(SEL + "/reservations/{selection_id}", "DELETE", "delete_reservation",
+          "Free a reservation", response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS,
+          path_params=(_SEL_ID,), lean=True, api="selection"),
+    Route(SEL + "/loads", "GET", "loads", "Current load of every rank, per partition",
+          response=list[ss.PartitionLoads], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          api="selection"),
+    Route(SEL + "/potential_loads", "POST", "potential_loads",
+          "Load of every rank if a prompt went there", ss.PromptBody, list[ss.RankLoad],
+          errors=QUERY_ERRORS, lean=True, api="selection"),
+    Route(SEL + "/overlap_scores", "POST", "overlap_scores",
+          "Cached prefix of a prompt on every rank (approximate cache)", ss.PromptBody,
+          ss.OverlapScoresResponse, errors=QUERY_ERRORS, lean=True, api="selection"),
+    Route(SEL + "/dump", "GET", "dump", "The approximate caches as stored events",
+          response=dict[str, ss.PartitionDump], errors=(401,), api="selection"),
+)  # fmt: skip
 
 ROUTES: tuple[Route, ...] = (
     Route("/health", "GET", "health", "Liveness: 200 with an empty body", errors=(),
@@ -114,6 +209,7 @@ ROUTES: tuple[Route, ...] = (
                  QueryParam("routing_group", str, DEFAULT_ROUTING_GROUP, "Routing group."))),
     Route("/batch", "POST", "batch", "Apply many lifecycle operations in one call", s.BatchBody,
           s.BatchResponse, lean=True),
+    *SELECTION_ROUTES,
 )  # fmt: skip
 
 
@@ -169,12 +265,17 @@ class Queries:
 
 def fastapi_route_args(route: Route) -> dict[str, Any]:
     """``add_api_route`` arguments that document ``route``."""
-    args: dict[str, Any] = {"summary": route.summary, "methods": [route.method], "name": route.name}
-    if route.body is not None:
-        ref = f"#/components/schemas/{route.body.__name__}"
-        args["openapi_extra"] = {
-            "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": ref}}}}
-        }
+    args: dict[str, Any] = {
+        "summary": route.summary,
+        "methods": [route.method],
+        "name": route.name if route.api == "slot" else f"{route.api}_{route.name}",
+    }
+    if route.is_call:
+        if route.body is not None:
+            ref = f"#/components/schemas/{route.body.__name__}"
+            args["openapi_extra"] = {
+                "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": ref}}}}
+            }
         args["status_code"] = route.status
         args["response_model"] = None
         args["responses"] = {
@@ -196,23 +297,41 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
     return args
 
 
-def body_endpoint(
-    route: Route, operation: Callable[[bytes], Any], max_body: int
-) -> Callable[..., Any]:
-    """``operation`` answers ``(status, body)``, or an awaitable of it (``app.http.replicated``)."""
+def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) -> Callable[..., Any]:
+    """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
+    parsed first, then the body is read (when the route has one), as the reference does. The
+    operation answers ``(status, body)``, or an awaitable of it (``app.http.replicated``)."""
 
-    async def endpoint(request: Request) -> Response:
+    async def endpoint(request: Request, **_: Any) -> Response:
         try:
-            raw = await read_asgi_body(request.scope, request.receive, max_body)
+            args = [p.parse(request.path_params[p.name]) for p in route.path_params]
+            raw = (
+                await read_asgi_body(request.scope, request.receive, max_body)
+                if route.body is not None
+                else b""
+            )
         except EXPECTED as e:
             status, payload = error_result(e)
         else:
-            result = operation(raw)
+            result = operation(raw, *args)
             if type(result) is not tuple:
                 result = await result
             status, payload = result
         return raw_response(payload, status)
 
+    params = [
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    ]
+    for p in route.path_params:  # declared as text: the route parses (and rejects) the value
+        params.append(
+            inspect.Parameter(
+                p.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=Path(description=p.description),
+                annotation=str,
+            )
+        )
+    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
     endpoint.__name__ = route.name
     return endpoint
 

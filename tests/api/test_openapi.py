@@ -47,7 +47,15 @@ def body_schema(doc: dict[str, Any], op: dict[str, Any]) -> dict[str, Any]:
 
 
 def body_operations(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(path, op) for path, method, op in operations(doc) if method == "post"]
+    """POST operations that take a body (a reservation's `prefill_complete` takes none)."""
+    return [
+        (path, op)
+        for path, method, op in operations(doc)
+        if method == "post" and path not in BODYLESS_POSTS
+    ]
+
+
+BODYLESS_POSTS = {"/selection/reservations/{selection_id}/prefill_complete"}
 
 
 # -- the committed file ------------------------------------------------------------------------
@@ -118,8 +126,35 @@ def test_every_route_is_documented(document: dict[str, Any]) -> None:
         "/project_loads",
         "/lora_counts",
         "/batch",
+        "/selection/health",
+        "/selection/ready",
+        "/selection/workers",
+        "/selection/workers/{worker_id}",
+        "/selection/select",
+        "/selection/select_and_reserve",
+        "/selection/reservations",
+        "/selection/reservations/{selection_id}",
+        "/selection/reservations/{selection_id}/prefill_complete",
+        "/selection/reservations/{selection_id}/output_block",
+        "/selection/loads",
+        "/selection/potential_loads",
+        "/selection/overlap_scores",
+        "/selection/dump",
     ):
         assert expected in paths
+
+
+def test_bodyless_posts_document_no_body(document: dict[str, Any]) -> None:
+    for path in BODYLESS_POSTS:
+        assert "requestBody" not in document["paths"][path]["post"], path
+
+
+def test_body_model_names_are_unique() -> None:
+    """Body models are published under their class name: two models may not share one."""
+    from app.http.routes import body_models
+
+    names = [m.__name__ for m in body_models()]
+    assert len(names) == len(set(names)), names
 
 
 def test_every_operation_has_a_summary_and_described_responses(document: dict[str, Any]) -> None:
@@ -134,7 +169,7 @@ def test_every_post_has_a_required_json_body_with_described_fields_and_an_exampl
     document: dict[str, Any],
 ) -> None:
     posts = body_operations(document)
-    assert len(posts) == 11
+    assert len(posts) == 18
     for path, op in posts:
         body = op.get("requestBody")
         assert body is not None and body.get("required") is True, path
@@ -208,6 +243,15 @@ _R1 = {
     "sequence_hashes": [1, 2, 3],
     "new_isl_tokens": 48,
 }
+_SEL_W1 = {"worker_id": 1, "model_name": "llama", "endpoint": "http://w1", "block_size": 16}
+_SEL_PICK = {"model_name": "llama", "selection_id": "req-1", "token_ids": list(range(32))}
+_SEL_BOOK = {
+    "model_name": "llama",
+    "selection_id": "req-9",
+    "worker_id": 1,
+    "sequence_hashes": [7],
+    "isl_tokens": 16,
+}
 for _path, _setup, _status in [
     ("/register", [], 201),
     ("/upsert", [], 201),
@@ -220,8 +264,25 @@ for _path, _setup, _status in [
     ("/potential_loads", [("/register", _LLAMA)], 200),
     ("/project_loads", [("/register", _LLAMA)], 200),
     ("/batch", [("/register", _LLAMA)], 200),
+    ("/selection/workers", [], 201),
+    ("/selection/select", [("/selection/workers", _SEL_W1)], 200),
+    ("/selection/select_and_reserve", [("/selection/workers", _SEL_W1)], 200),
+    (
+        "/selection/reservations",
+        [("/selection/workers", _SEL_W1), ("/selection/select", _SEL_PICK)],
+        201,
+    ),
+    (
+        "/selection/reservations/{selection_id}/output_block",
+        [("/selection/workers", _SEL_W1), ("/selection/reservations", _SEL_BOOK)],
+        200,
+    ),
+    ("/selection/potential_loads", [("/selection/workers", _SEL_W1)], 200),
+    ("/selection/overlap_scores", [("/selection/workers", _SEL_W1)], 200),
 ]:
     EXAMPLE_SETUP[_path] = (_setup, _status)
+# Path parameters of the examples' routes.
+EXAMPLE_PATH_VALUES = {"selection_id": "req-9"}
 
 
 def test_every_body_example_has_a_scenario(document: dict[str, Any]) -> None:
@@ -237,7 +298,7 @@ async def test_documented_example_is_accepted(make_client, path: str) -> None:
             for setup_path, setup_body in setup:
                 r = await post_json(client, setup_path, setup_body)
                 assert r.status_code in (200, 201), (setup_path, r.text)
-            r = await post_json(client, path, example)
+            r = await post_json(client, path.format(**EXAMPLE_PATH_VALUES), example)
             assert r.status_code == status, (path, r.status_code, r.text)
             if path == "/batch":
                 assert all(res["status"] < 300 for res in r.json()["results"]), r.text
@@ -287,6 +348,13 @@ SUCCESS_CODES = {
     "/potential_loads": {"200"},
     "/project_loads": {"200"},
     "/batch": {"200"},
+    "/selection/workers": {"201"},
+    "/selection/select": {"200"},
+    "/selection/select_and_reserve": {"200"},
+    "/selection/reservations": {"201"},
+    "/selection/reservations/{selection_id}/output_block": {"200"},
+    "/selection/potential_loads": {"200"},
+    "/selection/overlap_scores": {"200"},
 }
 
 

@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from app.core.events import ActiveSequenceEvent
-from app.core.tracker import (
-    MAX_REPLICA_BATCH_DURATION_NS,
-    MAX_REPLICA_BATCH_EVENTS,
-    ActiveSequencesMultiWorker,
-    ReplicaEffects,
-)
+from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
 from app.replication.queue import EventQueue, describe
 from app.replication.queue import collect_batch as collect_capped_batch
 
 log = logging.getLogger(__name__)
+
+# The seeds' caps of one replica batch (the service's publisher takes its own from settings).
+MAX_REPLICA_BATCH_EVENTS = 256
+MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
 
 T = TypeVar("T")
 

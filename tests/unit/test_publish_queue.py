@@ -19,12 +19,7 @@ from app.core.events import (
     Free,
     MarkPrefillCompleted,
 )
-from app.core.tracker import (
-    MAX_REPLICA_BATCH_DURATION_NS,
-    MAX_REPLICA_BATCH_EVENTS,
-    ActiveSequencesMultiWorker,
-    SequencePublisher,
-)
+from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
 from app.core.types import SequenceRequest, WorkerWithDpRank
 from app.replication.queue import (
     REPLICA_EVENT_CHANNEL_CAPACITY,
@@ -33,7 +28,13 @@ from app.replication.queue import (
     PublishQueueFull,
 )
 from tests.fakes import FakeClock
-from tests.unit.replica_runtime import collect_batch, drain, run_singleton_publisher
+from tests.unit.replica_runtime import (
+    MAX_REPLICA_BATCH_DURATION_NS,
+    MAX_REPLICA_BATCH_EVENTS,
+    collect_batch,
+    drain,
+    run_singleton_publisher,
+)
 from tests.unit.wire import decode_batch, encode_batch
 
 WORKER = WorkerWithDpRank(1, 0)

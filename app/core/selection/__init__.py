@@ -22,13 +22,14 @@ Nothing here knows HTTP, Redis or asyncio: time is passed in (integer nanosecond
 comes from an injected ``random.Random``.
 """
 
-from .approx_cache import ApproximateCache, CachedBlock, chain_keys
+from .approx_cache import ApproximateCache, CachedBlock, StoredRun, chain_keys
 from .config import RouterConfig, RouterConfigOverride
 from .cost import (
     RankInput,
     effective_prefill_tokens,
     potential_prefill_tokens,
     rank_logit,
+    rank_logits,
     request_blocks,
     response_decode_blocks,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "RouterConfig",
     "RouterConfigOverride",
     "Selection",
+    "StoredRun",
     "WorkerOverlap",
     "chain_keys",
     "effective_prefill_tokens",
@@ -51,6 +53,7 @@ __all__ = [
     "prompt_from_hashes",
     "prompt_from_tokens",
     "rank_logit",
+    "rank_logits",
     "request_blocks",
     "response_decode_blocks",
     "select",

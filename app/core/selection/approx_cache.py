@@ -11,12 +11,14 @@ block stands for its whole prefix: the same block hashes match whatever the requ
 sequence hashes are, and a prompt differing in block 0 matches nothing. These keys are what
 ``/dump`` shows as ``block_hash``.
 
-Cost: a lookup walks the prompt's chain keeping the set of ranks that matched so far, so it
-examines only ranks holding block 0 (and fewer as it goes) and never ranks that do not match;
-``lookup_probes`` counts the rank checks to make that testable. Expiry is lazy (an expired entry
-is ignored by lookups) and ``expire(now)`` pops a heap ordered by expiry, so its cost is
-proportional to what expires (plus stale heap entries left by refreshes, each paid for by the
-write that made it stale). Time is integer nanoseconds passed in by the caller.
+Cost: a lookup first sweeps what has expired, then walks the prompt's chain of nodes; it touches
+only ranks holding the prompt's blocks, never ranks that do not match, and compares rank sets
+only at the depths where some rank stops matching; ``lookup_probes`` counts that work to make it
+testable. Expiry uses a heap with one entry per write (all blocks of a write expire together);
+``expire(now)`` pops it, so its cost is proportional to what expires (plus blocks of stale
+entries left by refreshes, each paid for by the write that made it stale; the heap is rebuilt
+when those outnumber the live blocks). Reads that do not sweep (``blocks``, ``stored_runs``) skip expired entries. Time is
+integer nanoseconds passed in by the caller.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ class CachedBlock:
     expires_at_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """Consecutive blocks of one rank, as one ``stored`` event of ``/dump``."""
+
+    worker: WorkerWithDpRank
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+    """``(block_hash, tokens_hash)`` per block: the chained key and the local block hash."""
+
+
 class _Node:
     """A chain key: its parent and local hash, and the ranks holding it with their expiry."""
 
@@ -71,10 +83,15 @@ class ApproximateCache:
         # never outlives it (the parent's last write is at least as late), so parents come first.
         self._by_rank: dict[WorkerWithDpRank, dict[int, None]] = {}
         self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
-        self._heap: list[tuple[int, int, WorkerWithDpRank]] = []  # (expires_at, key, rank)
+        # One entry per write: (expires_at, write number, rank, its chain keys). All blocks of a
+        # write share one expiry, so a write costs one push however long the prompt is.
+        self._heap: list[tuple[int, int, WorkerWithDpRank, tuple[int, ...]]] = []
+        self._heap_keys = 0  # keys held by heap entries, stale ones included
+        self._writes = 0
         self._live = 0
         self.lookup_probes = 0
-        """Total rank checks made by ``overlaps`` (a cost counter, never reset)."""
+        """Work done by ``overlaps``: path nodes visited plus ranks handed out or compared
+        (a cost counter, never reset)."""
 
     # -- writes ------------------------------------------------------------------------------------
 
@@ -95,26 +112,34 @@ class ApproximateCache:
         if not block_hashes:
             return
         locals_ = [h & U64_MAX for h in block_hashes]
-        keys = list(chain) if chain is not None else compute_seq_hash_for_block(locals_)
+        keys = (
+            [k & U64_MAX for k in chain]
+            if chain is not None
+            else compute_seq_hash_for_block(locals_)
+        )
         expires = now_ns + self.ttl_ns
-        nodes, heap = self._nodes, self._heap
+        nodes = self._nodes
         rank_keys = self._by_rank.get(worker)
         if rank_keys is None:
             rank_keys = self._by_rank[worker] = {}
             self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
         parent: int | None = None
+        live = self._live
         for key, local in zip(keys, locals_, strict=True):
-            key &= U64_MAX
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = _Node(parent, local)
-            if worker not in node.ranks:
-                self._live += 1
+            ranks = node.ranks
+            if worker not in ranks:
+                live += 1
                 rank_keys[key] = None
-            node.ranks[worker] = expires
-            heapq.heappush(heap, (expires, key, worker))
+            ranks[worker] = expires
             parent = key
-        if len(heap) > _HEAP_REBUILD_FACTOR * self._live + _HEAP_REBUILD_SLACK:
+        self._live = live
+        self._writes += 1
+        heapq.heappush(self._heap, (expires, self._writes, worker, tuple(keys)))
+        self._heap_keys += len(keys)
+        if self._heap_keys > _HEAP_REBUILD_FACTOR * self._live + _HEAP_REBUILD_SLACK:
             self._rebuild_heap()
 
     def _drop(self, key: int, worker: WorkerWithDpRank) -> None:
@@ -140,11 +165,13 @@ class ApproximateCache:
         heap, nodes = self._heap, self._nodes
         removed = 0
         while heap and heap[0][0] <= now_ns:
-            expires, key, worker = heapq.heappop(heap)
-            node = nodes.get(key)
-            if node is not None and node.ranks.get(worker) == expires:
-                self._drop(key, worker)
-                removed += 1
+            expires, _, worker, keys = heapq.heappop(heap)
+            self._heap_keys -= len(keys)
+            for key in keys:
+                node = nodes.get(key)
+                if node is not None and node.ranks.get(worker) == expires:
+                    self._drop(key, worker)
+                    removed += 1
         return removed
 
     def remove_rank(self, worker: WorkerWithDpRank) -> int:
@@ -168,53 +195,59 @@ class ApproximateCache:
         return sum(self.remove_rank(r) for r in list(self._ranks_of_worker.get(worker_id, ())))
 
     def _rebuild_heap(self) -> None:
-        self._heap = [
-            (expires, key, worker)
-            for key, node in self._nodes.items()
-            for worker, expires in node.ranks.items()
-        ]
+        """One entry per (rank, expiry) of the live blocks, without the stale entries."""
+        groups: dict[tuple[int, WorkerWithDpRank], list[int]] = {}
+        for key, node in self._nodes.items():
+            for worker, expires in node.ranks.items():
+                groups.setdefault((expires, worker), []).append(key)
+        self._heap = []
+        for (expires, worker), keys in groups.items():
+            self._writes += 1
+            self._heap.append((expires, self._writes, worker, tuple(keys)))
         heapq.heapify(self._heap)
+        self._heap_keys = self._live
 
     # -- reads -------------------------------------------------------------------------------------
 
     def overlaps(
         self, block_hashes: Sequence[int], now_ns: int, *, chain: Sequence[int] | None = None
     ) -> dict[WorkerWithDpRank, int]:
-        """Leading blocks of the prompt each rank holds at ``now_ns`` (ranks with 0 omitted)."""
+        """Leading blocks of the prompt each rank holds at ``now_ns`` (ranks with 0 omitted).
+
+        Expired blocks are swept first; then every stored block is live, and a rank holding a
+        block holds all its ancestors (a write covers the chain from block 0 with one expiry, and
+        a parent never expires before its child). So a rank's overlap is the deepest block of the
+        prompt's path it holds: the walk follows the path's nodes, and only where the number of
+        holders shrinks from one depth to the next does it compare rank sets, in C.
+        """
         if not block_hashes:
             return {}
+        self.expire(now_ns)
         keys = (
-            list(chain)
+            chain
             if chain is not None
             else compute_seq_hash_for_block([h & U64_MAX for h in block_hashes])
         )
         nodes = self._nodes
-        first = nodes.get(keys[0] & U64_MAX)
-        if first is None:
-            return {}
-        self.lookup_probes += len(first.ranks)
-        alive = [w for w, exp in first.ranks.items() if exp > now_ns]
-        result: dict[WorkerWithDpRank, int] = {}
-        depth = 1
-        for key in keys[1:]:
-            if not alive:
-                break
+        path: list[dict[WorkerWithDpRank, int]] = []
+        for key in keys:
             node = nodes.get(key & U64_MAX)
             if node is None:
                 break
-            ranks = node.ranks
-            self.lookup_probes += len(alive)
-            still = []
-            for w in alive:
-                exp = ranks.get(w)
-                if exp is not None and exp > now_ns:
-                    still.append(w)
-                else:
+            path.append(node.ranks)
+        if not path:
+            return {}
+        deeper = path[-1]
+        result = dict.fromkeys(deeper, len(path))
+        probes = len(path) + len(deeper)
+        for depth in range(len(path) - 1, 0, -1):
+            ranks = path[depth - 1]
+            if len(ranks) != len(deeper):
+                probes += len(ranks)
+                for w in ranks.keys() - deeper.keys():
                     result[w] = depth
-            alive = still
-            depth += 1
-        for w in alive:
-            result[w] = depth
+            deeper = ranks
+        self.lookup_probes += probes
         return result
 
     def blocks(self, now_ns: int) -> Iterator[CachedBlock]:
@@ -227,14 +260,48 @@ class ApproximateCache:
                 if expires > now_ns:
                     yield CachedBlock(worker, key, node.parent, node.local, expires)
 
+    def stored_runs(self, now_ns: int) -> Iterator[StoredRun]:
+        """Every live block as ``/dump``'s stored events: per rank, maximal single-child runs.
+
+        A run starts at a block whose parent the rank does not hold (``parent_hash`` None for
+        block 0) or at a child of a branching block, and continues while the block has exactly
+        one live child on that rank. Ranks in first-write order, parents before children.
+        """
+        nodes = self._nodes
+        for worker, keys in self._by_rank.items():
+            live = [k for k in keys if nodes[k].ranks[worker] > now_ns]
+            if not live:
+                continue
+            alive = set(live)
+            children: dict[int, list[int]] = {}
+            roots: list[int] = []
+            for key in live:
+                parent = nodes[key].parent
+                if parent is not None and parent in alive:
+                    children.setdefault(parent, []).append(key)
+                else:
+                    roots.append(key)
+            starts = [(nodes[k].parent, k) for k in roots]
+            while starts:
+                parent, key = starts.pop(0)
+                run = [(key, nodes[key].local)]
+                kids = children.get(key, ())
+                while len(kids) == 1:
+                    key = kids[0]
+                    run.append((key, nodes[key].local))
+                    kids = children.get(key, ())
+                starts.extend((key, k) for k in kids)
+                yield StoredRun(worker, parent, tuple(run))
+
     def ranks(self) -> list[WorkerWithDpRank]:
         """Ranks holding at least one block (expired or not yet swept)."""
         return list(self._by_rank)
 
     @property
     def pending_expiries(self) -> int:
-        """Entries in the expiry heap, stale ones (refreshed or removed blocks) included."""
-        return len(self._heap)
+        """Block entries waiting in the expiry heap, stale ones (refreshed or removed blocks)
+        included."""
+        return self._heap_keys
 
     def __len__(self) -> int:
         """Stored (rank, block) entries, including expired ones not yet swept by ``expire``."""

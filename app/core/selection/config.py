@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from decimal import Decimal
 
+from app.core.serde import unexpected
+
 from .errors import InvalidRouterConfig, InvalidRouterConfigOverride
 
 
@@ -39,6 +41,13 @@ def _check_range(name: str, value: float, lo: float, hi: float) -> str | None:
     if lo <= value <= hi:
         return None
     return f"{name} must be between {_rust_display(lo)} and {_rust_display(hi)}"
+
+
+def _check_finite_non_negative(name: str, value: float) -> str | None:
+    """The per-request override's wording (observed on the reference for SCALE and T)."""
+    if math.isfinite(value) and value >= 0.0:
+        return None
+    return f"{name} must be finite and non-negative"
 
 
 def _check_credit(value: float) -> str | None:
@@ -115,7 +124,11 @@ class RouterConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RouterConfig:
-        """Defaults overridden by the ``DYN_ROUTER_*`` variables present in ``env``.
+        """Defaults overridden by the ``DYN_ROUTER_*`` variables present in ``env``."""
+        return cls().with_env(env)
+
+    def with_env(self, env: Mapping[str, str]) -> RouterConfig:
+        """This config with the ``DYN_ROUTER_*`` variables present in ``env`` applied on top.
 
         ``DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT`` (or ``DYN_OVERLAP_SCORE_WEIGHT``) is the deprecated
         alias of ``DYN_ROUTER_PREFILL_LOAD_SCALE`` and wins over it; a value of 0 also sets the
@@ -136,7 +149,7 @@ class RouterConfig:
         for var, name in _BOOL_ENV:
             if var in env:
                 values[name] = _env_bool(var, env[var])
-        return cls(**values)  # type: ignore[arg-type]
+        return replace(self, **values) if values else self  # type: ignore[arg-type]
 
 
 _FLOAT_ENV = (
@@ -196,10 +209,10 @@ class RouterConfigOverride:
             None if self.overlap_score_credit is None else _check_credit(self.overlap_score_credit),
             None
             if self.prefill_load_scale is None
-            else _check_min("prefill_load_scale", self.prefill_load_scale, 0.0),
+            else _check_finite_non_negative("prefill_load_scale", self.prefill_load_scale),
             None
             if self.router_temperature is None
-            else _check_min("router_temperature", self.router_temperature, 0.0),
+            else _check_finite_non_negative("router_temperature", self.router_temperature),
             None
             if self.shared_cache_multiplier is None
             else _check_range("shared_cache_multiplier", self.shared_cache_multiplier, 0.0, 1.0),
@@ -219,7 +232,7 @@ class RouterConfigOverride:
             return None
         if not isinstance(value, dict):
             raise InvalidRouterConfigOverride(
-                f"invalid type: {_serde_kind(value)}, expected struct RouterConfigOverrideSerde"
+                f"invalid type: {unexpected(value)}, expected struct RouterConfigOverrideSerde"
             )
         floats = {
             name: _json_f64(value.get(name))
@@ -243,21 +256,6 @@ class RouterConfigOverride:
 _OVERRIDE_BOOLS = ("assume_kv_reuse", "track_prefill_tokens")
 
 
-def _serde_kind(value: object) -> str:
-    """serde's ``Unexpected`` rendering of a decoded JSON value."""
-    if isinstance(value, bool):
-        return f"boolean `{'true' if value else 'false'}`"
-    if isinstance(value, int):
-        return f"integer `{value}`"
-    if isinstance(value, float):
-        return f"floating point `{value!r}`"
-    if isinstance(value, str):
-        return f'string "{value}"'
-    if isinstance(value, list):
-        return "sequence"
-    return "map"
-
-
 def _json_f64(value: object) -> float | None:
     if value is None:
         return None
@@ -268,10 +266,10 @@ def _json_f64(value: object) -> float | None:
             return float(value)
         except OverflowError:
             raise InvalidRouterConfigOverride("number out of range") from None
-    raise InvalidRouterConfigOverride(f"invalid type: {_serde_kind(value)}, expected f64")
+    raise InvalidRouterConfigOverride(f"invalid type: {unexpected(value)}, expected f64")
 
 
 def _json_bool(value: object) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
-    raise InvalidRouterConfigOverride(f"invalid type: {_serde_kind(value)}, expected a boolean")
+    raise InvalidRouterConfigOverride(f"invalid type: {unexpected(value)}, expected a boolean")

@@ -166,3 +166,26 @@ class PrefillExceedsIsl(SelectionError):
 class InvalidDecayFraction(SelectionError):
     def __init__(self) -> None:
         super().__init__("decay_fraction must be between 0.0 and 1.0")
+
+
+# -- the worker catalog (SELECTION.md §2) -----------------------------------------------------------
+
+
+class CatalogWorkerNotFound(SelectionError):
+    """PATCH or DELETE of a worker id the catalog does not hold."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        super().__init__(f"worker {worker_id} not found")
+
+
+class PendingWorkerGone(SelectionError):
+    """A replay whose selected rank is no longer schedulable in its partition."""
+
+    def __init__(self, worker_id: int, dp_rank: int, model_name: str, routing_group: str) -> None:
+        self.worker_id, self.dp_rank = worker_id, dp_rank
+        self.model_name, self.routing_group = model_name, routing_group
+        super().__init__(
+            f"schedulable worker {worker_id} (dp_rank {dp_rank}) not found for "
+            f"model={model_name} routing_group={routing_group}"
+        )

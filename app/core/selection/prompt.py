@@ -32,6 +32,13 @@ def to_u64(h: int) -> int:
     return h & U64_MAX
 
 
+def _u64s(hashes: Sequence[int]) -> tuple[int, ...]:
+    """Wire hashes as u64; a list with no negative value is taken as it is."""
+    if not hashes or min(hashes) >= 0:
+        return tuple(hashes)
+    return tuple(h & U64_MAX for h in hashes)
+
+
 def to_i64(h: int) -> int:
     """An unsigned 64-bit hash as the signed i64 the reference echoes."""
     return h - _U64_SPAN if h >= _I64_SIGN else h
@@ -89,8 +96,8 @@ def prompt_from_hashes(
     if block_hashes is not None and len(block_hashes) != len(sequence_hashes):
         raise HashLengthMismatch(len(block_hashes), len(sequence_hashes))
     return Prompt(
-        block_hashes=None if block_hashes is None else tuple(to_u64(h) for h in block_hashes),
-        sequence_hashes=tuple(to_u64(h) for h in sequence_hashes),
+        block_hashes=None if block_hashes is None else _u64s(block_hashes),
+        sequence_hashes=_u64s(sequence_hashes),
         isl_tokens=isl_tokens,
         from_tokens=False,
     )

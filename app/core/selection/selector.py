@@ -8,9 +8,9 @@ and lets a differential comparison replay choices. The rules follow the referenc
 * a pinned rank must belong to an allowed worker (``PinnedWorkerNotAllowed``) and exist among the
   candidates (``NoEndpoints``); it is then chosen without scoring the others;
 * ``allowed_worker_ids`` keeps the ranks of the listed workers; nothing left -> ``NoEndpoints``;
-* temperature 0: minimum cost, exact ties uniformly at random (reservoir sampling, one
-  ``randrange`` per tie met); temperature T > 0: one ``random()`` draw against the cumulative
-  softmax of ``-(cost - min) / ((max - min) * T)``, uniform when all costs are equal.
+* temperature 0: minimum cost, exact ties uniformly at random (one ``randrange`` over the tied
+  ranks); temperature T > 0: one ``random()`` draw against the cumulative softmax of
+  ``-(cost - min) / ((max - min) * T)``, uniform when all costs are equal.
 
 The caller reports an empty partition itself (``NoSchedulableWorkers``, with the partition's
 name); ``select`` raises ``NoEndpoints`` for an empty candidate list.
@@ -28,9 +28,8 @@ from .config import RouterConfig
 from .cost import (
     RankInput,
     effective_prefill_tokens,
-    min_active_prefill_tokens,
-    rank_logit,
-    response_decode_blocks,
+    rank_logits,
+    request_blocks,
 )
 from .errors import NoEndpoints, PinnedWorkerNotAllowed
 
@@ -61,30 +60,23 @@ class Selection:
     potential_decode_blocks: int
     """D + new + uncovered tail blocks on the chosen rank (the response field)."""
     overlap: WorkerOverlap
-    logits: dict[WorkerWithDpRank, float]
-    """Cost of every rank that was scored (only the pinned rank when pinned)."""
+    scored: Sequence[WorkerWithDpRank]
+    costs: Sequence[float]
+    """Cost of each rank of ``scored`` (only the pinned rank when pinned)."""
 
-
-def eligible_ranks(
-    candidates: Sequence[RankInput], allowed_worker_ids: Collection[int] | None
-) -> list[RankInput]:
-    if allowed_worker_ids is None:
-        return list(candidates)
-    allowed = frozenset(allowed_worker_ids)
-    return [r for r in candidates if r.worker.worker_id in allowed]
+    @property
+    def logits(self) -> dict[WorkerWithDpRank, float]:
+        """Cost of every rank that was scored (only the pinned rank when pinned)."""
+        return dict(zip(self.scored, self.costs, strict=True))
 
 
 def pick_min(logits: Sequence[float], rng: random.Random) -> int:
-    """Index of the minimum; exact ties uniformly at random (one draw per extra tie met)."""
-    best_row, best_cost, ties = 0, math.inf, 0
-    for row, cost in enumerate(logits):
-        if cost < best_cost:
-            best_row, best_cost, ties = row, cost, 1
-        elif cost == best_cost:
-            ties += 1
-            if rng.randrange(ties) == 0:
-                best_row = row
-    return best_row
+    """Index of the minimum; exact ties uniformly at random (one draw when tied)."""
+    lo = min(logits)
+    ties = [row for row, cost in enumerate(logits) if cost == lo]
+    if len(ties) == 1:
+        return ties[0]
+    return ties[rng.randrange(len(ties))]
 
 
 def softmax_probabilities(logits: Sequence[float], temperature: float) -> list[float]:
@@ -126,67 +118,104 @@ def select(
 ) -> Selection:
     """Choose a rank among ``candidates`` (every rank of the partition's schedulable workers).
 
-    ``config`` is the router config with the request's override applied
-    (``RouterConfig.with_override``). Raises ``PinnedWorkerNotAllowed`` or ``NoEndpoints``.
+    ``config`` holds the cost knobs. Raises ``PinnedWorkerNotAllowed`` or ``NoEndpoints``.
+    ``select_columns`` is the same with the candidates given as parallel lists.
     """
+    return select_columns(
+        [c.worker for c in candidates],
+        [c.active_prefill_tokens for c in candidates],
+        [c.potential_decode_blocks for c in candidates],
+        [c.active_requests for c in candidates],
+        [c.overlap_blocks for c in candidates],
+        isl_tokens=isl_tokens,
+        block_size=block_size,
+        num_sequence_hashes=num_sequence_hashes,
+        config=config,
+        rng=rng,
+        pinned_worker=pinned_worker,
+        allowed_worker_ids=allowed_worker_ids,
+    )
+
+
+def select_columns(
+    workers: Sequence[WorkerWithDpRank],
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    requests: Sequence[int],
+    overlap: Sequence[int],
+    *,
+    isl_tokens: int,
+    block_size: int,
+    num_sequence_hashes: int,
+    config: RouterConfig,
+    rng: random.Random,
+    pinned_worker: WorkerWithDpRank | None = None,
+    allowed_worker_ids: Collection[int] | None = None,
+) -> Selection:
+    """``select`` on candidates given as columns: each rank's P, D + new, A and k (the
+    ``RankInput`` fields) at the same index. Building no object per rank is what makes a
+    selection over many ranks cheap."""
     if pinned_worker is not None:
         if allowed_worker_ids is not None and pinned_worker.worker_id not in set(
             allowed_worker_ids
         ):
             raise PinnedWorkerNotAllowed(pinned_worker.worker_id)
-        chosen = next((r for r in candidates if r.worker == pinned_worker), None)
-        if chosen is None:
-            raise NoEndpoints()
-        logit = rank_logit(
-            chosen,
-            isl_tokens=isl_tokens,
-            block_size=block_size,
-            config=config,
-            min_prefill_tokens=chosen.active_prefill_tokens,
-        )
-        logits = {chosen.worker: logit}
+        try:
+            rows: Sequence[int] = (workers.index(pinned_worker),)
+        except ValueError:
+            raise NoEndpoints() from None
+        i = rows[0]
+        floor = prefill[i]
+    elif allowed_worker_ids is not None:
+        allowed = frozenset(allowed_worker_ids)
+        rows = [i for i, w in enumerate(workers) if w.worker_id in allowed]
+        floor = min((prefill[i] for i in rows), default=0)
     else:
-        ranks = eligible_ranks(candidates, allowed_worker_ids)
-        if not ranks:
-            raise NoEndpoints()
-        floor = min_active_prefill_tokens(ranks)
-        costs = [
-            rank_logit(
-                r,
-                isl_tokens=isl_tokens,
-                block_size=block_size,
-                config=config,
-                min_prefill_tokens=floor,
-            )
-            for r in ranks
-        ]
-        if config.router_temperature == 0.0:
-            row = pick_min(costs, rng)
-        else:
-            row = pick_softmax(costs, config.router_temperature, rng)
-        chosen, logit = ranks[row], costs[row]
-        logits = {r.worker: c for r, c in zip(ranks, costs, strict=True)}
+        rows = range(len(workers))
+        floor = min(prefill, default=0)
+    if not rows:
+        raise NoEndpoints()
+    if isinstance(rows, range):
+        columns = (prefill, decode, requests, overlap)
+    else:
+        columns = tuple([col[i] for i in rows] for col in (prefill, decode, requests, overlap))
+    costs = rank_logits(
+        *columns,
+        isl_tokens=isl_tokens,
+        block_size=block_size,
+        config=config,
+        min_prefill_tokens=floor,
+    )
+    if len(costs) == 1:
+        pick = 0
+    elif config.router_temperature == 0.0:
+        pick = pick_min(costs, rng)
+    else:
+        pick = pick_softmax(costs, config.router_temperature, rng)
+    i = rows[pick]
+    chosen, k = workers[i], overlap[i]
+    tail = request_blocks(isl_tokens, block_size) - num_sequence_hashes
     return Selection(
-        worker=chosen.worker,
-        logit=logit,
-        overlap_blocks=chosen.overlap_blocks,
-        effective_prefill_tokens=effective_prefill_tokens(
-            isl_tokens, chosen.overlap_blocks, block_size
-        ),
-        potential_decode_blocks=response_decode_blocks(
-            chosen, isl_tokens, block_size, num_sequence_hashes
-        ),
-        overlap=worker_overlap(candidates, chosen.worker.worker_id, block_size),
-        logits=logits,
+        worker=chosen,
+        logit=costs[pick],
+        overlap_blocks=k,
+        effective_prefill_tokens=effective_prefill_tokens(isl_tokens, k, block_size),
+        potential_decode_blocks=decode[i] + (tail if tail > 0 else 0),
+        overlap=worker_overlap(workers, overlap, chosen.worker_id, block_size),
+        scored=[workers[r] for r in rows],
+        costs=costs,
     )
 
 
 def worker_overlap(
-    candidates: Sequence[RankInput], worker_id: int, block_size: int
+    workers: Sequence[WorkerWithDpRank],
+    overlap: Sequence[int],
+    worker_id: int,
+    block_size: int,
 ) -> WorkerOverlap:
     dp = {
-        r.worker.dp_rank: r.overlap_blocks * block_size
-        for r in candidates
-        if r.worker.worker_id == worker_id
+        w.dp_rank: k * block_size
+        for w, k in zip(workers, overlap, strict=True)
+        if w.worker_id == worker_id
     }
     return WorkerOverlap(dp_tokens=dp, max_tokens=max(dp.values(), default=0))

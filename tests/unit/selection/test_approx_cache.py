@@ -31,11 +31,21 @@ def test_block_lives_ttl_after_its_write() -> None:
     clock.advance(1.2)
     assert cache.overlaps([1, 2, 3, 4], clock.now()) == {A: 4}
     clock.advance(1.3)  # 2.5 s
-    assert cache.overlaps([1, 2, 3, 4], clock.now()) == {}  # lazily ignored ...
-    assert len(cache) == 4
-    assert cache.expire(clock.now()) == 4  # ... and swept
+    assert len(cache) == 4  # expired, not yet swept
+    assert cache.expire(clock.now()) == 4
     assert len(cache) == 0
     assert cache.ranks() == []
+    assert cache.overlaps([1, 2, 3, 4], clock.now()) == {}
+
+
+def test_a_lookup_sweeps_what_expired_first() -> None:
+    cache, clock = cache_and_clock()
+    cache.record(A, [1, 2, 3, 4], clock.now())
+    clock.advance(2.5)
+    assert len(cache) == 4
+    assert cache.overlaps([1, 2, 3, 4], clock.now()) == {}
+    assert len(cache) == 0
+    assert cache.expire(clock.now()) == 0
 
 
 def test_expiry_is_at_exactly_ttl() -> None:
@@ -43,10 +53,10 @@ def test_expiry_is_at_exactly_ttl() -> None:
     cache.record(A, [1], clock.now())
     clock.advance_ns(2 * NS_PER_S - 1)
     assert cache.overlaps([1], clock.now()) == {A: 1}
-    assert cache.expire(clock.now()) == 0
+    assert len(cache) == 1
     clock.advance_ns(1)
     assert cache.overlaps([1], clock.now()) == {}
-    assert cache.expire(clock.now()) == 1
+    assert len(cache) == 0
 
 
 def test_a_later_block_expires_at_exactly_ttl_too() -> None:
@@ -55,8 +65,9 @@ def test_a_later_block_expires_at_exactly_ttl_too() -> None:
     clock.advance(1)
     cache.record(A, [1], clock.now())  # block 0 now lives 1 s longer than block 1
     clock.advance(1)
+    assert len(cache) == 2
     assert cache.overlaps([1, 2], clock.now()) == {A: 1}
-    assert cache.expire(clock.now()) == 1
+    assert len(cache) == 1  # block 1 swept by the lookup, block 0 kept
     assert cache.overlaps([1, 2], clock.now()) == {A: 1}
 
 
@@ -67,11 +78,11 @@ def test_rebooking_a_prefix_refreshes_only_those_blocks() -> None:
     clock.advance(1.0)
     cache.record(A, [1, 2], clock.now())
     clock.set(t0 + round(2.5 * NS_PER_S))
+    assert cache.expire(clock.now()) == 2
     assert cache.overlaps([1, 2, 3, 4], clock.now()) == {A: 2}
-    assert cache.expire(clock.now()) == 2
     clock.set(t0 + 4 * NS_PER_S)
-    assert cache.overlaps([1, 2, 3, 4], clock.now()) == {}
     assert cache.expire(clock.now()) == 2
+    assert cache.overlaps([1, 2, 3, 4], clock.now()) == {}
 
 
 def test_overlap_is_the_common_prefix_from_block_zero() -> None:
@@ -161,8 +172,9 @@ def probes_for_lookup(non_matching_ranks: int) -> int:
 
 
 def test_lookup_work_is_independent_of_non_matching_ranks() -> None:
-    # block 0: both holders (2); blocks 1-2: A and B (2 + 2); block 3: A and B (B drops); 4-7: A
-    assert probes_for_lookup(0) == 2 + 2 + 2 + 2 + 4
+    # the 8 nodes of the path; A handed out at depth 8 (1); at depth 3 the holders shrink from
+    # {A, B} to {A}: that level's 2 ranks are compared; B gets 3
+    assert probes_for_lookup(0) == 8 + 1 + 2
     assert probes_for_lookup(10) == probes_for_lookup(0)
     assert probes_for_lookup(2_000) == probes_for_lookup(0)
 

@@ -161,9 +161,9 @@ def test_override_weight_alias() -> None:
             {"overlap_score_credit": -0.1},
             "overlap_score_credit must be a finite, non-negative number",
         ),
-        ({"prefill_load_scale": -1}, "prefill_load_scale must be greater than or equal to 0"),
-        ({"overlap_score_weight": -1}, "prefill_load_scale must be greater than or equal to 0"),
-        ({"router_temperature": -0.5}, "router_temperature must be greater than or equal to 0"),
+        ({"prefill_load_scale": -1}, "prefill_load_scale must be finite and non-negative"),
+        ({"overlap_score_weight": -1}, "prefill_load_scale must be finite and non-negative"),
+        ({"router_temperature": -0.5}, "router_temperature must be finite and non-negative"),
         ({"shared_cache_multiplier": 2}, "shared_cache_multiplier must be between 0 and 1"),
         ({"router_temperature": "1"}, 'invalid type: string "1", expected f64'),
         ({"prefill_load_scale": True}, "invalid type: boolean `true`, expected f64"),
@@ -182,3 +182,15 @@ def test_bad_overrides(value: object, message: str) -> None:
         RouterConfigOverride.from_json(value)
     assert str(e.value) == message
     assert e.value.detail == message
+
+
+def test_with_env_applies_only_the_variables_present() -> None:
+    base = RouterConfig(overlap_score_credit=0.5, router_temperature=0.25)
+    assert base.with_env({}) is base
+    got = base.with_env({"DYN_ROUTER_TEMPERATURE": "1", "DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "0"})
+    assert (got.router_temperature, got.prefill_load_scale, got.overlap_score_credit) == (
+        1.0,
+        0.0,
+        0.0,
+    )
+    assert base.with_env({"OTHER": "1"}).overlap_score_credit == 0.5

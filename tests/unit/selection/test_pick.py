@@ -73,19 +73,24 @@ def test_seven_tied_ranks_are_about_uniform() -> None:
     assert all(850 <= n <= 1150 for n in counts.values()), counts
 
 
-def test_pick_min_draws_once_per_extra_tie() -> None:
-    class Recording(random.Random):
-        def __init__(self) -> None:
-            super().__init__(0)
-            self.bounds: list[int] = []
+class Recording(random.Random):
+    def __init__(self, answer: int) -> None:
+        super().__init__(0)
+        self.answer = answer
+        self.bounds: list[int] = []
 
-        def randrange(self, n):  # type: ignore[override]
-            self.bounds.append(n)
-            return 1  # never replace: the first of the ties is kept
+    def randrange(self, n):  # type: ignore[override]
+        self.bounds.append(n)
+        return self.answer
 
-    rng = Recording()
-    assert pick_min([5.0, 3.0, 3.0, 9.0, 3.0, 2.0, 2.0], rng) == 5
-    assert rng.bounds == [2, 3, 2]
+
+def test_pick_min_draws_once_among_the_ties() -> None:
+    rng = Recording(1)
+    assert pick_min([5.0, 3.0, 3.0, 9.0, 2.0, 3.0, 2.0], rng) == 6  # the second of the two 2.0s
+    assert rng.bounds == [2]
+    rng = Recording(0)
+    assert pick_min([5.0, 1.0, 3.0], rng) == 1  # a single minimum draws nothing
+    assert rng.bounds == []
 
 
 def test_temperature_zero_is_argmin() -> None:

@@ -1,0 +1,810 @@
+"""The selection service: Dynamo's worker selection on top of the slot trackers.
+
+``SelectionService`` owns the worker catalog, the reservation ids, one approximate cache per
+partition ``(model_name, routing_group)`` and the pending-selection cache; the load of every rank
+(prefill tokens, active blocks, active requests) lives in the SAME ``TrackerRegistry`` the
+slot-tracker routes use. A schedulable worker's ranks are registered in its partition's tracker
+and a reservation is a request of that tracker (its id is the selection id), so ``/loads``,
+``/metrics`` and the live page show reservations like any other request.
+
+Every public method first decides (checks in the reference's order, the random pick, a generated
+id) and raises domain errors (``app.core.selection.errors``, ``app.service.errors``) without
+changing anything; then it changes state only through ``commit`` with one record of
+``app.service.selection_mutations``. ``commit`` is the one place a replica stream of selection
+state would publish from (not done yet: the catalog, reservations, approximate caches and pending
+selections are local to this instance).
+
+Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
+with its block size, after its last worker goes, while the tracker itself is dropped as the
+slot-tracker routes expect; the reservation index is global across partitions while tracker
+request ids are per tracker; a worker removed through ``/unregister`` stops being a candidate
+until it is upserted again through ``/selection/workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from app.core.selection import (
+    ApproximateCache,
+    Prompt,
+    RouterConfig,
+    Selection,
+    chain_keys,
+    effective_prefill_tokens,
+    normalize_prompt,
+)
+from app.core.selection.approx_cache import StoredRun
+from app.core.selection.catalog import (
+    INCOMPLETE,
+    SCHEDULABLE,
+    WorkerRecord,
+    WorkerSpec,
+    block_size_mismatch,
+    intrinsic_reasons,
+    patched,
+)
+from app.core.selection.errors import (
+    CatalogWorkerNotFound,
+    InvalidDecayFraction,
+    NoSchedulableWorkers,
+    NoSchedulableWorkersAvailable,
+    PendingSelectionNotFound,
+    PendingWorkerGone,
+    PrefillExceedsIsl,
+    RankNotFound,
+    ReservationConflict,
+    ReservationNotFound,
+    SchedulableWorkerNotFound,
+)
+from app.core.selection.pending import PendingSelection, PendingSelections
+from app.core.selection.selector import select_columns
+from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from app.service import selection_commands as sc
+from app.service import selection_mutations as m
+from app.service.commands import Key
+from app.service.errors import TooManyHashes
+from app.service.registry import TrackerRegistry
+
+log = logging.getLogger(__name__)
+
+# What the reference reports as a rank's prefill capacity when the worker declared none.
+DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
+
+# Most ranks one tracker may hold (the slot-tracker routes' limit).
+MAX_RANKS_PER_PARTITION = 16_384
+
+
+@dataclass(slots=True)
+class Partition:
+    """One ``(model_name, routing_group)`` as the selection service sees it."""
+
+    key: Key
+    block_size: int
+    cache: ApproximateCache
+    workers: dict[int, WorkerSpec] = field(default_factory=dict)
+    """The schedulable workers placed in this partition's tracker."""
+
+
+@dataclass(slots=True)
+class Reservation:
+    key: Key
+    worker: WorkerWithDpRank
+    created_at: int
+    lingering: bool = False
+    """Its worker (or rank) was removed: the request is gone but the id stays taken until a
+    lifecycle call on it answers 404 (the reference's rule)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """The ``worker_load`` block of an advisory selection."""
+
+    active_prefill_tokens: int
+    prefill_token_capacity: int
+    total_kv_blocks: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SelectOutcome:
+    selection_id: str | None
+    model_name: str
+    routing_group: str
+    endpoint: str
+    block_size: int
+    selection: Selection
+    prompt: Prompt
+    track_prefill_tokens: bool
+    worker_load: WorkerLoad | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Booked:
+    selection_id: str
+    model_name: str
+    routing_group: str
+    worker: WorkerWithDpRank
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapScores:
+    block_size: int
+    num_blocks: int
+    rows: list[tuple[int, int, int]]
+    """``(worker_id, dp_rank, device_blocks)`` per candidate rank, sorted."""
+
+
+# (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
+LoadRow = tuple[int, int, int, int, int]
+
+
+class Candidates(NamedTuple):
+    """The candidate ranks of one selection as columns (``select_columns``' arguments)."""
+
+    workers: list[WorkerWithDpRank]
+    prefill: list[int]
+    """P: prefill tokens pending on the rank."""
+    decode: list[int]
+    """D + new: active blocks plus the prompt's blocks not active on the rank."""
+    requests: list[int]
+    """A: requests booked on the rank."""
+    overlap: list[int]
+    """k: leading prompt blocks the approximate cache holds on the rank."""
+
+
+class SelectionService:
+    def __init__(
+        self,
+        registry: TrackerRegistry,
+        *,
+        config: RouterConfig | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+        rng: random.Random | None = None,
+        pending_max_entries: int = 100_000,
+        pending_ttl_ns: int = 120_000_000_000,
+        max_hashes_per_request: int = 1_048_576,
+    ) -> None:
+        self.registry = registry
+        self.config = config or RouterConfig()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.max_hashes = max_hashes_per_request
+        self.pending = PendingSelections(pending_max_entries, pending_ttl_ns)
+        self.partitions: dict[Key, Partition] = {}
+        self.catalog: dict[int, WorkerRecord] = {}
+        self.reservations: dict[str, Reservation] = {}
+        self._reservations_of: dict[int, set[str]] = {}
+        self._schedulable = 0  # schedulable workers in the catalog
+        self.lingering_dropped = 0
+        """Lingering reservation ids dropped by the sweep after the request expiry (counted)."""
+        self.stale_dropped = 0
+        """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
+        self._evictions_logged = 0
+
+    # -- the one mutation entry point ------------------------------------------------------
+
+    def commit(self, mutation: m.Mutation) -> None:
+        """Apply one change to the selection state (the seam for replicating it later)."""
+        now = self.clock()
+        if isinstance(mutation, m.Book):
+            self._apply_book(mutation, now)
+        elif isinstance(mutation, m.Release):
+            self._apply_release(mutation, now)
+        elif isinstance(mutation, m.CacheSelection):
+            self.pending.put(mutation.selection_id, mutation.entry, now)
+        elif isinstance(mutation, m.CompletePrefill):
+            res = self.reservations[mutation.selection_id]
+            self.registry.get(res.key).mark_prefill_completed(mutation.selection_id, now)
+        elif isinstance(mutation, m.AddOutputBlock):
+            res = self.reservations[mutation.selection_id]
+            self.registry.get(res.key).add_output_block(
+                mutation.selection_id, mutation.decay_fraction
+            )
+        elif isinstance(mutation, m.Forget):
+            self._forget(mutation.selection_id)
+        elif isinstance(mutation, m.PutWorker):
+            self._apply_put_worker(mutation.spec)
+        elif isinstance(mutation, m.RemoveWorker):
+            self._apply_remove_worker(mutation.worker_id)
+        else:  # pragma: no cover - the union is closed
+            raise TypeError(f"unknown mutation {mutation!r}")
+
+    # -- the worker catalog ----------------------------------------------------------------
+
+    def upsert_worker(self, cmd: sc.UpsertWorker) -> WorkerRecord:
+        self.commit(m.PutWorker(cmd.spec))
+        return self.catalog[cmd.spec.worker_id]
+
+    def patch_worker(self, cmd: sc.PatchWorker) -> WorkerRecord:
+        record = self.catalog.get(cmd.worker_id)
+        if record is None:
+            raise CatalogWorkerNotFound(cmd.worker_id)
+        self.commit(m.PutWorker(patched(record.spec, cmd.changes)))
+        return self.catalog[cmd.worker_id]
+
+    def delete_worker(self, cmd: sc.DeleteWorker) -> WorkerRecord:
+        record = self.catalog.get(cmd.worker_id)
+        if record is None:
+            raise CatalogWorkerNotFound(cmd.worker_id)
+        self.commit(m.RemoveWorker(cmd.worker_id))
+        return WorkerRecord(record.spec, "unschedulable")
+
+    def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerRecord]:
+        """Catalog records, sorted by partition then id, optionally filtered."""
+        return [
+            r
+            for r in sorted(self.catalog.values(), key=_record_order)
+            if (model_name is None or r.spec.model_name == model_name)
+            and (routing_group is None or r.spec.routing_group == routing_group)
+        ]
+
+    def schedulable_count(self) -> int:
+        return self._schedulable
+
+    def _existing_block_size(self, key: Key) -> int | None:
+        t = self.registry.find(key)
+        if t is not None:
+            return t.block_size
+        part = self.partitions.get(key)
+        return part.block_size if part is not None else None
+
+    def _reasons(self, spec: WorkerSpec, placed_here: int) -> list[str]:
+        """Why ``spec`` cannot be placed; ``placed_here`` = its ranks already in that tracker."""
+        reasons = intrinsic_reasons(spec)
+        if reasons:
+            return reasons
+        assert spec.block_size is not None
+        existing = self._existing_block_size(spec.key)
+        if existing is not None and existing != spec.block_size:
+            return [block_size_mismatch(spec.key, existing, spec.block_size)]
+        t = self.registry.find(spec.key)
+        ranks = (t.num_workers() if t is not None else 0) - placed_here + spec.dp_size
+        if ranks > MAX_RANKS_PER_PARTITION:
+            return [
+                f"reconciliation failed: too many ranks for model={spec.model_name} "
+                f"routing_group={spec.routing_group}: {ranks} > {MAX_RANKS_PER_PARTITION}"
+            ]
+        return []
+
+    def _set_record(self, worker_id: int, record: WorkerRecord | None) -> None:
+        old = self.catalog.get(worker_id)
+        self._schedulable -= old is not None and old.schedulable
+        if record is None:
+            self.catalog.pop(worker_id, None)
+        else:
+            self.catalog[worker_id] = record
+            self._schedulable += record.schedulable
+
+    def _apply_put_worker(self, spec: WorkerSpec) -> None:
+        old = self.catalog.get(spec.worker_id)
+        old_spec = old.spec if old is not None and old.schedulable else None
+        same_place = old_spec is not None and old_spec.key == spec.key
+        placed_here = old_spec.dp_size if same_place and old_spec is not None else 0
+        reasons = self._reasons(spec, placed_here)
+        if reasons:
+            if old_spec is not None:
+                self._unplace(old_spec)
+            self._set_record(spec.worker_id, WorkerRecord(spec, INCOMPLETE, tuple(reasons)))
+            return
+        if old_spec is not None and not same_place:
+            self._unplace(old_spec)
+        self._place(spec)
+        self._set_record(spec.worker_id, WorkerRecord(spec, SCHEDULABLE))
+
+    def _apply_remove_worker(self, worker_id: int) -> None:
+        record = self.catalog[worker_id]
+        self._set_record(worker_id, None)
+        if record.schedulable:
+            self._unplace(record.spec)
+
+    def _place(self, spec: WorkerSpec) -> None:
+        """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""
+        key = spec.key
+        assert spec.block_size is not None
+        t = self.registry.find(key)
+        if t is None:
+            t = self.registry.create(key, spec.block_size)
+        change = t.upsert_worker(spec.dp_range)
+        part = self.partitions.get(key)
+        if part is None:
+            part = self.partitions[key] = Partition(
+                key, t.block_size, ApproximateCache(self.config.router_ttl_ns)
+            )
+        part.block_size = t.block_size
+        part.workers[spec.worker_id] = spec
+        if change.removed:
+            self._orphan(spec.worker_id, {w.dp_rank for w in change.removed})
+
+    def _unplace(self, spec: WorkerSpec) -> None:
+        """Take a worker off its partition: ranks, their requests and its cached blocks."""
+        key = spec.key
+        t = self.registry.find(key)
+        if t is not None and t.has_worker(spec.worker_id):
+            t.unregister_worker(spec.worker_id)
+            self.registry.drop_if_empty(key)
+        part = self.partitions.get(key)
+        if part is not None:
+            part.workers.pop(spec.worker_id, None)
+            part.cache.remove_worker(spec.worker_id)
+        self._orphan(spec.worker_id, None)
+
+    def _orphan(self, worker_id: int, ranks: set[int] | None) -> None:
+        """Mark the reservations of ``worker_id`` (on ``ranks``, or all) as lingering."""
+        ids = self._reservations_of.get(worker_id)
+        if not ids:
+            return
+        for sid in list(ids):
+            res = self.reservations[sid]
+            if ranks is None or res.worker.dp_rank in ranks:
+                res.lingering = True
+                ids.discard(sid)
+        if not ids:
+            del self._reservations_of[worker_id]
+
+    # -- prompts and candidates ------------------------------------------------------------
+
+    def _partition(self, key: Key) -> Partition:
+        part = self.partitions.get(key)
+        if part is None or not part.workers:
+            raise self._no_workers(key)
+        return part
+
+    def _no_workers(self, key: Key) -> Exception:
+        """The reference's 503: its text names the partition only while some other partition
+        has a schedulable worker."""
+        if self.schedulable_count() == 0:
+            return NoSchedulableWorkersAvailable()
+        return NoSchedulableWorkers(*key)
+
+    def _prompt(
+        self,
+        cmd: sc.PromptCommand,
+        block_size: int,
+        *,
+        for_booking: bool,
+        block_hashes: bool = True,
+    ) -> Prompt:
+        """The command's prompt (SELECTION.md §3); ``block_hashes=False`` ignores them."""
+        prompt = normalize_prompt(
+            block_size=block_size,
+            token_ids=cmd.token_ids,
+            block_hashes=cmd.block_hashes if block_hashes else None,
+            sequence_hashes=cmd.sequence_hashes,
+            isl_tokens=cmd.isl_tokens,
+            lora_name=cmd.lora_name,
+            for_booking=for_booking,
+        )
+        n = len(prompt.sequence_hashes)
+        if n > self.max_hashes:
+            raise TooManyHashes(n, self.max_hashes)
+        return prompt
+
+    def _candidates(
+        self, part: Partition, prompt: Prompt, now: int, chain: tuple[int, ...] | None = None
+    ) -> Candidates:
+        """Every placed rank of the partition's schedulable workers, with its load and overlap,
+        as columns (``chain``: the prompt's approximate-cache keys, when already known)."""
+        t = self.registry.find(part.key)
+        if t is None:
+            return Candidates([], [], [], [], [])
+        workers, prefill, decode, requests = t.load_columns(list(prompt.sequence_hashes), now)
+        blocks = prompt.block_hashes
+        over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain) if blocks else {}
+        known = part.workers
+        if not t.table.ranges.keys() <= known.keys():
+            # ranks the slot-tracker routes registered are not candidates of the selection API
+            keep = [i for i, w in enumerate(workers) if w.worker_id in known]
+            workers = [workers[i] for i in keep]
+            prefill = [prefill[i] for i in keep]
+            decode = [decode[i] for i in keep]
+            requests = [requests[i] for i in keep]
+        get = over.get
+        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers])
+
+    # -- selection -------------------------------------------------------------------------
+
+    def new_selection_id(self) -> str:
+        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+
+    def select(self, cmd: sc.Select) -> SelectOutcome:
+        """``/select`` and ``/select_and_reserve``: pick a rank (and book it when reserving)."""
+        key = cmd.key
+        part = self._partition(key)
+        sid = cmd.selection_id
+        if cmd.reserve:
+            if sid is None:
+                sid = self.new_selection_id()
+            self._check_free(sid, key)
+        prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        # As in the reference (1.6.1), a request's override is validated but only its
+        # `track_prefill_tokens` takes effect (on the booking); the cost uses the service's knobs.
+        config = self.config
+        override = cmd.router_config_override
+        track = config.track_prefill_tokens
+        if override is not None and override.track_prefill_tokens is not None:
+            track = override.track_prefill_tokens
+        now = self.clock()
+        chain = cache_chain(prompt)
+        candidates = self._candidates(part, prompt, now, chain)
+        if not candidates.workers:
+            raise self._no_workers(key)
+        chosen = select_columns(
+            *candidates,
+            isl_tokens=prompt.isl_tokens,
+            block_size=part.block_size,
+            num_sequence_hashes=len(prompt.sequence_hashes),
+            config=config,
+            rng=self.rng,
+            pinned_worker=cmd.pinned_worker,
+            allowed_worker_ids=cmd.allowed_worker_ids,
+        )
+        worker = chosen.worker
+        spec = part.workers[worker.worker_id]
+        ept = chosen.effective_prefill_tokens
+        if cmd.reserve:
+            assert sid is not None
+            self.commit(
+                m.Book(
+                    selection_id=sid,
+                    model_name=key[0],
+                    routing_group=key[1],
+                    worker=worker,
+                    sequence_hashes=prompt.sequence_hashes,
+                    block_hashes=prompt.block_hashes,
+                    cache_chain=chain,
+                    isl_tokens=prompt.isl_tokens,
+                    prefill_tokens=ept if track else 0,
+                    expected_output_tokens=cmd.expected_output_tokens,
+                    lora_name=cmd.lora_name,
+                    consumes_pending=False,
+                )
+            )
+        elif sid is not None:
+            self.commit(
+                m.CacheSelection(
+                    sid,
+                    PendingSelection(
+                        model_name=key[0],
+                        routing_group=key[1],
+                        worker=worker,
+                        sequence_hashes=prompt.sequence_hashes,
+                        block_hashes=prompt.block_hashes,
+                        isl_tokens=prompt.isl_tokens,
+                        effective_prefill_tokens=ept,
+                        track_prefill_tokens=track,
+                        expected_output_tokens=cmd.expected_output_tokens,
+                        lora_name=cmd.lora_name,
+                        from_tokens=prompt.from_tokens,
+                    ),
+                )
+            )
+        load = None
+        if cmd.advisory and not cmd.reserve:  # accepted, but not answered, when reserving
+            load = WorkerLoad(
+                candidates.prefill[candidates.workers.index(worker)],
+                spec.max_num_batched_tokens
+                if spec.max_num_batched_tokens is not None
+                else DEFAULT_PREFILL_TOKEN_CAPACITY,
+                spec.total_kv_blocks,
+            )
+        return SelectOutcome(
+            selection_id=sid,
+            model_name=key[0],
+            routing_group=key[1],
+            endpoint=spec.endpoint or "",
+            block_size=part.block_size,
+            selection=chosen,
+            prompt=prompt,
+            track_prefill_tokens=track,
+            worker_load=load,
+        )
+
+    def potential_loads(self, cmd: sc.PotentialLoads) -> list[LoadRow]:
+        """Per candidate rank, sorted: its load if the prompt went there."""
+        part, prompt, c = self._query(cmd)
+        isl, bs = prompt.isl_tokens, part.block_size
+        # without prefill tracking the prompt's own tokens are not added (as in the reference)
+        track = self.config.track_prefill_tokens
+        return [
+            (
+                w.worker_id,
+                w.dp_rank,
+                p + (effective_prefill_tokens(isl, k, bs) if track else 0),
+                d,
+                a,
+            )
+            for w, p, d, a, k in zip(*c, strict=True)
+        ]
+
+    def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
+        """Every candidate rank's cached prefix of the prompt, and also any other rank the
+        approximate cache still holds it on (a rank removed from a worker keeps its blocks until
+        they expire), sorted: the reference lists both."""
+        part, prompt, candidates = self._query(cmd)
+        blocks = prompt.block_hashes or ()
+        rows = dict(zip(candidates.workers, candidates.overlap, strict=True))
+        if blocks:
+            now = self.clock()
+            for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
+                rows.setdefault(w, k)
+        return OverlapScores(
+            part.block_size,
+            len(blocks),
+            [(w.worker_id, w.dp_rank, k) for w, k in sorted(rows.items())],
+        )
+
+    def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
+        part = self._partition(cmd.key)
+        prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        candidates = self._candidates(part, prompt, self.clock())
+        if not candidates.workers:
+            raise self._no_workers(cmd.key)
+        return part, prompt, candidates
+
+    # -- reservations ----------------------------------------------------------------------
+
+    def _live(self, sid: str) -> Reservation | None:
+        """The reservation of ``sid`` if it still holds its request; a lingering or stale id is
+        forgotten on the way (through ``commit``)."""
+        res = self.reservations.get(sid)
+        if res is None:
+            return None
+        if not res.lingering:
+            t = self.registry.find(res.key)
+            if t is not None and t.worker_for(sid) == res.worker:
+                return res
+            self.stale_dropped += 1
+        self.commit(m.Forget(sid))
+        return None
+
+    def _check_free(self, sid: str, key: Key) -> None:
+        """409 when the id is reserved anywhere (a lingering id included), or when the
+        partition's tracker already holds a request of that id (slot-tracker routes)."""
+        res = self.reservations.get(sid)
+        if res is not None:
+            if res.lingering:
+                raise ReservationConflict(sid)
+            if self._live(sid) is not None:
+                raise ReservationConflict(sid)
+        t = self.registry.find(key)
+        if t is not None and t.has_request(sid):
+            raise ReservationConflict(sid)
+
+    def replay(self, cmd: sc.ReplaySelection) -> Booked:
+        """Book a pending selection exactly where it pointed (single use)."""
+        key, sid = cmd.key, cmd.selection_id
+        entry = self.pending.get((*key, sid), self.clock())
+        if entry is None:
+            raise PendingSelectionNotFound(sid, *key)
+        self._partition(key)
+        worker = entry.worker
+        spec = self._placed_spec(key, worker)
+        if spec is None:
+            raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
+        self._check_free(sid, key)
+        self.commit(
+            m.Book(
+                selection_id=sid,
+                model_name=key[0],
+                routing_group=key[1],
+                worker=worker,
+                sequence_hashes=entry.sequence_hashes,
+                block_hashes=entry.block_hashes,
+                cache_chain=entry.sequence_hashes if entry.from_tokens else None,
+                isl_tokens=entry.isl_tokens,
+                prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
+                expected_output_tokens=entry.expected_output_tokens,
+                lora_name=entry.lora_name,
+            )
+        )
+        return Booked(
+            selection_id=sid,
+            model_name=key[0],
+            routing_group=key[1],
+            worker=worker,
+            endpoint=spec.endpoint or "",
+        )
+
+    def _placed_spec(self, key: Key, worker: WorkerWithDpRank) -> WorkerSpec | None:
+        """The spec of ``worker``'s worker when that rank is schedulable in ``key``."""
+        part = self.partitions.get(key)
+        spec = part.workers.get(worker.worker_id) if part is not None else None
+        if spec is None or not spec.has_rank(worker.dp_rank):
+            return None
+        t = self.registry.find(key)
+        placed = t.worker_range(worker.worker_id) if t is not None else None
+        if (
+            placed is None
+            or not placed.dp_start <= worker.dp_rank < placed.dp_start + placed.dp_size
+        ):
+            return None
+        return spec
+
+    def book(self, cmd: sc.BookExplicit) -> Booked:
+        """An explicit booking of a prompt on a given rank."""
+        key, sid = cmd.key, cmd.selection_id
+        part = self._partition(key)
+        # the reference checks the block hashes (isl > 0, equal lengths) only after the worker
+        with_blocks = cmd.token_ids is None and cmd.block_hashes is not None
+        prompt = self._prompt(cmd, part.block_size, for_booking=True, block_hashes=False)
+        ept = cmd.effective_prefill_tokens
+        if ept is not None and ept > prompt.isl_tokens:
+            raise PrefillExceedsIsl(ept, prompt.isl_tokens)
+        if cmd.worker_id not in part.workers:
+            raise SchedulableWorkerNotFound(cmd.worker_id, *key)
+        if with_blocks:
+            prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        self._check_free(sid, key)
+        worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
+        spec = self._placed_spec(key, worker)
+        if spec is None:
+            raise RankNotFound(cmd.worker_id, cmd.dp_rank)
+        track = (
+            cmd.track_prefill_tokens
+            if cmd.track_prefill_tokens is not None
+            else self.config.track_prefill_tokens
+        )
+        self.commit(
+            m.Book(
+                selection_id=sid,
+                model_name=key[0],
+                routing_group=key[1],
+                worker=worker,
+                sequence_hashes=prompt.sequence_hashes,
+                block_hashes=prompt.block_hashes,
+                cache_chain=prompt.sequence_hashes if prompt.from_tokens else None,
+                isl_tokens=prompt.isl_tokens,
+                prefill_tokens=ept if ept is not None and track else 0,
+                expected_output_tokens=cmd.expected_output_tokens,
+                lora_name=cmd.lora_name,
+            )
+        )
+        return Booked(
+            selection_id=sid,
+            model_name=key[0],
+            routing_group=key[1],
+            worker=worker,
+            endpoint=spec.endpoint or "",
+        )
+
+    def prefill_complete(self, cmd: sc.ReservationCall) -> None:
+        if self._live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.CompletePrefill(cmd.selection_id))
+
+    def output_block(self, cmd: sc.ReservationOutputBlock) -> None:
+        f = cmd.decay_fraction
+        if f is not None and not 0.0 <= f <= 1.0:
+            raise InvalidDecayFraction()
+        if self._live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.AddOutputBlock(cmd.selection_id, f))
+
+    def release(self, cmd: sc.ReservationCall) -> None:
+        if self._live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.Release(cmd.selection_id))
+
+    def _apply_book(self, b: m.Book, now: int) -> None:
+        key = b.key
+        t = self.registry.get(key)
+        prefill = b.prefill_tokens
+        t.add_request_if_registered(
+            SequenceRequest(
+                b.selection_id,
+                b.worker,
+                list(b.sequence_hashes),
+                prefill > 0,
+                b.expected_output_tokens,
+                PrefillLoadHint(prefill) if prefill > 0 else None,
+                b.lora_name,
+            ),
+            now,
+        )
+        self.registry.counters_of(key).added += 1
+        self.reservations[b.selection_id] = Reservation(key, b.worker, now)
+        self._reservations_of.setdefault(b.worker.worker_id, set()).add(b.selection_id)
+        if b.block_hashes:
+            self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
+        if b.consumes_pending:
+            self.pending.discard((*key, b.selection_id))
+
+    def _apply_release(self, r: m.Release, now: int) -> None:
+        res = self.reservations[r.selection_id]
+        if self.registry.get(res.key).free(r.selection_id, now):
+            self.registry.counters_of(res.key).freed += 1
+        self._forget(r.selection_id)
+
+    def _forget(self, sid: str) -> None:
+        res = self.reservations.pop(sid, None)
+        if res is None:
+            return
+        ids = self._reservations_of.get(res.worker.worker_id)
+        if ids is not None:
+            ids.discard(sid)
+            if not ids:
+                del self._reservations_of[res.worker.worker_id]
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def loads(
+        self, model_name: str | None, routing_group: str | None
+    ) -> list[tuple[Key, list[LoadRow]]]:
+        """Per partition (sorted): the current load of each placed rank."""
+        now = self.clock()
+        out = []
+        for key in sorted(self.partitions):
+            if (model_name is not None and key[0] != model_name) or (
+                routing_group is not None and key[1] != routing_group
+            ):
+                continue
+            part = self.partitions[key]
+            t = self.registry.find(key)
+            rows: list[LoadRow] = []
+            if t is not None:
+                rows = [
+                    (wid, rank, tokens, blocks, requests)
+                    for wid, rank, tokens, blocks, requests, _ in t.rank_loads(now)
+                    if wid in part.workers
+                ]
+            out.append((key, rows))
+        return out
+
+    def dump(self) -> list[tuple[Key, int, list[StoredRun]]]:
+        """Every partition's live approximate-cache content, as stored runs."""
+        now = self.clock()
+        return [
+            (key, part.block_size, list(part.cache.stored_runs(now)))
+            for key, part in sorted(self.partitions.items())
+        ]
+
+    # -- background ------------------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """Expire pending selections and cached blocks, and drop reservation ids that hold no
+        request any more; returns how many entries went. Runs with the expiry sweep."""
+        now = self.clock()
+        n = self.pending.expire(now)
+        for part in self.partitions.values():
+            n += part.cache.expire(now)
+        horizon = now - (self.registry.expiry_ns or 0)
+        for sid, res in list(self.reservations.items()):
+            if res.lingering:
+                if self.registry.expiry_ns and res.created_at < horizon:
+                    self.lingering_dropped += 1
+                    self.commit(m.Forget(sid))
+                    n += 1
+            elif self._live(sid) is None:
+                n += 1
+        evicted = self.pending.evicted
+        if evicted > self._evictions_logged:
+            log.warning(
+                "%d pending selections evicted unclaimed since the last sweep (cache full at "
+                "%d entries; %d in all)",
+                evicted - self._evictions_logged,
+                self.pending.max_entries,
+                evicted,
+            )
+            self._evictions_logged = evicted
+        return n
+
+
+def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
+    """The approximate-cache keys of a prompt's blocks: its sequence hashes for a token prompt,
+    else the chained block hashes (computed once per request, used by lookup and write)."""
+    if prompt.block_hashes is None:
+        return None
+    if prompt.from_tokens:
+        return prompt.sequence_hashes
+    return tuple(chain_keys(prompt.block_hashes))
+
+
+def _record_order(r: WorkerRecord) -> tuple[str, str, int]:
+    return (r.spec.model_name, r.spec.routing_group, r.spec.worker_id)
