@@ -444,6 +444,7 @@ class SelectionService:
             rng=self.rng,
             pinned_worker=cmd.pinned_worker,
             allowed_worker_ids=cmd.allowed_worker_ids,
+            grouped=True,  # the tracker lists ranks sorted
         )
         worker = chosen.worker
         spec = part.workers[worker.worker_id]

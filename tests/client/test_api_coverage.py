@@ -1,16 +1,21 @@
-"""The client against the service's own OpenAPI document: it calls every documented route, and
-its result models have the fields, types and required set of the service's response schemas."""
+"""The client against the service's own OpenAPI document: it calls every documented route (the
+slot tracker's through the client's methods, the selection API's through ``client.selection``),
+and its result models have the fields, types and required set of the service's response
+schemas."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import httpx
 import kv_slot_tracker_client as client_pkg
 import pytest
 from kv_slot_tracker_client import (
+    AsyncSelectionClient,
     AsyncSlotTrackerClient,
+    SelectionClient,
     ServerError,
     SlotTrackerClient,
     models,
@@ -20,7 +25,8 @@ from pydantic import BaseModel
 from app.main import create_app
 from app.settings import load_settings
 
-# One call per public client method, with arguments that make a well-formed request.
+# One call per public client method (``selection.x``: method ``x`` of ``client.selection``), with
+# arguments that make a well-formed request.
 CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "register": ((1, "m", 4), {}),
     "upsert": ((1, "m", 4), {}),
@@ -43,7 +49,26 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "metrics": ((), {}),
     "openapi": ((), {}),
     "request": (("DELETE", "/anything"), {}),
+    "selection.health": ((), {}),
+    "selection.ready": ((), {}),
+    "selection.readiness": ((), {}),
+    "selection.upsert_worker": ((1,), {"endpoint": "http://w1", "block_size": 4}),
+    "selection.workers": ((), {}),
+    "selection.patch_worker": ((1,), {"data_parallel_size": 2}),
+    "selection.delete_worker": ((1,), {}),
+    "selection.select": (("m",), {"token_ids": [1, 2, 3, 4]}),
+    "selection.select_and_reserve": (("m",), {"token_ids": [1, 2, 3, 4]}),
+    "selection.reserve_pending": (("s", "m"), {}),
+    "selection.reserve": (("s", 1, 0), {"sequence_hashes": [1], "isl_tokens": 4}),
+    "selection.prefill_complete": (("s",), {}),
+    "selection.output_block": (("s",), {}),
+    "selection.free": (("s",), {}),
+    "selection.loads": ((), {}),
+    "selection.potential_loads": (("m",), {"token_ids": [1, 2, 3, 4]}),
+    "selection.overlap_scores": (("m",), {"token_ids": [1, 2, 3, 4]}),
+    "selection.dump": ((), {}),
 }
+PROBES = 4  # health() and ready(), of both APIs, answer False instead of raising
 # Not API routes of the service: the OpenAPI document itself and the generic escape hatch.
 NOT_DOCUMENTED = {("GET", "/openapi.json"), ("DELETE", "/anything")}
 
@@ -53,12 +78,20 @@ def openapi() -> dict[str, Any]:
     return create_app(load_settings()).openapi()
 
 
-def public_methods(cls: type) -> set[str]:
+def public_methods(cls: type, prefix: str = "") -> set[str]:
     return {
-        name
+        prefix + name
         for name, fn in vars(cls).items()
         if inspect.isfunction(fn) and not name.startswith("_") and name not in ("close", "aclose")
     }
+
+
+def method(client: Any, name: str) -> Any:
+    """The bound method ``name`` of ``client`` (``selection.x``: of ``client.selection``)."""
+    *namespace, attr = name.split(".")
+    for part in namespace:
+        client = getattr(client, part)
+    return getattr(client, attr)
 
 
 class Failing:
@@ -73,9 +106,19 @@ class Failing:
         )
         return httpx.Response(500, json={"error": "recorded"})
 
-    @property
-    def routes(self) -> set[tuple[str, str]]:
-        return {(method, path) for method, path, _, _ in self.sent}
+    def routes(self, templates: set[tuple[str, str]]) -> set[tuple[str, str]]:
+        """The routes called: each sent path as the documented template it matches (a path
+        parameter, ``{name}``, matches one non-empty segment), else as it is."""
+        patterns = [
+            (m, t, re.compile(re.sub(r"\\\{[a-z_]+\\\}", "[^/]+", re.escape(t)) + "$"))
+            for m, t in templates
+        ]
+        out = set()
+        for method, path, _, _ in self.sent:
+            hits = [t for m, t, p in patterns if m == method and p.match(path)]
+            assert len(hits) <= 1, (method, path, hits)
+            out.add((method, hits[0] if hits else path))
+        return out
 
 
 def call_every_method(failing: Failing) -> int:
@@ -84,7 +127,7 @@ def call_every_method(failing: Failing) -> int:
     with SlotTrackerClient("http://tracker", transport=httpx.MockTransport(failing)) as c:
         for name, (args, kwargs) in CALLS.items():
             try:
-                getattr(c, name)(*args, **kwargs)
+                method(c, name)(*args, **kwargs)
             except ServerError as err:
                 assert err.status == 500
                 raised += 1
@@ -92,19 +135,24 @@ def call_every_method(failing: Failing) -> int:
 
 
 def test_the_table_names_every_method() -> None:
-    assert set(CALLS) == public_methods(SlotTrackerClient) == public_methods(AsyncSlotTrackerClient)
+    sync = public_methods(SlotTrackerClient) | public_methods(SelectionClient, "selection.")
+    async_ = public_methods(AsyncSlotTrackerClient) | public_methods(
+        AsyncSelectionClient, "selection."
+    )
+    assert set(CALLS) == sync == async_
+    assert len(CALLS) == 21 + 18
 
 
 def test_every_documented_route_is_called(openapi: dict[str, Any]) -> None:
     documented = {
         (method.upper(), path) for path, item in openapi["paths"].items() for method in item
     }
-    assert len(documented) == 18
+    assert len(documented) == 34
     failing = Failing()
     raised = call_every_method(failing)
-    assert raised == len(CALLS) - 2  # the probes health() and ready() answer False instead
+    assert raised == len(CALLS) - PROBES
     assert len(failing.sent) == len(CALLS)  # one request per method
-    assert failing.routes - NOT_DOCUMENTED == documented
+    assert failing.routes(documented) - NOT_DOCUMENTED == documented
 
 
 async def test_async_client_sends_the_same_requests() -> None:
@@ -115,10 +163,10 @@ async def test_async_client_sends_the_same_requests() -> None:
     async with AsyncSlotTrackerClient("http://tracker", transport=transport) as c:
         for name, (args, kwargs) in CALLS.items():
             try:
-                await getattr(c, name)(*args, **kwargs)
+                await method(c, name)(*args, **kwargs)
             except ServerError:
                 raised += 1
-    assert raised == len(CALLS) - 2
+    assert raised == len(CALLS) - PROBES
     assert awaiting.sent == blocking.sent  # same methods, paths, queries and bodies, in order
 
 

@@ -41,6 +41,7 @@ from kv_slot_tracker_client import (
     SlotTrackerError,
     TransportError,
     Unauthorized,
+    Unavailable,
     WorkerRow,
     to_i64,
 )
@@ -575,6 +576,7 @@ def test_server_errors(status: int) -> None:
     with mock_client(Recorder(status, {"error": "boom"})) as c, pytest.raises(ServerError) as err:
         c.loads()
     assert (err.value.status, err.value.message, err.value.path) == (status, "boom", "/loads")
+    assert isinstance(err.value, Unavailable) == (status == 503)
 
 
 def test_error_message_fallbacks() -> None:
@@ -607,6 +609,7 @@ def test_unexpected_success_body() -> None:
 def test_every_error_is_a_slot_tracker_error() -> None:
     for cls in (BadRequest, Unauthorized, NotFound, Conflict, ServerError, TransportError):
         assert issubclass(cls, SlotTrackerError)
+    assert issubclass(Unavailable, ServerError)
 
 
 # -- transport errors and timeouts -------------------------------------------------------------

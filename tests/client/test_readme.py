@@ -29,8 +29,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_readme_has_the_examples() -> None:
     blocks = python_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     assert "AsyncSlotTrackerClient" in blocks[2] and "BatchBuilder" in blocks[3]
+    assert "tracker.selection" in blocks[4]
 
 
 def test_readme_examples_run(server: str) -> None:
@@ -50,6 +51,10 @@ def test_readme_examples_run(server: str) -> None:
         assert printed[2].startswith("worker_id=1 dp_rank=")
         # the batch freed the unknown req-0 (fine) and found req-1 already active
         assert printed[3].startswith("409 Request req-1 already exists")
+        # the selection example booked and freed 40 prompt tokens on the only rank
+        assert printed[4] == "1 0 http://10.0.0.1:8000 40\n"
+        (qwen,) = tracker.selection.loads("qwen")
+        assert [(r.worker_id, r.active_requests) for r in qwen.loads] == [(1, 0)]
         loads = [(r.dp_rank, r.active_requests) for r in tracker.loads("llama")]
         assert loads == [(0, 1), (1, 0)]
 

@@ -147,6 +147,14 @@ def rank_logits(
     append = out.append
     # Mixed int/float arithmetic converts the int exactly as float() would (counts < 2^53), so
     # the explicit conversions of rank_logit are left out here.
+    if not with_decay:  # the usual case, without the decay's branch per rank
+        for p, d, a, k in zip(prefill, decode, requests, overlap, strict=True):
+            cached = k * block_size
+            adjusted = (p + (isl - (isl if isl < cached else cached)) + cached) / bs - credit * k
+            if not adjusted >= 0.0:
+                adjusted = 0.0
+            append(scale * adjusted + d + weight * a)
+        return out
     for p, d, a, k in zip(prefill, decode, requests, overlap, strict=True):
         cached = k * block_size
         raw = (p + (isl - (isl if isl < cached else cached)) + cached) / bs

@@ -151,10 +151,12 @@ def select_columns(
     rng: random.Random,
     pinned_worker: WorkerWithDpRank | None = None,
     allowed_worker_ids: Collection[int] | None = None,
+    grouped: bool = False,
 ) -> Selection:
     """``select`` on candidates given as columns: each rank's P, D + new, A and k (the
     ``RankInput`` fields) at the same index. Building no object per rank is what makes a
-    selection over many ranks cheap."""
+    selection over many ranks cheap. ``grouped``: each worker's ranks are adjacent (sorted
+    ranks, as a tracker lists them), so the answer's per-rank overlap looks only at them."""
     if pinned_worker is not None:
         if allowed_worker_ids is not None and pinned_worker.worker_id not in set(
             allowed_worker_ids
@@ -201,8 +203,10 @@ def select_columns(
         overlap_blocks=k,
         effective_prefill_tokens=effective_prefill_tokens(isl_tokens, k, block_size),
         potential_decode_blocks=decode[i] + (tail if tail > 0 else 0),
-        overlap=worker_overlap(workers, overlap, chosen.worker_id, block_size),
-        scored=[workers[r] for r in rows],
+        overlap=worker_overlap(workers, overlap, chosen.worker_id, block_size)
+        if not grouped
+        else _adjacent_overlap(workers, overlap, i, block_size),
+        scored=workers if isinstance(rows, range) else [workers[r] for r in rows],
         costs=costs,
     )
 
@@ -219,3 +223,18 @@ def worker_overlap(
         if w.worker_id == worker_id
     }
     return WorkerOverlap(dp_tokens=dp, max_tokens=max(dp.values(), default=0))
+
+
+def _adjacent_overlap(
+    workers: Sequence[WorkerWithDpRank], overlap: Sequence[int], i: int, block_size: int
+) -> WorkerOverlap:
+    """``worker_overlap`` of the worker of ``workers[i]`` when its ranks are adjacent."""
+    wid = workers[i].worker_id
+    lo = i
+    while lo > 0 and workers[lo - 1].worker_id == wid:
+        lo -= 1
+    hi = i + 1
+    while hi < len(workers) and workers[hi].worker_id == wid:
+        hi += 1
+    dp = {workers[j].dp_rank: overlap[j] * block_size for j in range(lo, hi)}
+    return WorkerOverlap(dp_tokens=dp, max_tokens=max(dp.values()))

@@ -111,3 +111,17 @@ async def test_no_worker_anywhere_answers_the_short_text(client) -> None:
     for path in ("/select", "/select_and_reserve", "/potential_loads", "/overlap_scores"):
         r = await client.post(SEL + path, json=body)
         assert (r.status_code, r.json()) == (503, {"error": "no schedulable workers are available"})
+
+
+async def test_a_field_given_twice_is_refused_a_nested_repeat_is_not(client) -> None:
+    await seeded(client)
+    headers = {"content-type": "application/json"}
+    raw = b'{"block_hashes":[1],"sequence_hashes":[1],"isl_tokens":4,"isl_tokens":5}'
+    r = await client.post(f"{SEL}/select", content=raw, headers=headers)
+    assert (r.status_code, r.json()) == (422, {"error": SHAPE + "duplicate field `isl_tokens`"})
+    raw = (
+        b'{"block_hashes":[1],"sequence_hashes":[1],"isl_tokens":4,'
+        b'"router_config_override":{"isl_tokens":1,"block_hashes":2}}'
+    )
+    r = await client.post(f"{SEL}/select", content=raw, headers=headers)
+    assert r.status_code == 200, r.text

@@ -1,31 +1,43 @@
 """``SlotTrackerClient`` (blocking) and ``AsyncSlotTrackerClient`` (asyncio).
 
-Both expose one method per route, made from the route's description in ``Routes``: the two
+Both expose one method per route, made from the route's description in ``Routes``, and the
+selection API's routes (``SelectionRoutes``) as the methods of their ``selection`` attribute
+(``SelectionClient`` / ``AsyncSelectionClient``, sending through the same connection pool): the
 classes differ only in how a ``Call`` is sent (``_send``), so they cannot disagree on a route's
-arguments, body, result or errors. To add a route, describe it in ``Routes`` and add a line
-``name = _blocking(Routes.name)`` / ``name = _awaiting(Routes.name)`` to the classes below.
+arguments, body, result or errors. To add a route, describe it in ``Routes`` (or
+``SelectionRoutes``) and add a line ``name = _blocking(Routes.name)`` / ``name =
+_awaiting(Routes.name)`` to the classes below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 import httpx
 
 from kv_slot_tracker_client._call import Call
 from kv_slot_tracker_client._routes import ROUTES, Routes
+from kv_slot_tracker_client._selection import SELECTION_ROUTES, SelectionRoutes
 from kv_slot_tracker_client._signature import adopt
 from kv_slot_tracker_client._version import __version__
 
-__all__ = ["DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "AsyncSlotTrackerClient", "SlotTrackerClient"]
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "DEFAULT_TIMEOUT",
+    "AsyncSelectionClient",
+    "AsyncSlotTrackerClient",
+    "SelectionClient",
+    "SlotTrackerClient",
+]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8091"
 DEFAULT_TIMEOUT = 5.0
 
 P = ParamSpec("P")
 T = TypeVar("T")
+R = TypeVar("R", Routes, SelectionRoutes)
 
 
 def _http_options(
@@ -46,25 +58,124 @@ def _http_options(
 
 
 def _blocking(
-    build: Callable[Concatenate[Routes, P], Call[T]],
-) -> Callable[Concatenate[SlotTrackerClient, P], T]:
-    """The ``SlotTrackerClient`` method sending route ``build``."""
+    build: Callable[Concatenate[R, P], Call[T]],
+    owner: str = "SlotTrackerClient",
+    routes: R = ROUTES,  # type: ignore[assignment]
+) -> Callable[Concatenate[Any, P], T]:
+    """The blocking method of ``owner`` sending route ``build`` (a method of ``routes``)."""
 
-    def method(self: SlotTrackerClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._send(build(ROUTES, *args, **kwargs))
+    def method(self: _Sends, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._send(build(routes, *args, **kwargs))
 
-    return adopt(method, build, "SlotTrackerClient")
+    return adopt(method, build, owner)
 
 
 def _awaiting(
-    build: Callable[Concatenate[Routes, P], Call[T]],
-) -> Callable[Concatenate[AsyncSlotTrackerClient, P], Coroutine[Any, Any, T]]:
-    """The ``AsyncSlotTrackerClient`` method sending route ``build``."""
+    build: Callable[Concatenate[R, P], Call[T]],
+    owner: str = "AsyncSlotTrackerClient",
+    routes: R = ROUTES,  # type: ignore[assignment]
+) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
+    """The coroutine method of ``owner`` sending route ``build`` (a method of ``routes``)."""
 
-    async def method(self: AsyncSlotTrackerClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._send(build(ROUTES, *args, **kwargs))
+    async def method(self: _AwaitsSends, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._send(build(routes, *args, **kwargs))
 
-    return adopt(method, build, "AsyncSlotTrackerClient")
+    return adopt(method, build, owner)
+
+
+class _Sends(Protocol):
+    def _send(self, call: Call[T]) -> T: ...
+
+
+class _AwaitsSends(Protocol):
+    async def _send(self, call: Call[T]) -> T: ...
+
+
+def _selection_blocking(
+    build: Callable[Concatenate[SelectionRoutes, P], Call[T]],
+) -> Callable[Concatenate[Any, P], T]:
+    return _blocking(build, "SelectionClient", SELECTION_ROUTES)
+
+
+def _selection_awaiting(
+    build: Callable[Concatenate[SelectionRoutes, P], Call[T]],
+) -> Callable[Concatenate[Any, P], Coroutine[Any, Any, T]]:
+    return _awaiting(build, "AsyncSelectionClient", SELECTION_ROUTES)
+
+
+class SelectionClient:
+    """The selection API (``/selection``) of a ``SlotTrackerClient``: ``client.selection``.
+
+    Post workers (``upsert_worker``), let the service choose a rank for each prompt and book it
+    (``select_and_reserve``, or ``select`` then ``reserve_pending``; ``reserve`` books on a rank
+    of the caller's choice), report the request's progress (``prefill_complete``,
+    ``output_block``) and ``free`` it when it finished. Sends through its client's connection
+    pool, key and timeout; the errors are the client's, plus ``Unavailable`` (503) when no
+    worker of the partition is schedulable.
+    """
+
+    def __init__(self, send: Callable[[Call[Any]], Any]) -> None:
+        self._send = send
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+    # probes
+    health = _selection_blocking(SelectionRoutes.health)
+    ready = _selection_blocking(SelectionRoutes.ready)
+    readiness = _selection_blocking(SelectionRoutes.readiness)
+    # workers
+    upsert_worker = _selection_blocking(SelectionRoutes.upsert_worker)
+    workers = _selection_blocking(SelectionRoutes.workers)
+    patch_worker = _selection_blocking(SelectionRoutes.patch_worker)
+    delete_worker = _selection_blocking(SelectionRoutes.delete_worker)
+    # selection and reservations
+    select = _selection_blocking(SelectionRoutes.select)
+    select_and_reserve = _selection_blocking(SelectionRoutes.select_and_reserve)
+    reserve_pending = _selection_blocking(SelectionRoutes.reserve_pending)
+    reserve = _selection_blocking(SelectionRoutes.reserve)
+    prefill_complete = _selection_blocking(SelectionRoutes.prefill_complete)
+    output_block = _selection_blocking(SelectionRoutes.output_block)
+    free = _selection_blocking(SelectionRoutes.free)
+    # reads
+    loads = _selection_blocking(SelectionRoutes.loads)
+    potential_loads = _selection_blocking(SelectionRoutes.potential_loads)
+    overlap_scores = _selection_blocking(SelectionRoutes.overlap_scores)
+    dump = _selection_blocking(SelectionRoutes.dump)
+
+
+class AsyncSelectionClient:
+    """The selection API of an ``AsyncSlotTrackerClient`` (``client.selection``): the methods of
+    ``SelectionClient``, each a coroutine."""
+
+    def __init__(self, send: Callable[[Call[Any]], Coroutine[Any, Any, Any]]) -> None:
+        self._send = send
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+    # probes
+    health = _selection_awaiting(SelectionRoutes.health)
+    ready = _selection_awaiting(SelectionRoutes.ready)
+    readiness = _selection_awaiting(SelectionRoutes.readiness)
+    # workers
+    upsert_worker = _selection_awaiting(SelectionRoutes.upsert_worker)
+    workers = _selection_awaiting(SelectionRoutes.workers)
+    patch_worker = _selection_awaiting(SelectionRoutes.patch_worker)
+    delete_worker = _selection_awaiting(SelectionRoutes.delete_worker)
+    # selection and reservations
+    select = _selection_awaiting(SelectionRoutes.select)
+    select_and_reserve = _selection_awaiting(SelectionRoutes.select_and_reserve)
+    reserve_pending = _selection_awaiting(SelectionRoutes.reserve_pending)
+    reserve = _selection_awaiting(SelectionRoutes.reserve)
+    prefill_complete = _selection_awaiting(SelectionRoutes.prefill_complete)
+    output_block = _selection_awaiting(SelectionRoutes.output_block)
+    free = _selection_awaiting(SelectionRoutes.free)
+    # reads
+    loads = _selection_awaiting(SelectionRoutes.loads)
+    potential_loads = _selection_awaiting(SelectionRoutes.potential_loads)
+    overlap_scores = _selection_awaiting(SelectionRoutes.overlap_scores)
+    dump = _selection_awaiting(SelectionRoutes.dump)
 
 
 class SlotTrackerClient:
@@ -93,6 +204,8 @@ class SlotTrackerClient:
     ) -> None:
         options = _http_options(base_url, timeout, api_key, headers)
         self._http = httpx.Client(transport=transport, **options)
+        self.selection = SelectionClient(self._send)
+        """The selection API (``/selection``) through this client's connections."""
 
     def _send(self, call: Call[T]) -> T:
         try:
@@ -169,6 +282,8 @@ class AsyncSlotTrackerClient:
     ) -> None:
         options = _http_options(base_url, timeout, api_key, headers)
         self._http = httpx.AsyncClient(transport=transport, **options)
+        self.selection = AsyncSelectionClient(self._send)
+        """The selection API (``/selection``) through this client's connections."""
 
     async def _send(self, call: Call[T]) -> T:
         try:

@@ -18,6 +18,7 @@ __all__ = [
     "SlotTrackerError",
     "TransportError",
     "Unauthorized",
+    "Unavailable",
 ]
 
 
@@ -78,6 +79,12 @@ class ServerError(SlotTrackerError):
     """5xx: the service failed; the same request may succeed later."""
 
 
+class Unavailable(ServerError):
+    """503: the service cannot serve the request now. The selection API answers it when no
+    worker of the partition is schedulable (unknown model or routing group, no worker posted,
+    or none with an endpoint and a block size); the same request succeeds once one is."""
+
+
 class TransportError(SlotTrackerError):
     """No answer: connection refused or reset, DNS failure, or a timeout (``timed_out``).
 
@@ -105,14 +112,15 @@ _ERRORS_BY_STATUS: dict[int, type[SlotTrackerError]] = {
     401: Unauthorized,
     404: NotFound,
     409: Conflict,
+    503: Unavailable,
 }
 
 
 def error_class(status: int) -> type[SlotTrackerError]:
     """The exception class of an HTTP error status."""
-    if status >= 500:
-        return ServerError
-    return _ERRORS_BY_STATUS.get(status, SlotTrackerError)
+    if status in _ERRORS_BY_STATUS:
+        return _ERRORS_BY_STATUS[status]
+    return ServerError if status >= 500 else SlotTrackerError
 
 
 def _service_message(response: httpx.Response) -> str:

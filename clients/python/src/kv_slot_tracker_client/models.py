@@ -7,7 +7,7 @@ older client keeps working against a newer service.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,12 +16,26 @@ __all__ = [
     "BatchResult",
     "LoadRow",
     "LoraCounts",
+    "Overlap",
+    "OverlapScoresResponse",
+    "PartitionDump",
+    "PartitionLoads",
     "PotentialLoadRow",
     "ProjectedLoadRow",
     "Rank",
+    "RankLoad",
+    "RankOverlap",
     "ReadyBody",
     "ReconcileResult",
     "ReplicationStatus",
+    "ReservationResponse",
+    "SelectAndReserveResponse",
+    "SelectResponse",
+    "SelectionReady",
+    "SelectionStatus",
+    "SharedCache",
+    "WorkerLoad",
+    "WorkerRecord",
     "WorkerRow",
 ]
 
@@ -118,3 +132,157 @@ class ReplicationStatus(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     mode: str
+
+
+# -- the selection API (``/selection``) -------------------------------------------------------
+
+
+class SelectionStatus(BaseModel):
+    """The selection API's liveness answer."""
+
+    status: str = "ok"
+
+
+class WorkerRecord(BaseModel):
+    """A worker of the selection catalog.
+
+    Every field the worker was posted with is echoed (``null`` when it was not given); those not
+    declared here (``total_kv_blocks``, ``max_num_batched_tokens``, ``taints``, ...) are in
+    ``model_extra``. ``not_schedulable_reasons`` is set only when ``lifecycle`` is not
+    ``schedulable``.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    worker_id: int
+    model_name: str
+    routing_group: str
+    lifecycle: str = Field(description="`schedulable`, `incomplete` or `unschedulable`.")
+    endpoint: str | None
+    block_size: int | None
+    data_parallel_start_rank: int | None
+    data_parallel_size: int | None
+    not_schedulable_reasons: list[str] | None = Field(
+        None, description="Present only when the worker is not schedulable."
+    )
+
+
+class SelectionReady(BaseModel):
+    """The selection API's readiness answer: ready while some worker is schedulable."""
+
+    ready: bool
+    schedulable_workers: int
+    workers: list[WorkerRecord]
+
+
+class Overlap(BaseModel):
+    """The prompt's cached prefix (in tokens) on the chosen worker."""
+
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int] = Field(description="Overlap tokens per dp rank of the chosen worker.")
+    cpu: int
+    disk: int
+
+
+class WorkerLoad(BaseModel):
+    """The chosen worker's load, in advisory selections."""
+
+    active_prefill_tokens: int
+    prefill_token_capacity: int
+    total_kv_blocks: int | None = None
+
+
+class SelectResponse(BaseModel):
+    """The rank a selection chose and what the prompt would cost there."""
+
+    selection_id: str | None = None
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+    block_size: int
+    overlap: Overlap
+    effective_prefill_tokens: int
+    potential_decode_blocks: int
+    worker_load: WorkerLoad | None = None
+
+
+class SelectAndReserveResponse(SelectResponse):
+    """A selection and its booking: the reservation id (generated when none was given), the
+    prompt's sequence hashes (signed) and input length, and whether prefill tokens are tracked."""
+
+    selection_id: str  # type: ignore[assignment]
+    sequence_hashes: list[int]
+    isl_tokens: int
+    track_prefill_tokens: bool
+
+
+class ReservationResponse(BaseModel):
+    """A booked reservation and its rank."""
+
+    selection_id: str
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    endpoint: str
+
+
+class RankLoad(BaseModel):
+    """The load of one rank of a selection partition (with a prompt: if it went there)."""
+
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class PartitionLoads(BaseModel):
+    """The loads of one selection partition's ranks (``pending_count`` and
+    ``pending_isl_tokens`` are the reference's router-queue counters: 0 without a queue)."""
+
+    model_name: str
+    routing_group: str
+    loads: list[RankLoad]
+    pending_count: int
+    pending_isl_tokens: int
+
+
+class RankOverlap(BaseModel):
+    """The prompt's leading blocks a rank recently received (the approximate cache), per tier."""
+
+    worker_id: int
+    dp_rank: int
+    device_blocks: int
+    host_pinned_blocks: int
+    disk_blocks: int
+    host_pinned_extension_blocks: int
+    disk_extension_blocks: int
+    shared_beyond_device_blocks: int | None
+
+
+class SharedCache(BaseModel):
+    """The shared-cache tier (not implemented: always disabled)."""
+
+    enabled: bool
+    total_hit_blocks: int
+    ranges: list[Any]
+    error: str | None
+
+
+class OverlapScoresResponse(BaseModel):
+    """The prompt's cached prefix on every rank of a partition."""
+
+    block_size: int
+    num_blocks: int
+    workers: list[RankOverlap]
+    shared_cache: SharedCache
+
+
+class PartitionDump(BaseModel):
+    """One partition's approximate cache as stored events."""
+
+    block_size: int
+    events: list[dict[str, Any]] = Field(description="Stored events of the approximate cache.")
