@@ -100,23 +100,28 @@ def build_http_app(
     _install_error_handlers(app)
 
     gate = None
-    slot_ops: Operations = Operations(service, settings.max_hashes_per_request)
+    slot_operations = Operations(service, settings.max_hashes_per_request)
     if consistency is not None:
         gate = ReadinessGate(replication)
         durable = settings.replication_ack == "redis"
-        slot_ops = ReplicatedOperations(
+        slot_operations = ReplicatedOperations(
             service,
             settings.max_hashes_per_request,
             gate,
             consistency,
             settings.replication_ack_timeout_ms if durable else None,
         )
-    operations = {"slot": slot_ops, "selection": SelectionOperations(selection)}
+    operations = {
+        "slot": slot_operations,
+        "selection": SelectionOperations(selection),
+    }
     queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
     lean_routes = []
     for route in ROUTES:
         if route.is_call:
             op = operations[route.api].get(route.name)
+            if gate is not None and route.api != "slot" and route.needs_state:
+                op = gate.guard_call(op)  # the slot operations have the gate built in
             endpoint = call_endpoint(route, op, settings.max_body_bytes)
             if route.lean:
                 lean_routes.append(
@@ -130,7 +135,7 @@ def build_http_app(
                 )
         else:
             handler = getattr(queries[route.api], route.name)
-            if gate is not None and route.api == "slot" and route.needs_state:
+            if gate is not None and route.needs_state:
                 handler = gate.guard(handler)
             endpoint = query_endpoint(route, handler)
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))

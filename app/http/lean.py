@@ -34,8 +34,7 @@ from app.http.responses import send_json
 log = logging.getLogger(__name__)
 
 Result = tuple[int, bytes]
-# (body, *path parameters) -> (status, JSON bytes), or (replicated mode, rarely) an
-# awaitable of it (app.http.replicated).
+# (body, *path parameters) -> (status, JSON bytes), or (replicated mode, rarely) an awaitable of it
 Operation = Callable[..., Any]
 Observe = Callable[[str, str, int, float], None]
 ParamParser = Callable[[str], Any]
@@ -138,7 +137,7 @@ class LeanDispatcher:
                 status, payload = error_result(e)
             else:
                 result = route.op(body, *args)
-                if type(result) is not tuple:  # it waits for replication
+                if type(result) is not tuple:  # it waits for replication (app.http.replicated)
                     result = await result
                 status, payload = result
         except Exception:  # a bug, never client input: answer 500 and keep serving

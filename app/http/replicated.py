@@ -73,10 +73,10 @@ class ReplicatedOperations(Operations):
         self.ack_timeout_ms = ack_timeout_ms  # None: local acknowledgements
 
     def get(self, name: str) -> Callable[[bytes], Any]:
-        if self.ack_timeout_ms is None or name not in MUTATING:
-            return super().get(name)
         op = getattr(self, name)
-        return lambda raw: self.run_durable(op, raw)
+        if self.ack_timeout_ms is not None and name in MUTATING:
+            return lambda raw: self.run_durable(op, raw)
+        return lambda raw: self.run(op, raw)
 
     def run_durable(self, op: Callable[[bytes], Any], raw: bytes) -> Any:
         """``run`` with a durable acknowledgement (see the module docstring)."""

@@ -38,8 +38,9 @@ ERROR_DOCS: dict[int, str] = {
     413: "Body larger than the limit.",
     415: "Content type is not JSON.",
     422: "Well-formed JSON of the wrong shape.",
-    503: 'Not ready (still loading the shared state), with `replication_ack = "redis"` '
-    "Redis cannot be reached, or (selection API) no schedulable worker for the partition.",
+    503: 'Not ready (still loading the shared state); with `replication_ack = "redis"`, Redis '
+    "cannot be reached; no schedulable worker for the partition (selection API). Retry, here or "
+    "on another instance.",
 }
 BODY_ERRORS = (400, 401, 404, 413, 415, 422)
 TOPOLOGY_ERRORS = (400, 401, 409, 413, 415, 422)
@@ -118,9 +119,9 @@ LIFECYCLE_ERRORS = (401, 404)
 
 SELECTION_ROUTES: tuple[Route, ...] = (
     Route(SEL + "/health", "GET", "health", "Selection API liveness", response=ss.SelectionStatus,
-          errors=(), api="selection"),
+          errors=(), api="selection", needs_state=False),
     Route(SEL + "/ready", "GET", "ready", "200 while some worker is schedulable, else 503",
-          response=ss.SelectionReady, errors=(), api="selection",
+          response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
           extra={"responses": {503: {"model": ss.SelectionReady,
                                      "description": "No schedulable worker anywhere."}}}),
     Route(SEL + "/workers", "POST", "upsert_worker",
@@ -296,11 +297,10 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
     return args
 
 
-def call_endpoint(
-    route: Route, operation: Callable[..., tuple[int, bytes]], max_body: int
-) -> Callable[..., Any]:
+def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) -> Callable[..., Any]:
     """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
-    parsed first, then the body is read (when the route has one), as the reference does."""
+    parsed first, then the body is read (when the route has one), as the reference does. The
+    operation answers ``(status, body)``, or an awaitable of it (``app.http.replicated``)."""
 
     async def endpoint(request: Request, **_: Any) -> Response:
         try:
@@ -314,7 +314,7 @@ def call_endpoint(
             status, payload = error_result(e)
         else:
             result = operation(raw, *args)
-            if type(result) is not tuple:  # it waits for replication
+            if type(result) is not tuple:
                 result = await result
             status, payload = result
         return raw_response(payload, status)

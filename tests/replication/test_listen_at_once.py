@@ -38,6 +38,9 @@ STATE_CALLS: list[tuple[str, str, dict | None]] = [
     ("GET", "/loads", None),
     ("GET", "/workers", None),
     ("GET", "/lora_counts?model_name=m", None),
+    ("GET", "/selection/loads", None),
+    ("GET", "/selection/workers", None),
+    ("POST", "/selection/select", {"model_name": "m", "sequence_hashes": [1]}),
 ]
 
 
