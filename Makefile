@@ -1,18 +1,20 @@
 # kv-slot-tracker: everything runs from a local virtualenv in .venv.
 #
 # The stamp files inside .venv record that an install finished; they depend on
-# pyproject.toml, so editing the dependencies triggers a reinstall and nothing
-# else does. Deleting .venv (make clean) starts over from scratch.
+# pyproject.toml (and the dev one on the Python client's, clients/python/pyproject.toml), so
+# editing the dependencies triggers a reinstall and nothing else does. Deleting .venv
+# (make clean) starts over from scratch.
 
 PYTHON ?= python3
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.stamp-venv
 DEV_STAMP := $(VENV)/.stamp-dev
+CLIENT := clients/python
 
 ARGS ?=
 PYTEST_ARGS ?=
-LINT_PATHS := $(wildcard app tests bench scripts loadtest)
+LINT_PATHS := $(wildcard app tests bench scripts loadtest clients docs)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv dev run test lint fmt openapi clean chromium docker-lint loadtest
@@ -36,10 +38,12 @@ $(VENV_STAMP): pyproject.toml | $(VENV_PY)
 	$(VENV_PY) -m pip install -e .
 	touch $@
 
-# The dev install is a superset of the runtime one, so it refreshes both stamps.
-$(DEV_STAMP): pyproject.toml | $(VENV_PY)
+# The dev install is a superset of the runtime one, so it refreshes both stamps. It adds the
+# Python client (its own distribution in $(CLIENT)), which the tests drive the service with.
+$(DEV_STAMP): pyproject.toml $(CLIENT)/pyproject.toml | $(VENV_PY)
 	$(VENV_PY) -m pip install --upgrade pip
 	$(VENV_PY) -m pip install -e '.[dev]'
+	$(VENV_PY) -m pip install -e $(CLIENT)
 	touch $(VENV_STAMP) $@
 
 venv: $(VENV_STAMP)
@@ -78,4 +82,5 @@ loadtest: dev
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(CLIENT)/build $(CLIENT)/dist $(CLIENT)/src/*.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -11,6 +11,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from app import __version__
+from app.gc_tuning import tune_gc
 from app.main import create_app
 from app.settings import load_settings
 
@@ -43,8 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         return 2
 
+    app = create_app(settings)
+    tune_gc()
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",

@@ -18,29 +18,24 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
-from app.observability import build_registry, watch_service
+from app.observability import build_registry, watch_consistency, watch_service
+from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
+from app.service.consistency import Consistency
 from app.service.selection import SelectionService
 from app.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
 
-def make_replication(settings: Settings, registry) -> Any:
-    if settings.redis_url:
-        from app.replication.redis_bus import RedisReplication
-
-        return RedisReplication(settings, registry)
-    from app.replication.embedded import EmbeddedReplication
-
-    return EmbeddedReplication(settings, registry)
-
-
-def create_app(settings: Settings | None = None, *, clock=None, replication=None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, clock=None, replication: Replication | None = None
+) -> FastAPI:
     settings = settings if settings is not None else load_settings()
     service_kwargs: dict[str, Any] = {}
     if clock is not None:
@@ -48,25 +43,26 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     registry = build_registry()
     if replication is None:
         replication = make_replication(settings, registry)
-    instance_id = getattr(replication, "instance_id", 0) or random.getrandbits(63) + 1
     service = SlotTrackerService(
         expiry_seconds=settings.expiry_seconds,
         expiry_check_seconds=settings.expiry_check_seconds,
         max_hashes_per_request=settings.max_hashes_per_request,
-        instance_id=instance_id,
-        replicator=replication if settings.redis_url else None,
+        instance_id=replication.instance_id,  # the replication owns the instance id
+        replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
     )
     selection = build_selection(settings, service)
     watch_service(registry, service)
-    replication.attach(service)
+    consistency = None
+    if replication.mode != "embedded":
+        consistency = make_consistency(settings, service, replication, registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(
             _expiry_sweeper(service, selection, settings), name="expiry-sweep"
         )
-        await replication.start()
+        await replication.start(service)
         try:
             yield
         finally:
@@ -82,6 +78,7 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
         replication=replication,
         registry=registry,
         lifespan=lifespan,
+        consistency=consistency,
     )
     app.state.settings = settings
     app.state.service = service
@@ -89,6 +86,27 @@ def create_app(settings: Settings | None = None, *, clock=None, replication=None
     app.state.replication = replication
     app.state.registry = registry
     return app
+
+
+def make_consistency(
+    settings: Settings,
+    service: SlotTrackerService,
+    replication: Replication,
+    registry: CollectorRegistry,
+) -> Consistency:
+    """Replicated mode: lifecycle calls for ids not known yet wait for their add, and those
+    still unknown are kept as early calls (tombstones, pending marks) for every instance."""
+    service.replica.use_early_calls(
+        settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
+    )
+    consistency = Consistency(
+        service,
+        replication,
+        wait_ms=settings.consistency_wait_ms,
+        durable_acks=settings.replication_ack == "redis",
+    )
+    watch_consistency(registry, consistency.counters, service.replica)
+    return consistency
 
 
 def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:

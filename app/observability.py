@@ -12,6 +12,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.service import SlotTrackerService
+from app.service.consistency import ConsistencyCounters
+from app.service.replica import Replica
 
 RANK_LABELS = ["model_name", "routing_group", "worker_id", "dp_rank"]
 KEY_LABELS = ["model_name", "routing_group"]
@@ -75,6 +77,59 @@ class TrackerCollector(Collector):
             freed.add_metric([model, group], c.freed)
             expired.add_metric([model, group], c.expired)
         yield from (added, freed, expired)
+
+
+class ConsistencyCollector(Collector):
+    """Replicated mode: lifecycle calls that waited for their add, and early calls kept."""
+
+    def __init__(self, counters: ConsistencyCounters, replica: Replica) -> None:
+        self.counters = counters
+        self.replica = replica
+
+    def collect(self) -> Iterator:
+        early = self.replica.early
+        assert early is not None
+        c, e = self.counters, early.counters
+        for name, value, doc in (
+            ("barrier_waits", c.barrier_waits,
+             "Lifecycle calls that waited for the add of a request id unknown here"),
+            ("barrier_timeouts", c.barrier_timeouts,
+             "Such waits whose read barrier could not be confirmed in time (Redis away)"),
+            ("tombstones_created", e.tombstones_created,
+             "Frees of ids still unknown after the wait, kept and replicated as tombstones"),
+            ("tombstones_applied", e.tombstones_applied,
+             "Adds cancelled and active copies freed by a tombstone"),
+            ("marks_created", e.marks_created,
+             "Prefill completions of ids still unknown after the wait (pending marks)"),
+            ("marks_applied", e.marks_applied, "Prefills completed by a pending mark"),
+            ("early_dropped", e.dropped,
+             "Tombstones and pending marks dropped by age or capacity before their add came"),
+            ("output_blocks_dropped", c.output_blocks_dropped,
+             "Output blocks for ids still unknown after the wait"),
+            ("ack_waits", c.ack_waits,
+             "replication_ack = redis: calls that waited for their records to reach Redis"),
+            ("ack_timeouts", c.ack_timeouts,
+             "... answered 503 because Redis did not take them in time (applied here)"),
+            ("ack_refused", c.ack_refused,
+             "... refused with 503 before applying: Redis known unreachable"),
+            ("duplicate_adds", self.replica.duplicate_adds,
+             "Adds of an id already active here, resolved by stream order (first add wins)"),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(f"kv_slot_tracker_consistency_{name}", doc)
+            counter.add_metric([], value)
+            yield counter
+        kept = GaugeMetricFamily(
+            "kv_slot_tracker_consistency_early_calls",
+            "Tombstones and pending marks kept, waiting for their add",
+        )
+        kept.add_metric([], len(early))
+        yield kept
+
+
+def watch_consistency(
+    registry: CollectorRegistry, counters: ConsistencyCounters, replica: Replica
+) -> None:
+    registry.register(ConsistencyCollector(counters, replica))
 
 
 def build_registry() -> CollectorRegistry:

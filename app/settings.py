@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)
 
+    # Consistency of lifecycle calls across instances
+    consistency_wait_ms: int = Field(default=500, ge=0)
+    replication_ack: Literal["local", "redis"] = "local"
+    replication_ack_timeout_ms: int = Field(default=2000, gt=0)
+    tombstone_capacity: int = Field(default=100_000, gt=0)
+    tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+
     # Selection API (/selection/*): pending selections, randomness and the router knobs. A
     # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.
     selection_cache_ttl_seconds: int = Field(default=120, gt=0)

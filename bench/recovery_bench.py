@@ -45,9 +45,9 @@ sys.path.insert(0, str(HERE.parent))
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
+from kv_slot_tracker_client import BatchBuilder  # noqa: E402
 
-from app.client import BatchBuilder  # noqa: E402
-from app.replication.stream import NamespaceKeys  # noqa: E402
+from app.replication.redis.stream import NamespaceKeys  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from tests.e2e.servers import Fleet, ServerProcess, wait_until  # noqa: E402
 

@@ -32,8 +32,8 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
-from app.replication.snapshots import gc_paused
+from app.replication.redis import RedisReplication
+from app.replication.redis.snapshots import gc_paused
 from app.service import SlotTrackerService
 from app.service import commands as c
 from app.settings import Settings
@@ -48,7 +48,6 @@ class Instance:
     def __init__(self, settings: Settings) -> None:
         self.rep = RedisReplication(settings, CollectorRegistry())
         self.service = SlotTrackerService(instance_id=self.rep.instance_id, replicator=self.rep)
-        self.rep.attach(self.service)
 
     def loads(self) -> list[dict]:
         return self.service.loads(None, None)
@@ -60,14 +59,16 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def drained(inst: Instance) -> None:
-    while inst.rep.status()["outbox_depth"]:
+    while inst.rep.status().outbox_depth:
         await asyncio.sleep(0.005)
 
 
 async def propagation(settings: Settings, n: int = 1_000) -> dict[str, float]:
     a, b = Instance(settings), Instance(settings)
-    await a.rep.start()
-    await b.rep.start()
+    await a.rep.start(a.service)
+    await b.rep.start(b.service)
+    await a.rep.settled()
+    await b.rep.settled()
     try:
         a.service.register(
             c.Register(model_name=KEY[0], worker_id=1, block_size=BLOCK_SIZE, dp_size=RANKS)
@@ -161,12 +162,13 @@ def fill(inst: Instance, n: int, rng: random.Random) -> None:
 async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) -> dict:
     rng = random.Random(7)
     a = Instance(settings)
-    await a.rep.start()
+    await a.rep.start(a.service)
+    await a.rep.settled()
     out: dict = {}
     try:
         fill(a, active, rng)
         await drained(a)
-        while a.rep.status()["stream_position"] == "0-0" or a.rep._pending():
+        while (st := a.rep.status()).stream_position == "0-0" or st.outbox_depth:
             await asyncio.sleep(0.01)
         # the snapshot: export + encode + write, and its size
         with gc_paused():  # as write_snapshot does
@@ -199,7 +201,8 @@ async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) 
                 client.close()
             b = Instance(settings)
             t0 = time.perf_counter()
-            await b.rep.start()
+            await b.rep.start(b.service)
+            await b.rep.settled()
             ready_ms = (time.perf_counter() - t0) * 1e3
             assert b.rep.ready()
             same, token_diff = compare_loads(a, b)
@@ -209,7 +212,7 @@ async def recovery(settings: Settings, active: int = 10_000, tail: int = 1_000) 
                 "same_loads": same,
                 "max_token_diff": token_diff,
                 "active_requests": active_b,
-                "records_applied": b.rep.status()["applied"],
+                "records_applied": b.rep.status().applied,
             }
             await b.rep.stop()
     finally:

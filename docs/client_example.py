@@ -2,7 +2,7 @@
 
 import os
 
-from app.client import SlotTrackerClient
+from kv_slot_tracker_client import SlotTrackerClient
 
 with SlotTrackerClient(os.environ.get("SLOT_TRACKER_URL", "http://127.0.0.1:8091")) as tracker:
     tracker.upsert(worker_id=1, model_name="llama", block_size=16, dp_start=0, dp_size=2)

@@ -86,26 +86,11 @@ class MissingExpectedDuration(TrackerError):
         return hash(MissingExpectedDuration)
 
 
-class PublishQueueError(TrackerError):
-    pass
+class PublishRejected(TrackerError):
+    """A publisher refused a replica event (``SequencePublisher.enqueue_event``).
 
+    The tracker logs it (at debug level when ``during_shutdown``, else as an error) and keeps its
+    local change. Publishers raise their own subclasses.
+    """
 
-class PublishQueueFull(PublishQueueError):
-    def __init__(self, request_id: str, worker: WorkerWithDpRank, capacity: int) -> None:
-        self.request_id, self.worker, self.capacity = request_id, worker, capacity
-        super().__init__(
-            "active-sequence publish queue full; dropping newest event "
-            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
-        )
-
-
-class PublishQueueClosed(PublishQueueError):
-    def __init__(
-        self, request_id: str, worker: WorkerWithDpRank, capacity: int, during_shutdown: bool
-    ) -> None:
-        self.request_id, self.worker, self.capacity = request_id, worker, capacity
-        self.during_shutdown = during_shutdown
-        super().__init__(
-            "active-sequence publish queue closed; dropping event "
-            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
-        )
+    during_shutdown: bool = False

@@ -26,23 +26,27 @@ def potential_rows(
     blocks: dict[WorkerWithDpRank, int],
     overlaps: dict[WorkerWithDpRank, int],
     q_len: int,
-    deltas: PrefillTokenDeltas | None,
+    deltas: PrefillTokenDeltas | int | None,
     now: int,
 ) -> list[PotentialLoadRow]:
     """Each rank's prefill tokens and KV blocks if a prompt of ``q_len`` blocks, sharing
     ``overlaps[rank]`` of them with the rank's active prompts, went there. Prefill tokens
-    saturate at 2^64-1."""
-    by_worker = deltas.by_worker if deltas is not None else None
-    default = deltas.default_tokens if deltas is not None else 0
+    saturate at 2^64-1. ``deltas``: the prompt's tokens per rank, or one count for every rank."""
+    if deltas is None or type(deltas) is int:
+        by_worker, default = None, deltas or 0
+    else:
+        by_worker, default = deltas.by_worker, deltas.default_tokens
     rows = []
+    append = rows.append
     for w in workers:
         s = slots[w]
-        extra = by_worker.get(w, default) if by_worker else default
-        tokens = s.prefill.active_tokens(now) + extra
-        rows.append(
+        tokens = s.prefill.active_tokens(now) + (
+            by_worker.get(w, default) if by_worker else default
+        )
+        append(
             (
-                w.worker_id,
-                w.dp_rank,
+                w[0],
+                w[1],
                 tokens if tokens <= U64_MAX else U64_MAX,
                 blocks[w] + q_len - overlaps.get(w, 0),
                 len(s.requests),
@@ -72,3 +76,22 @@ def rank_rows(
             )
         )
     return rows
+
+
+def load_columns(
+    workers: list[WorkerWithDpRank],
+    slots: Slots,
+    blocks: dict[WorkerWithDpRank, int],
+    overlaps: dict[WorkerWithDpRank, int],
+    q_len: int,
+    now: int,
+) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    """``potential_rows`` without deltas as parallel lists, for a selection over all ranks: the
+    sorted ranks, their prefill tokens, their active blocks plus the prompt's blocks not active
+    there (prefix rule), and their active requests. No row object is built."""
+    get = overlaps.get
+    states = [slots[w] for w in workers]
+    prefill = [s.prefill.active_tokens(now) for s in states]
+    decode = [blocks[w] + q_len - get(w, 0) for w in workers]
+    requests = [len(s.requests) for s in states]
+    return workers, prefill, decode, requests

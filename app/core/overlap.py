@@ -9,6 +9,19 @@ prompt's unique tail is one node, however long.
 
 This is the prefix rule of SPEC §4.9 (a hash present elsewhere but off the query's path does not
 count), which also holds for inputs whose hashes are not chained.
+
+Memory: with many active requests most nodes are the unique tail of one request, held once by
+one rank, and most hashes of a new prompt repeat a path already in the trie. So:
+
+* a prompt given as a ``list`` is kept, not copied: its unique tail becomes a *view* (the node's
+  edge is ``prompt[lo:]``), and the ints of the part that follows existing edges are swapped
+  for the equal ints of those edges, so the request's own copies are freed. Lists given to
+  ``add`` must not change afterwards (their values never do; only which int objects hold them);
+* a node that exactly one prompt holds shares one read-only holder map per rank (``_Solo``),
+  copied on the first write, instead of owning a dict.
+
+A view is only ever held by the prompt it belongs to: a second prompt passing through the node
+copies the edge into a tuple, and a split keeps the lower part a (shorter) view.
 """
 
 from __future__ import annotations
@@ -17,14 +30,35 @@ from collections.abc import Sequence
 
 from .types import WorkerWithDpRank
 
+Holders = dict[WorkerWithDpRank, int]
+Edge = tuple[int, ...] | list[int]  # a list is a view: the edge is edge[lo:]
+
+
+class _Solo(dict):
+    """``{rank: 1}`` shared by every node that exactly one prompt holds. Never mutated: a
+    node that gains a holder gets its own dict first."""
+
+    __slots__ = ()
+
+
+_EMPTY = _Solo()  # the holders of a node about to be dropped
+
 
 class _Node:
-    __slots__ = ("edge", "children", "workers")
+    __slots__ = ("edge", "lo", "children", "workers")
 
-    def __init__(self, edge: tuple[int, ...], workers: dict[WorkerWithDpRank, int]) -> None:
+    def __init__(self, edge: Edge, workers: Holders, lo: int = 0) -> None:
         self.edge = edge
+        self.lo = lo  # where a view starts in its list; 0 for a tuple edge
         self.children: dict[int, _Node] | None = None
         self.workers = workers
+
+
+def _ints(node: _Node) -> tuple[int, ...]:
+    edge = node.edge
+    if type(edge) is tuple:
+        return edge
+    return tuple(edge[node.lo :] if node.lo else edge)
 
 
 def _common(edge: tuple[int, ...], seq: Sequence[int], start: int) -> int:
@@ -37,11 +71,12 @@ def _common(edge: tuple[int, ...], seq: Sequence[int], start: int) -> int:
 
 
 class PromptTrie:
-    __slots__ = ("root", "_nodes")
+    __slots__ = ("root", "_nodes", "_solos")
 
     def __init__(self) -> None:
         self.root = _Node((), {})
         self._nodes = 0
+        self._solos: dict[WorkerWithDpRank, _Solo] = {}
 
     def __len__(self) -> int:
         """Number of live nodes (0 when no active prompt has a block)."""
@@ -50,7 +85,15 @@ class PromptTrie:
     def is_empty(self) -> bool:
         return not self.root.children
 
+    def _solo(self, worker: WorkerWithDpRank) -> _Solo:
+        solo = self._solos.get(worker)
+        if solo is None:
+            solo = self._solos[worker] = _Solo({worker: 1})
+        return solo
+
     def add(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> None:
+        """Index one prompt of ``worker``. A ``list`` is kept as described in the module notes."""
+        src = prompt if type(prompt) is list else None
         if type(prompt) is not tuple:
             prompt = tuple(prompt)
         node = self.root
@@ -59,7 +102,8 @@ class PromptTrie:
             children = node.children
             child = children.get(prompt[i]) if children is not None else None
             if child is None:
-                leaf = _Node(prompt[i:], {worker: 1})
+                solo = self._solos.get(worker) or self._solo(worker)
+                leaf = _Node(prompt[i:], solo) if src is None else _Node(src, solo, i)
                 if children is None:
                     node.children = {prompt[i]: leaf}
                 else:
@@ -67,17 +111,30 @@ class PromptTrie:
                 self._nodes += 1
                 return
             edge = child.edge
+            view = type(edge) is list
+            if view:
+                edge = _ints(child)
             size = len(edge)
             if prompt[i : i + size] != edge:
                 # diverges (or ends) inside the edge: split it so the prompt ends on a boundary
                 k = _common(edge, prompt, i)
-                mid = _Node(edge[:k], dict(child.workers))
-                child.edge = edge[k:]
-                mid.children = {child.edge[0]: child}
+                held = child.workers
+                mid = _Node(edge[:k], held if type(held) is _Solo else dict(held))
+                if view:  # the lower part stays a view, just shorter
+                    child.lo += k
+                else:
+                    child.edge = edge[k:]
+                mid.children = {edge[k]: child}
                 children[prompt[i]] = mid  # type: ignore[index]
                 self._nodes += 1
-                child, size = mid, k
+                child, size, edge = mid, k, mid.edge
+            elif view:  # a second prompt passes the whole edge: give it its own copy
+                child.edge, child.lo = edge, 0
+            if src is not None:
+                src[i : i + size] = edge  # equal values; the index's ints, so ours can go
             workers = child.workers
+            if type(workers) is _Solo:
+                workers = child.workers = dict(workers)
             workers[worker] = workers.get(worker, 0) + 1
             node = child
             i += size
@@ -85,22 +142,34 @@ class PromptTrie:
     def remove(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> None:
         node = self.root
         i, n = 0, len(prompt)
-        path: list[tuple[_Node, _Node]] = []
+        path: list[tuple[_Node, _Node, int]] = []
         while i < n:
-            child = node.children[prompt[i]]  # type: ignore[index]
+            key = prompt[i]
+            child = node.children[key]  # type: ignore[index]
             workers = child.workers
-            c = workers[worker] - 1
-            if c:
-                workers[worker] = c
+            if type(workers) is _Solo:  # held by this prompt only
+                child.workers = _EMPTY
             else:
-                del workers[worker]
-            path.append((node, child))
-            i += len(child.edge)
+                # back to a single holding prompt: share the rank's map again
+                c = workers[worker] - 1
+                if c:
+                    workers[worker] = c
+                    if c == 1 and len(workers) == 1:
+                        child.workers = self._solo(worker)
+                else:
+                    del workers[worker]
+                    if len(workers) == 1:
+                        ((only, count),) = workers.items()
+                        if count == 1:
+                            child.workers = self._solo(only)
+            path.append((node, child, key))
+            edge = child.edge
+            i += len(edge) - child.lo
             node = child
-        for parent, child in reversed(path):
+        for parent, child, key in reversed(path):
             if child.workers:
                 break
-            del parent.children[child.edge[0]]  # type: ignore[union-attr]
+            del parent.children[key]  # type: ignore[union-attr]
             if not parent.children:
                 parent.children = None
             self._nodes -= 1
@@ -125,6 +194,8 @@ class PromptTrie:
                         result[w] = depth
             holders = workers
             edge = child.edge
+            if type(edge) is not tuple:
+                edge = _ints(child)
             size = len(edge)
             if query[depth : depth + size] == edge:
                 depth += size
@@ -143,9 +214,31 @@ class PromptTrie:
         stack: list[tuple[_Node, tuple[int, ...]]] = [(self.root, ())]
         while stack:
             node, prefix = stack.pop()
-            for k in range(1, len(node.edge) + 1):
-                out[prefix + node.edge[:k]] = dict(node.workers)
-            prefix = prefix + node.edge
+            edge = _ints(node)
+            for k in range(1, len(edge) + 1):
+                out[prefix + edge[:k]] = dict(node.workers)
+            prefix = prefix + edge
             for child in (node.children or {}).values():
                 stack.append((child, prefix))
         return out
+
+    def assert_consistent(self) -> None:
+        """Shared holder maps are intact, views belong to solo nodes, the node count is right."""
+        for worker, solo in self._solos.items():
+            assert type(solo) is _Solo and solo == {worker: 1}, f"shared map of {worker} changed"
+        assert not _EMPTY, "the empty holder map was written to"
+        stack = list((self.root.children or {}).items())
+        count = 0
+        while stack:
+            key, node = stack.pop()
+            count += 1
+            edge = _ints(node)
+            assert edge and edge[0] == key, "a child is filed under its edge's first hash"
+            assert node.workers, "an empty node was left in the trie"
+            if type(node.edge) is tuple:
+                assert node.lo == 0
+            else:
+                assert type(node.workers) is _Solo, "a node shared by prompts kept a view"
+                assert 0 <= node.lo < len(node.edge)
+            stack.extend((node.children or {}).items())
+        assert count == self._nodes, f"node count {self._nodes} != {count}"

@@ -5,12 +5,19 @@ full until it becomes the anchor. When every prefill has a modeled duration, tim
 the anchor's own duration keeps completing later prefills' tokens ("spillover"). Freeing a
 non-anchor modeled prefill credits its duration to the anchor (``shift_anchor_forward``), capped
 at the removal time. Removing the anchor re-anchors the next prefill at the removal time.
+
+Every operation costs O(1) (amortized), however many prefills a rank holds. The prefills live
+in one insertion-ordered dict (its order is prefill order); a queue of their ids finds the next
+anchor without walking the dict. Completing a prefill in the middle of the queue only counts its
+id as stale; stale ids are skipped when they reach the head, and the queue is rebuilt from the
+dict once they outnumber the live ones.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator, KeysView, Mapping
 from dataclasses import dataclass
 
 from .errors import MissingExpectedDuration
@@ -88,12 +95,43 @@ def _active_tokens(
     return max(0, full_sum - a_tok) + remaining
 
 
+# One tracked prefill: its token count alone when unmodeled (most are), else the full state.
+# A bare int is no container, so the common entry costs no object of its own.
+_Entry = int | PrefillLoadState
+
+
+def _state(entry: _Entry) -> PrefillLoadState:
+    return PrefillLoadState(entry, None) if type(entry) is int else entry  # type: ignore[arg-type]
+
+
+class _PrefillsView(Mapping[str, PrefillLoadState]):
+    """Read-only ``request id -> PrefillLoadState`` view, in prefill order."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict[str, _Entry]) -> None:
+        self._entries = entries
+
+    def __getitem__(self, request_id: str) -> PrefillLoadState:
+        return _state(self._entries[request_id])
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class PrefillLoadTracker:
     """Tracks the prefill load of one worker rank (SPEC §3)."""
 
     __slots__ = (
-        "prefills",
-        "order",
+        "_entries",
+        "_queue",
+        "_stale",
         "full_sum",
         "unmodeled_count",
         "modeled_ms_sum",
@@ -102,8 +140,11 @@ class PrefillLoadTracker:
     )
 
     def __init__(self) -> None:
-        self.prefills: dict[str, PrefillLoadState] = {}
-        self.order: deque[str] = deque()
+        # insertion order is prefill order: the first key is the anchor
+        self._entries: dict[str, _Entry] = {}
+        # the ids in prefill order, plus stale copies of ids completed while not at the head
+        self._queue: deque[str] = deque()
+        self._stale: dict[str, int] = {}  # id -> stale copies in the queue (all before a live one)
         self.full_sum = 0
         self.unmodeled_count = 0
         self.modeled_ms_sum = 0  # sum of whole-millisecond modeled durations
@@ -111,44 +152,82 @@ class PrefillLoadTracker:
         self.anchor_since = 0
 
     def __len__(self) -> int:
-        return len(self.prefills)
+        return len(self._entries)
+
+    @property
+    def prefills(self) -> Mapping[str, PrefillLoadState]:
+        """The tracked prefills by request id, oldest (the anchor) first (read-only)."""
+        return _PrefillsView(self._entries)
+
+    @property
+    def order(self) -> KeysView[str]:
+        """The tracked request ids, oldest (the anchor) first."""
+        return self._entries.keys()
 
     def insert(self, request_id: str, state: PrefillLoadState, decay_now: int) -> None:
-        self.prefills[request_id] = state
-        self.full_sum += state.tokens
-        if state.duration_ns is None:
+        self.add(request_id, state.tokens, state.duration_ns, decay_now)
+
+    def add(self, request_id: str, tokens: int, duration_ns: int | None, decay_now: int) -> None:
+        """Track a prefill of ``tokens`` (modeled to take ``duration_ns``, if given)."""
+        entries = self._entries
+        if request_id in entries:
+            raise ValueError(f"prefill of {request_id!r} is already tracked")
+        if duration_ns is None:
+            entries[request_id] = tokens
             self.unmodeled_count += 1
         else:
-            self.modeled_ms_sum += state.duration_ns // NS_PER_MS
-        self.order.append(request_id)
+            entries[request_id] = PrefillLoadState(tokens, duration_ns)
+            self.modeled_ms_sum += duration_ns // NS_PER_MS
+        self._queue.append(request_id)
+        self.full_sum += tokens
         if self.anchor_rid is None:
             self.anchor_rid = request_id
             self.anchor_since = decay_now
 
     def remove(self, request_id: str, decay_now: int) -> PrefillLoadState | None:
-        state = self.prefills.pop(request_id, None)
-        if state is None:
+        entries = self._entries
+        entry = entries.pop(request_id, None)
+        if entry is None:
             return None
-        self.full_sum -= state.tokens
-        if state.duration_ns is None:
+        if type(entry) is int:
+            tokens, duration = entry, None
             self.unmodeled_count -= 1
         else:
-            self.modeled_ms_sum -= state.duration_ns // NS_PER_MS
-        if self.order[0] == request_id:
-            self.order.popleft()
-        else:
-            self.order.remove(request_id)
-            if state.duration_ns is not None and self.anchor_rid is not None:
-                # Anchor credit: the freed prefill's modeled time no longer needs to elapse.
-                self.anchor_since = min(self.anchor_since + state.duration_ns, decay_now)
-        if self.anchor_rid == request_id:
-            if self.order:
-                self.anchor_rid = self.order[0]
+            tokens, duration = entry.tokens, entry.duration_ns  # type: ignore[union-attr]
+            self.modeled_ms_sum -= duration // NS_PER_MS
+        self.full_sum -= tokens
+        queue = self._queue
+        if request_id == self.anchor_rid:
+            if entries:
+                # the next oldest live prefill becomes the anchor, starting now
+                queue.popleft()
+                stale = self._stale
+                head = queue[0]
+                while head in stale:
+                    n = stale.pop(head)
+                    if n > 1:
+                        stale[head] = n - 1
+                    queue.popleft()
+                    head = queue[0]
+                self.anchor_rid = head
                 self.anchor_since = decay_now
             else:
+                queue.clear()
+                self._stale.clear()
                 self.anchor_rid = None
                 self.anchor_since = 0
-        return state
+            return _state(entry)
+        stale = self._stale
+        stale[request_id] = stale.get(request_id, 0) + 1
+        if len(queue) > 2 * len(entries) + 32:
+            # mostly stale: rebuild from the dict, whose order is prefill order
+            self._queue = deque(entries)
+            stale.clear()
+        if duration is not None:
+            # Anchor credit: the freed prefill's modeled time no longer needs to elapse.
+            since = self.anchor_since + duration
+            self.anchor_since = since if since < decay_now else decay_now
+        return _state(entry)
 
     def entries(self) -> list[tuple[str, int, int | None]]:
         """``(request_id, tokens, duration_ns)`` of every tracked prefill, oldest first."""
@@ -162,7 +241,7 @@ class PrefillLoadTracker:
     def anchored(self) -> AnchoredPrefillSnapshot | None:
         if self.anchor_rid is None:
             return None
-        st = self.prefills[self.anchor_rid]
+        st = _state(self._entries[self.anchor_rid])
         return AnchoredPrefillSnapshot(st.tokens, st.duration_ns, self.anchor_since)
 
     def total_modeled_ms(self) -> int | None:
@@ -174,20 +253,20 @@ class PrefillLoadTracker:
         rid = self.anchor_rid
         if rid is None:
             return 0
-        st = self.prefills[rid]
+        st = self._entries[rid]
+        if type(st) is int:
+            return self.full_sum  # the unmodeled anchor counts in full, as does everything else
+        tokens, dur = st.tokens, st.duration_ns  # type: ignore[union-attr]
         if self.unmodeled_count == 0:
             # all-modeled fast path (no allocation); the general rule lives in _active_tokens
-            dur = st.duration_ns
             if not dur:
-                completed = st.tokens
+                completed = tokens
             else:
                 elapsed = now - self.anchor_since
-                completed = (st.tokens * elapsed) // dur if elapsed > 0 else 0
+                completed = (tokens * elapsed) // dur if elapsed > 0 else 0
             return self.full_sum - completed if self.full_sum > completed else 0
-        if st.duration_ns is None:
-            return self.full_sum  # the unmodeled anchor counts in full, as does everything else
         return _active_tokens(
-            AnchoredPrefillSnapshot(st.tokens, st.duration_ns, self.anchor_since),
+            AnchoredPrefillSnapshot(tokens, dur, self.anchor_since),
             self.full_sum,
             False,
             now,
@@ -200,13 +279,23 @@ class PrefillLoadTracker:
         return PrefillLoadSnapshot(self.full_sum, self.anchored(), self.total_modeled_ms())
 
     def assert_consistent(self) -> None:
-        assert list(self.order) == list(self.prefills), "order must follow insertion order"
-        assert self.full_sum == sum(s.tokens for s in self.prefills.values())
-        unmodeled = [s for s in self.prefills.values() if s.duration_ns is None]
-        assert self.unmodeled_count == len(unmodeled)
+        states = [_state(e) for e in self._entries.values()]
+        assert all(s.duration_ns is not None for s in self._entries.values() if type(s) is not int)
+        assert self.full_sum == sum(s.tokens for s in states)
+        assert self.unmodeled_count == sum(1 for s in states if s.duration_ns is None)
         assert self.modeled_ms_sum == sum(
-            s.duration_ns // NS_PER_MS for s in self.prefills.values() if s.duration_ns is not None
+            s.duration_ns // NS_PER_MS for s in states if s.duration_ns is not None
         )
-        assert (self.anchor_rid is None) == (not self.order)
-        if self.order:
-            assert self.anchor_rid == self.order[0]
+        assert (self.anchor_rid is None) == (not self._entries)
+        if self._entries:
+            assert self.anchor_rid == next(iter(self._entries)), "the oldest prefill is the anchor"
+            assert self._queue[0] == self.anchor_rid, "the queue starts at the anchor"
+        stale = dict(self._stale)
+        live = []
+        for rid in self._queue:
+            if stale.get(rid):
+                stale[rid] -= 1
+            else:
+                live.append(rid)
+        assert not any(stale.values()), "a stale count without its copy in the queue"
+        assert live == list(self._entries), "the queue's live ids must follow prefill order"

@@ -23,7 +23,7 @@ class ReplicaWorkerPolicy(enum.Enum):
 class SequencePublisher:
     """Where a tracker's loads, observations and replica events go. Every hook is optional.
 
-    ``enqueue_event`` must not block; it may raise ``PublishQueueError`` (the tracker logs it).
+    ``enqueue_event`` must not block; it may raise ``PublishRejected`` (the tracker logs it).
     The other hooks are fire-and-forget and must not raise.
     """
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .blocks import BlockTracker
-from .prefill import PrefillLoadState, PrefillLoadTracker
+from .prefill import PrefillLoadTracker
 from .types import (
     NS_PER_S,
     PrefillLoadHint,
@@ -27,15 +27,24 @@ Clock = Callable[[], int]
 
 
 class RequestState:
-    __slots__ = ("prompt_blocks", "output_blocks", "started_at", "expected_output_tokens")
+    """One active request. ``prompt_blocks`` is the list the overlap index shares: indexing it
+    swaps its ints for the equal ones already in the index and keeps a view of its tail, so a
+    prompt's hashes are stored once (see ``PromptTrie``)."""
+
+    __slots__ = ("prompt_blocks", "_outputs", "started_at", "expected_output_tokens")
 
     def __init__(
         self, prompt_blocks: list[int], started_at: int, expected_output_tokens: int | None
     ) -> None:
         self.prompt_blocks = prompt_blocks
-        self.output_blocks: list[int] = []
+        self._outputs: list[int] | None = None  # most requests never get an output block
         self.started_at = started_at
         self.expected_output_tokens = expected_output_tokens
+
+    @property
+    def output_blocks(self) -> tuple[int, ...]:
+        """The output blocks in creation order (a read-only copy)."""
+        return tuple(self._outputs) if self._outputs else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +132,10 @@ class ActiveSequences:
             and prefill_load_hint is not None
             and prefill_load_hint.initial_effective_prefill_tokens > 0
         ):
-            self.prefill.insert(
+            self.prefill.add(
                 request_id,
-                PrefillLoadState(
-                    prefill_load_hint.initial_effective_prefill_tokens,
-                    prefill_load_hint.expected_prefill_duration_ns,
-                ),
+                prefill_load_hint.initial_effective_prefill_tokens,
+                prefill_load_hint.expected_prefill_duration_ns,
                 decay_now,
             )
         self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
@@ -143,7 +150,7 @@ class ActiveSequences:
             log.warning("Trying to free non-existent request %s", request_id)
             return delta
         refcount = self.blocks.refcount
-        fraction = self.blocks.fraction
+        drop_fraction = self.blocks.drop_fraction if self.blocks.has_fractions() else None
         removed: list[int] | None = None
         for h in state.prompt_blocks:
             c = refcount[h] - 1
@@ -153,17 +160,17 @@ class ActiveSequences:
                     removed.append(h)
             else:
                 del refcount[h]
-                if fraction:
-                    fraction.pop(h, None)
+                if drop_fraction is not None:
+                    drop_fraction(h)
                 if removed is None:
                     removed = [h]
                 else:
                     removed.append(h)
         if removed:
             delta.removes.append(PromptMembershipRemove(removed))
-        if state.output_blocks:
+        if state._outputs:
             release = self.blocks.release_and_try_remove
-            for h in state.output_blocks:
+            for h in state._outputs:
                 release(h)
         return delta
 
@@ -178,13 +185,16 @@ class ActiveSequences:
             return None
         h = self._rng.getrandbits(64)
         became_present = self.blocks.touch(h)
-        state.output_blocks.append(h)
+        if state._outputs is None:
+            state._outputs = [h]
+        else:
+            state._outputs.append(h)
         if decay_fraction is not None:
             count, set_fraction = self.blocks.count, self.blocks.set_fraction
             for b in state.prompt_blocks:
                 if count(b) == 1:
                     set_fraction(b, decay_fraction)
-            for b in state.output_blocks:
+            for b in state._outputs:
                 if count(b) == 1:
                     set_fraction(b, decay_fraction)
         return h if became_present else None
@@ -256,5 +266,5 @@ class ActiveSequences:
             for h in (*st.prompt_blocks, *st.output_blocks):
                 expected[h] = expected.get(h, 0) + 1
         assert expected == self.blocks.refcount, "refcounts must equal the held references"
-        assert set(self.blocks.fraction) <= set(self.blocks.refcount)
+        self.blocks.assert_consistent()
         assert set(self.prefill.prefills) <= set(self.requests)

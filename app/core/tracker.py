@@ -16,13 +16,12 @@ from .errors import (
     DuplicateRequest,
     MissingExpectedDuration,
     PrefillTokensOverflow,
-    PublishQueueClosed,
-    PublishQueueError,
+    PublishRejected,
     RequestNotFound,
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
-from .loads import PotentialLoadRow, RankLoadRow, potential_rows, rank_rows
+from .loads import PotentialLoadRow, RankLoadRow, load_columns, potential_rows, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     ModeledPrefillTimeLoad,
@@ -56,10 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_REPLICA_BATCH_EVENTS = 256
-MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
-
 
 PotentialLoads = tuple[
     dict[WorkerWithDpRank, int],
@@ -206,6 +201,13 @@ class ActiveSequencesMultiWorker:
     def lora_of(self, request_id: str) -> str | None:
         return self._requests.lora(request_id)
 
+    def started_at(self, request_id: str) -> int | None:
+        """When an indexed request started (the producer's add time for a replicated one)."""
+        worker = self._requests.worker(request_id)
+        slot = self._slots.get(worker) if worker is not None else None
+        state = slot.requests.get(request_id) if slot is not None else None
+        return state.started_at if state is not None else None
+
     def indexed_requests(self) -> list[tuple[str, WorkerWithDpRank]]:
         """Every indexed request id with its rank."""
         return list(self._requests.workers.items())
@@ -248,37 +250,16 @@ class ActiveSequencesMultiWorker:
 
     # -- inspection (tests and invariant checks read these; nothing may write them) ---------
 
-    @property
-    def slots(self) -> dict[WorkerWithDpRank, ActiveSequences]:
-        return self._slots
-
-    @property
-    def blocks(self) -> dict[WorkerWithDpRank, int]:
-        return self._blocks
-
-    @property
-    def table(self) -> WorkerTable:
-        return self._table
-
-    @property
-    def trie(self) -> PromptTrie:
-        return self._trie
-
-    @property
-    def request_index(self) -> RequestIndex:
-        return self._requests
-
-    @property
-    def request_worker(self) -> dict[str, WorkerWithDpRank]:
-        return self._requests.workers
-
-    @property
-    def request_lora(self) -> dict[str, str]:
-        return self._requests.loras
-
-    @property
-    def lora_counts(self) -> dict[str, int]:
-        return self._requests.lora_counts
+    slots = property(lambda self: self._slots, doc="dict[WorkerWithDpRank, ActiveSequences]")
+    blocks = property(lambda self: self._blocks, doc="dict[WorkerWithDpRank, int]")
+    table = property(lambda self: self._table, doc="WorkerTable")
+    trie = property(lambda self: self._trie, doc="PromptTrie")
+    request_index = property(lambda self: self._requests, doc="RequestIndex")
+    request_worker = property(
+        lambda self: self._requests.workers, doc="dict[str, WorkerWithDpRank]"
+    )
+    request_lora = property(lambda self: self._requests.loras, doc="dict[str, str]")
+    lora_counts = property(lambda self: self._requests.lora_counts, doc="dict[str, int]")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -441,13 +422,11 @@ class ActiveSequencesMultiWorker:
     def _enqueue(self, event: ActiveSequenceEvent) -> None:
         try:
             self.publisher.enqueue_event(event)
-        except PublishQueueClosed as e:
+        except PublishRejected as e:
             if e.during_shutdown:
                 log.debug("%s", e)
             else:
                 log.error("Failed to publish replica-sync event: %s", e)
-        except PublishQueueError as e:
-            log.error("Failed to publish replica-sync event: %s", e)
 
     # -- replica apply path ----------------------------------------------------------------
 
@@ -593,7 +572,10 @@ class ActiveSequencesMultiWorker:
         return blocks, tokens, requests if include_active_requests else None
 
     def potential_loads(
-        self, token_sequence: list[int] | None, deltas: PrefillTokenDeltas | None, decay_now: int
+        self,
+        token_sequence: list[int] | None,
+        deltas: PrefillTokenDeltas | int | None,
+        decay_now: int,
     ) -> list[PotentialLoadRow]:
         """Per rank, sorted: its load if this prompt went there (``loads.potential_rows``)."""
         q_len = len(token_sequence) if token_sequence else 0
@@ -605,18 +587,10 @@ class ActiveSequencesMultiWorker:
     def load_columns(
         self, token_sequence: list[int] | None, decay_now: int
     ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
-        """``potential_loads`` without deltas as parallel lists, for a selection over all ranks:
-        the sorted ranks, their prefill tokens, their active blocks plus the prompt's blocks not
-        active there (prefix rule), and their active requests. No row object is built."""
-        workers = self.workers()
+        """``potential_loads`` as parallel lists (``loads.load_columns``)."""
         q_len = len(token_sequence) if token_sequence else 0
-        get = self.overlaps(token_sequence).get
-        slots, blocks = self._slots, self._blocks
-        states = [slots[w] for w in workers]
-        prefill = [s.prefill.active_tokens(decay_now) for s in states]
-        decode = [blocks[w] + q_len - get(w, 0) for w in workers]
-        requests = [len(s.requests) for s in states]
-        return workers, prefill, decode, requests
+        over = self.overlaps(token_sequence)
+        return load_columns(self.workers(), self._slots, self._blocks, over, q_len, decay_now)
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""

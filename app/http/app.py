@@ -20,12 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
-from app.http.auth import BearerAuth
+from app.http.auth import OPEN_PATHS, BearerAuth
 from app.http.dashboard import build_dashboard_router
+from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
+from app.http.replicated import ReplicatedOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
@@ -37,7 +40,9 @@ from app.http.routes import (
 )
 from app.http.selection_operations import SelectionOperations, SelectionQueries
 from app.observability import HttpMetrics
+from app.replication.port import Replication
 from app.service import SlotTrackerService
+from app.service.consistency import Consistency
 from app.service.selection import SelectionService
 from app.settings import Settings
 
@@ -75,22 +80,39 @@ def build_http_app(
     settings: Settings,
     service: SlotTrackerService,
     selection: SelectionService,
-    replication: Any,
+    replication: Replication,
     registry: CollectorRegistry,
     lifespan: Any,
+    consistency: Consistency | None = None,
 ) -> SlotTrackerApp:
+    """The app; ``consistency`` (replicated mode) makes lifecycle calls wait for unknown ids
+    and answer 503 until the instance caught up (``app.http.replicated``)."""
     app = SlotTrackerApp(
         title="kv-slot-tracker",
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
         redirect_slashes=False,  # `/health/` is a 404, as in the reference
+        docs_url=None,  # served without a CDN by build_docs_router
+        redoc_url=None,
         **_NO_NATIVE_TELEMETRY,
     )
     _install_error_handlers(app)
 
+    gate = None
+    slot_operations = Operations(service, settings.max_hashes_per_request)
+    if consistency is not None:
+        gate = ReadinessGate(replication)
+        durable = settings.replication_ack == "redis"
+        slot_operations = ReplicatedOperations(
+            service,
+            settings.max_hashes_per_request,
+            gate,
+            consistency,
+            settings.replication_ack_timeout_ms if durable else None,
+        )
     operations = {
-        "slot": Operations(service, settings.max_hashes_per_request),
+        "slot": slot_operations,
         "selection": SelectionOperations(selection),
     }
     queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
@@ -98,6 +120,8 @@ def build_http_app(
     for route in ROUTES:
         if route.is_call:
             op = operations[route.api].get(route.name)
+            if gate is not None and route.api != "slot" and route.needs_state:
+                op = gate.guard_call(op)  # the slot operations have the gate built in
             endpoint = call_endpoint(route, op, settings.max_body_bytes)
             if route.lean:
                 lean_routes.append(
@@ -110,9 +134,13 @@ def build_http_app(
                     )
                 )
         else:
-            endpoint = query_endpoint(route, getattr(queries[route.api], route.name))
+            handler = getattr(queries[route.api], route.name)
+            if gate is not None and route.needs_state:
+                handler = gate.guard(handler)
+            endpoint = query_endpoint(route, handler)
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
     app.include_router(build_dashboard_router())
+    app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))
 
     api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
@@ -185,5 +213,9 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
         comps[model.__name__] = sch
     if with_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key
+        for path in OPEN_PATHS & doc["paths"].keys():
+            for op in doc["paths"][path].values():
+                op["security"] = []
     app.openapi_schema = doc
     return doc

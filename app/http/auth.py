@@ -6,6 +6,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.http.docs import DOCS_ASSETS
 from app.http.errors import UNAUTHORIZED, error_body
 from app.http.responses import send_json
 
@@ -39,7 +40,7 @@ def authorized(scope: Scope, token: bytes) -> bool:
 
 
 def is_open(path: str) -> bool:
-    return path in OPEN_PATHS
+    return path in OPEN_PATHS or path.startswith(DOCS_ASSETS)
 
 
 class BearerAuth:

@@ -15,6 +15,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope
 
+from app.core.serde import unexpected
 from app.http.errors import CONTENT_TYPE, JSON_PARSE, JSON_SHAPE, TOO_LARGE, HttpError
 
 M = TypeVar("M", bound=BaseModel)
@@ -90,25 +91,6 @@ _STRUCT_NAMES = {
 }
 
 
-def _serde_value(value: Any) -> str:
-    """How serde names an unexpected JSON value: ``integer `5```, ``string "x"``, ``null`` ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean `{str(value).lower()}`"
-    if isinstance(value, int):
-        return f"integer `{value}`"
-    if isinstance(value, float):
-        return f"floating point `{value!r}`"
-    if isinstance(value, str):
-        return f'string "{value}"'
-    if isinstance(value, list):
-        return "sequence"
-    if isinstance(value, dict):
-        return "map"
-    return "value"
-
-
 def _describe(err: dict[str, Any]) -> str:
     loc = _loc(err["loc"])
     typ = err["type"]
@@ -120,14 +102,14 @@ def _describe(err: dict[str, Any]) -> str:
     value = err.get("input")
     if top in ("sequence_hashes", "token_ids") and "[" not in loc:
         kind = "signed 64-bit sequence hashes" if top == "sequence_hashes" else "u32 token ids"
-        return f"{loc}: invalid type: {_serde_value(value)}, expected an array of {kind}"
+        return f"{loc}: invalid type: {unexpected(value)}, expected an array of {kind}"
     rust = _RUST_TYPES.get(field)
     if rust is not None:
         if isinstance(value, int) and not isinstance(value, bool):
             return f"{loc}: invalid value: integer `{value}`, expected {rust}"
-        return f"{loc}: invalid type: {_serde_value(value)}, expected {rust}"
+        return f"{loc}: invalid type: {unexpected(value)}, expected {rust}"
     if typ.startswith("string") or typ == "literal_error":
-        return f"{loc}: invalid type: {_serde_value(value)}, expected a string"
+        return f"{loc}: invalid type: {unexpected(value)}, expected a string"
     return f"{loc}: {err['msg']}" if loc else err["msg"]
 
 
@@ -184,7 +166,7 @@ def parse_json(raw: bytes, model: type[M]) -> M:
         if first["type"] == "model_type":
             raise HttpError(
                 422,
-                JSON_SHAPE + f"invalid type: {_serde_value(first.get('input'))}, "
+                JSON_SHAPE + f"invalid type: {unexpected(first.get('input'))}, "
                 f"expected struct {_STRUCT_NAMES.get(model.__name__, model.__name__)}",
             ) from None
         raise shape_error(exc) from None

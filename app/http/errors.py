@@ -62,6 +62,9 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
         lambda e: f"dp range overflows u32: start={e.dp_start} size={e.dp_size}",
     ),
     svc.TooManyHashes: (422, _text),
+    svc.NotReady: (503, _text),
+    svc.WritesRefused: (503, _text),
+    svc.NotAcknowledged: (503, _text),
     core.PrefillTokensOverflow: (
         422,
         lambda e: f"new_isl_tokens would overflow the prefill token sum of {e.worker.debug()}",

@@ -34,7 +34,8 @@ from app.http.responses import send_json
 log = logging.getLogger(__name__)
 
 Result = tuple[int, bytes]
-Operation = Callable[..., Result]  # (body, *path parameters) -> (status, JSON bytes)
+# (body, *path parameters) -> (status, JSON bytes), or (replicated mode, rarely) an awaitable of it
+Operation = Callable[..., Any]
 Observe = Callable[[str, str, int, float], None]
 ParamParser = Callable[[str], Any]
 
@@ -135,7 +136,10 @@ class LeanDispatcher:
             except HttpError as e:
                 status, payload = error_result(e)
             else:
-                status, payload = route.op(body, *args)
+                result = route.op(body, *args)
+                if type(result) is not tuple:  # it waits for replication (app.http.replicated)
+                    result = await result
+                status, payload = result
         except Exception:  # a bug, never client input: answer 500 and keep serving
             log.exception("unexpected error serving %s", scope["path"])
             status, payload = 500, _INTERNAL

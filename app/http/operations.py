@@ -43,13 +43,19 @@ def hashes_u64(hashes: list[int] | None) -> list[int] | None:
     return [h & U64_MAX if h < 0 else h for h in hashes]
 
 
-def prompt_fields(b: Any) -> dict[str, Any]:
-    """A body's prompt fields: ``sequence_hashes`` xor ``token_ids`` (the schema documents it
-    as ``oneOf``; checked before the tracker is looked up, as the reference does)."""
-    if b.sequence_hashes is None and b.token_ids is None:
-        raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
-    if b.sequence_hashes is not None and b.token_ids is not None:
+def check_prompt(b: Any) -> None:
+    """``sequence_hashes`` xor ``token_ids`` (the schema documents it as ``oneOf``; checked
+    before the tracker is looked up, as the reference does)."""
+    if b.sequence_hashes is None:
+        if b.token_ids is None:
+            raise HttpError(422, JSON_SHAPE + "missing field `sequence_hashes`")
+    elif b.token_ids is not None:
         raise HttpError(422, JSON_SHAPE + "give either `sequence_hashes` or `token_ids`, not both")
+
+
+def prompt_fields(b: Any) -> dict[str, Any]:
+    """A body's prompt fields, checked (``check_prompt``)."""
+    check_prompt(b)
     return {
         "model_name": b.model_name,
         "routing_group": b.routing_group,
@@ -60,8 +66,13 @@ def prompt_fields(b: Any) -> dict[str, Any]:
 
 
 def add_command(b: s.AddBody) -> c.Add:
+    check_prompt(b)  # the hot path: no intermediate dict
     return c.Add(
-        **prompt_fields(b),
+        model_name=b.model_name,
+        routing_group=b.routing_group,
+        sequence_hashes=hashes_u64(b.sequence_hashes),
+        token_ids=b.token_ids,
+        lora_name=b.lora_name,
         request_id=b.request_id,
         worker_id=b.worker_id,
         dp_rank=b.dp_rank,
@@ -122,11 +133,22 @@ class Operations:
         self.max_batch = max_batch
 
     def get(self, name: str) -> Operation:
+        """The named operation, answering expected errors with their status and body."""
         op = getattr(self, name)
-        return lambda raw: self.run(op, raw)
+        if type(self).run is not Operations.run:  # a subclass wraps every call
+            wrapped = self.run
+            return lambda raw: wrapped(op, raw)
 
-    @staticmethod
-    def run(op: Operation, raw: bytes) -> Result:
+        def run(raw: bytes) -> Result:  # the common case: one call less per request
+            try:
+                return op(raw)
+            except EXPECTED as e:
+                return error_result(e)
+
+        return run
+
+    def run(self, op: Operation, raw: bytes) -> Result:
+        """Run one operation, answering expected errors with their status and body."""
         try:
             return op(raw)
         except EXPECTED as e:
@@ -214,8 +236,10 @@ class Operations:
             return _batch_error(e)
         return _DONE
 
-    def _loose_op(self, op: Any) -> bytes:
-        """An operation of a batch that did not validate as a whole: validated on its own."""
+    @staticmethod
+    def _loose_op(op: Any) -> Any:
+        """An operation of a batch that did not validate as a whole, validated on its own: its
+        model, or its error result (bytes)."""
         try:
             if not isinstance(op, dict):
                 raise HttpError(422, "operation must be a JSON object")
@@ -225,12 +249,16 @@ class Operations:
                 raise HttpError(
                     422, "`op` must be one of add, prefill_complete, free, output_block"
                 )
-            b = parse_object(op, model)
+            return parse_object(op, model)
         except HttpError as e:
             return _batch_error(e)
-        return self._apply(b)
 
     def batch(self, raw: bytes) -> Result:
+        return self._run_batch(self._batch_ops(raw))
+
+    def _batch_ops(self, raw: bytes) -> list[Any]:
+        """The operations of a batch body: each a validated model, or its error result (bytes)
+        when it did not validate (the others still apply)."""
         ops = None
         if b"NaN" not in raw and b"Infinity" not in raw:
             # one validation pass when every operation is well formed (the common case)
@@ -238,12 +266,15 @@ class Operations:
                 ops = s.StrictBatchBody.model_validate_json(raw).operations
         if ops is not None:
             self._check_size(len(ops))
-            results = [self._apply(b) for b in ops]
-        else:
-            # malformed somewhere: validate each operation alone so the others still apply
-            loose = parse_json(raw, s.BatchBody).operations
-            self._check_size(len(loose))
-            results = [self._loose_op(op) for op in loose]
+            return ops
+        # malformed somewhere: validate each operation alone so the others still apply
+        loose = parse_json(raw, s.BatchBody).operations
+        self._check_size(len(loose))
+        return [self._loose_op(op) for op in loose]
+
+    def _run_batch(self, ops: list[Any], apply: Callable[[Any], bytes] | None = None) -> Result:
+        apply = apply or self._apply
+        results = [op if type(op) is bytes else apply(op) for op in ops]
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
     def _check_size(self, n: int) -> None:

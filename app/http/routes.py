@@ -27,6 +27,7 @@ from app.http import selection_schemas as ss
 from app.http.body import read_asgi_body
 from app.http.errors import EXPECTED, HttpError, error_result, query_error
 from app.http.responses import JSON, json_response, raw_response
+from app.replication.port import Replication
 from app.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
 
 ERROR_DOCS: dict[int, str] = {
@@ -37,7 +38,9 @@ ERROR_DOCS: dict[int, str] = {
     413: "Body larger than the limit.",
     415: "Content type is not JSON.",
     422: "Well-formed JSON of the wrong shape.",
-    503: "No schedulable worker for the partition (selection API).",
+    503: 'Not ready (still loading the shared state); with `replication_ack = "redis"`, Redis '
+    "cannot be reached; no schedulable worker for the partition (selection API). Retry, here or "
+    "on another instance.",
 }
 BODY_ERRORS = (400, 401, 404, 413, 415, 422)
 TOPOLOGY_ERRORS = (400, 401, 409, 413, 415, 422)
@@ -90,6 +93,7 @@ class Route:
     other_ok: dict[int, str] = field(default_factory=dict)
     query: tuple[QueryParam, ...] = ()
     lean: bool = False  # served by the lean dispatcher (hot routes)
+    needs_state: bool = True  # reads or writes tracker state: 503 while not ready (gate.py)
     extra: dict[str, Any] = field(default_factory=dict)  # other FastAPI route arguments
     path_params: tuple[PathParam, ...] = ()
     api: str = "slot"  # "slot" or "selection": which operations serve it
@@ -115,9 +119,9 @@ LIFECYCLE_ERRORS = (401, 404)
 
 SELECTION_ROUTES: tuple[Route, ...] = (
     Route(SEL + "/health", "GET", "health", "Selection API liveness", response=ss.SelectionStatus,
-          errors=(), api="selection"),
+          errors=(), api="selection", needs_state=False),
     Route(SEL + "/ready", "GET", "ready", "200 while some worker is schedulable, else 503",
-          response=ss.SelectionReady, errors=(), api="selection",
+          response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
           extra={"responses": {503: {"model": ss.SelectionReady,
                                      "description": "No schedulable worker anywhere."}}}),
     Route(SEL + "/workers", "POST", "upsert_worker",
@@ -165,13 +169,14 @@ SELECTION_ROUTES: tuple[Route, ...] = (
 
 ROUTES: tuple[Route, ...] = (
     Route("/health", "GET", "health", "Liveness: 200 with an empty body", errors=(),
+          needs_state=False,
           extra={"response_class": Response,
                  "responses": {200: {"description": "Alive.", "content": {}}}}),
     Route("/ready", "GET", "ready", "Readiness: 200 once the instance can serve",
-          response=s.ReadyBody, errors=(),
+          response=s.ReadyBody, errors=(), needs_state=False,
           extra={"responses": {503: {"model": s.ReadyBody, "description": "Not ready yet."}}}),
     Route("/replication", "GET", "replication_status", "Replication status of this instance",
-          response=s.ReplicationStatus, errors=(401,)),
+          response=s.ReplicationStatus, errors=(401,), needs_state=False),
     Route("/register", "POST", "register", "Register a worker's ranks", s.RegisterBody,
           s.StatusOk, 201, TOPOLOGY_ERRORS),
     Route("/upsert", "POST", "upsert", "Register a worker or replace its ranks (201 when created)",
@@ -227,7 +232,7 @@ def _single(params: QueryParams, name: str) -> str | None:
 class Queries:
     """The GET routes' handlers: query parameters in, ``Response`` out."""
 
-    def __init__(self, service: SlotTrackerService, replication: Any) -> None:
+    def __init__(self, service: SlotTrackerService, replication: Replication) -> None:
         self.service = service
         self.replication = replication
 
@@ -237,11 +242,11 @@ class Queries:
     def ready(self, params: QueryParams) -> Response:
         if self.replication.ready():
             return json_response({"status": "ready", "reason": None})
-        reason = self.replication.status().get("not_ready_reason") or "replication is catching up"
+        reason = self.replication.status().not_ready_reason or "replication is catching up"
         return json_response({"status": "not_ready", "reason": reason}, 503)
 
     def replication_status(self, params: QueryParams) -> Response:
-        return json_response(self.replication.status())
+        return json_response(self.replication.status().as_dict())
 
     def workers(self, params: QueryParams) -> Response:
         m, g = _single(params, "model_name"), _single(params, "routing_group")
@@ -282,6 +287,8 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
         if route.response is not None:
             args["response_model"] = route.response
         args["responses"] = error_responses(route.errors)
+    if route.needs_state:
+        args["responses"].update(error_responses((503,)))
     for k, v in route.extra.items():
         if k == "responses":
             args["responses"] = {**args["responses"], **v}
@@ -290,11 +297,10 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
     return args
 
 
-def call_endpoint(
-    route: Route, operation: Callable[..., tuple[int, bytes]], max_body: int
-) -> Callable[..., Any]:
+def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) -> Callable[..., Any]:
     """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
-    parsed first, then the body is read (when the route has one), as the reference does."""
+    parsed first, then the body is read (when the route has one), as the reference does. The
+    operation answers ``(status, body)``, or an awaitable of it (``app.http.replicated``)."""
 
     async def endpoint(request: Request, **_: Any) -> Response:
         try:
@@ -307,7 +313,10 @@ def call_endpoint(
         except EXPECTED as e:
             status, payload = error_result(e)
         else:
-            status, payload = operation(raw, *args)
+            result = operation(raw, *args)
+            if type(result) is not tuple:
+                result = await result
+            status, payload = result
         return raw_response(payload, status)
 
     params = [

@@ -1,7 +1,8 @@
 """Prometheus metrics of replication, registered into the app's own registry.
 
 Counters and gauges are read from plain integers at scrape time (the hot path touches no metric
-object); only the lag histogram is observed as records are applied.
+object); only the lag histogram is observed as records are applied. The histogram is registered
+first, so the reader can be given it before everything the collector reads exists.
 """
 
 from __future__ import annotations
@@ -76,18 +77,34 @@ class _Collector(Collector):
         yield up
 
 
-class ReplicationMetrics:
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        counters: ReplicationCounters,
-        outbox_depth: Callable[[], int],
-        connected: Callable[[], bool],
-    ) -> None:
-        self.lag = Histogram(
-            "kv_slot_tracker_replication_lag_seconds",
-            "Time from a peer's change (its wall clock) to its application here",
-            buckets=LAG_BUCKETS,
-            registry=registry,
-        )
-        registry.register(_Collector(counters, outbox_depth, connected))
+def lag_histogram(registry: CollectorRegistry) -> Histogram:
+    """The one metric observed as records are applied."""
+    return Histogram(
+        "kv_slot_tracker_replication_lag_seconds",
+        "Time from a peer's change (its wall clock) to its application here",
+        buckets=LAG_BUCKETS,
+        registry=registry,
+    )
+
+
+GROUP_COMMIT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def group_commit_histogram(registry: CollectorRegistry) -> Histogram:
+    """``replication_ack = "redis"``: how many waiting calls one append acknowledged."""
+    return Histogram(
+        "kv_slot_tracker_replication_group_commit_calls",
+        "Calls acknowledged by one append to the stream (replication_ack = redis)",
+        buckets=GROUP_COMMIT_BUCKETS,
+        registry=registry,
+    )
+
+
+def register_collector(
+    registry: CollectorRegistry,
+    counters: ReplicationCounters,
+    outbox_depth: Callable[[], int],
+    connected: Callable[[], bool],
+) -> None:
+    """The counters and gauges, read at scrape time (and once now: the registry describes it)."""
+    registry.register(_Collector(counters, outbox_depth, connected))

@@ -1,28 +1,52 @@
 """The bounded FIFO publish queue for replica events (SPEC §6.3), transport-free.
 
-``try_send`` never blocks: a full queue drops the *newest* event (the caller logs and counts it),
-a closed queue reports whether that happened during shutdown. Consumers take events one at a time
-(``recv``) or in batches capped by count and by time (``collect_batch``).
+``try_send`` never blocks: a full queue drops the *newest* event (``PublishQueueFull``; the caller
+logs and counts it), a closed queue refuses it (``PublishQueueClosed``, saying whether that
+happened during shutdown). Both are ``PublishRejected``, the core's contract for a publisher that
+refuses an event. Consumers take events one at a time (``recv``) or in batches capped by count and
+by time (``collect_batch``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from app.core.errors import PublishQueueClosed, PublishQueueFull
+from app.core.errors import PublishRejected
 from app.core.events import ActiveSequenceEvent
-from app.core.tracker import MAX_REPLICA_BATCH_DURATION_NS, MAX_REPLICA_BATCH_EVENTS
-
-log = logging.getLogger(__name__)
+from app.core.types import WorkerWithDpRank
 
 REPLICA_EVENT_CHANNEL_CAPACITY = 100_000
 
 T = TypeVar("T")
+
+
+class PublishQueueError(PublishRejected):
+    pass
+
+
+class PublishQueueFull(PublishQueueError):
+    def __init__(self, request_id: str, worker: WorkerWithDpRank, capacity: int) -> None:
+        self.request_id, self.worker, self.capacity = request_id, worker, capacity
+        super().__init__(
+            "active-sequence publish queue full; dropping newest event "
+            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
+        )
+
+
+class PublishQueueClosed(PublishQueueError):
+    def __init__(
+        self, request_id: str, worker: WorkerWithDpRank, capacity: int, during_shutdown: bool
+    ) -> None:
+        self.request_id, self.worker, self.capacity = request_id, worker, capacity
+        self.during_shutdown = during_shutdown
+        super().__init__(
+            "active-sequence publish queue closed; dropping event "
+            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
+        )
 
 
 class EventQueue(Generic[T]):
@@ -45,11 +69,11 @@ class EventQueue(Generic[T]):
 
     def try_send(self, item: T) -> None:
         if self._closed:
-            rid, worker = _describe(item)
+            rid, worker = describe(item)
             raise PublishQueueClosed(rid, worker, self.capacity, self.shutting_down)
         if len(self._items) >= self.capacity:
             self.dropped += 1
-            rid, worker = _describe(item)
+            rid, worker = describe(item)
             raise PublishQueueFull(rid, worker, self.capacity)
         self._items.append(item)
         self._ready.set()
@@ -66,9 +90,6 @@ class EventQueue(Generic[T]):
                 self._ready.clear()
             return item
         return None
-
-    def peek_all(self) -> list[T]:
-        return list(self._items)
 
     async def recv(self) -> T | None:
         """The next item, or None once the queue is closed and drained."""
@@ -92,12 +113,11 @@ class EventQueue(Generic[T]):
         return True
 
 
-def _describe(item: object):
+def describe(item: object) -> tuple[str, WorkerWithDpRank]:
+    """``(request_id, worker)`` of a queued item, for messages."""
     event = getattr(item, "event", item)
     if isinstance(event, ActiveSequenceEvent):
         return event.request_id, event.worker
-    from app.core.types import WorkerWithDpRank
-
     return str(getattr(item, "request_id", "")), WorkerWithDpRank(0, 0)
 
 
@@ -111,8 +131,8 @@ async def _real_wait(queue: EventQueue, timeout_ns: int) -> bool:
 async def collect_batch(
     queue: EventQueue[T],
     *,
-    max_events: int = MAX_REPLICA_BATCH_EVENTS,
-    max_duration_ns: int = MAX_REPLICA_BATCH_DURATION_NS,
+    max_events: int,
+    max_duration_ns: int,
     clock: Callable[[], int] = time.monotonic_ns,
     wait: Waiter = _real_wait,
     cancelled: Callable[[], bool] = lambda: False,
@@ -139,23 +159,3 @@ async def collect_batch(
             break
         await wait(queue, remaining)
     return batch, False
-
-
-async def run_singleton_publisher(
-    queue: EventQueue[T], publish: Callable[[T], Awaitable[None]]
-) -> None:
-    """Publish one event at a time, in order; a failure is logged and the loop goes on.
-
-    Stops when the queue closes or the task is cancelled (abandoning an in-flight publish).
-    """
-    while True:
-        item = await queue.recv()
-        if item is None:
-            return
-        try:
-            await publish(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # transport errors must not stop the loop
-            rid, worker = _describe(item)
-            log.error("Failed to publish replica event request_id=%s worker=%s: %s", rid, worker, e)

@@ -53,3 +53,32 @@ class TooManyRanks(ServiceError):
 class TooManyHashes(ServiceError):
     def __init__(self, count: int, limit: int) -> None:
         super().__init__(f"too many block hashes: {count} > max_hashes_per_request ({limit})")
+
+
+class WritesRefused(ServiceError):
+    """``replication_ack = "redis"``: Redis is known to be unreachable (or not answering), so a
+    mutating call is refused before anything is applied: nothing changed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"not accepted: {reason}; nothing was changed")
+
+
+class NotAcknowledged(ServiceError):
+    """``replication_ack = "redis"``: the call was applied here, but its record did not reach
+    Redis in time. The outcome is unknown to the caller: the change stays on this instance and
+    reaches the others when Redis answers again, unless this instance stops first."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        super().__init__(
+            f"not acknowledged: Redis did not take the change within {timeout_ms} ms; it is "
+            "applied on this instance and replicated when Redis answers again (retry: an add "
+            "answers 409 once it exists, a free or prefill completion is idempotent)"
+        )
+
+
+class NotReady(ServiceError):
+    """The instance has not caught up with its peers yet (bootstrapping): it cannot answer a
+    call about tracker state correctly, so it refuses it and changes nothing."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"not ready: {reason}")

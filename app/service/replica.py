@@ -11,8 +11,21 @@ whole batch. A record that cannot be applied (malformed, or refused by the core,
 topology that conflicts with the local one) is counted, logged and skipped: the records behind
 it in the batch are still applied.
 
+The same request id added on two instances at once: the first add in stream order wins on
+every instance. An instance that holds a copy ignores a peer's add of the id, except when its
+own add's record has not come back from the stream yet (the reader says which own records it
+read back, in stream order, with ``{"own_seq": n}`` markers in the batch): then the peer's add
+came first, and the instance drops its own copy for the peer's. When its own record does come
+back, it is applied like a peer's (usually ignored, the id being active). Counted in
+``duplicate_adds``.
+
+Early lifecycle calls (``app.service.early``): a free or prefill completion of an id that was
+still unknown after the read barrier is kept and sent as an ``early`` record; every instance
+applies it to the add when that arrives (a tombstone cancels it, a pending mark completes its
+prefill), or at once to a copy it already holds.
+
 Snapshots: ``export_state`` / ``restore_state`` carry every tracker (``app.core.snapshot``),
-instants as wall-clock time.
+instants as wall-clock time, and the early calls.
 """
 
 from __future__ import annotations
@@ -22,22 +35,33 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from app.core.errors import TrackerError
-from app.core.events import ActiveSequenceEvent, AddRequest, Free, event_from_wire, event_to_wire
+from app.core.events import (
+    FREE,
+    MARK_PREFILL_COMPLETED,
+    ActiveSequenceEvent,
+    AddRequest,
+    Free,
+    event_from_wire,
+    event_to_wire,
+)
 from app.core.publisher import ReplicaEffects, SequencePublisher
 from app.core.snapshot import wall_mapping
-from app.core.types import WorkerDpRange
+from app.core.types import WorkerDpRange, WorkerWithDpRank
+from app.service import early as e
 from app.service.commands import Key
 
 if TYPE_CHECKING:
+    from app.core.tracker import ActiveSequencesMultiWorker as Tracker
     from app.service.registry import TrackerRegistry
 
 log = logging.getLogger(__name__)
 
 
 class Replicator(Protocol):
-    """Where a service sends its replica records. ``publish`` must never block."""
+    """Where a service sends its replica records. ``publish`` must never block; it returns the
+    record's sequence number among this process's records (0 or None: not queued)."""
 
-    def publish(self, record: dict[str, Any]) -> None: ...
+    def publish(self, record: dict[str, Any]) -> int | None: ...
 
 
 class _TrackerPublisher(SequencePublisher):
@@ -68,6 +92,17 @@ class Replica:
         self.applied = 0
         self.dropped = 0  # records of peers that could not be applied
         self._registry: TrackerRegistry | None = None
+        self.early: e.EarlyCalls | None = None  # replicated mode (``use_early_calls``)
+        self.duplicate_adds = 0  # adds of an id already active here, resolved by stream order
+        # own add records not read back from the stream yet, by id, oldest first: (seq, record)
+        self._own_adds: dict[e.EarlyKey, tuple[int, dict[str, Any]]] = {}
+        # own add records whose copy a peer's earlier add replaced: applied when read back
+        self._superseded: list[tuple[int, dict[str, Any]]] = []
+        self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
+
+    def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
+        self.early = e.EarlyCalls(capacity, ttl_ns)
+        return self.early
 
     def bind(self, registry: TrackerRegistry) -> None:
         self._registry = registry
@@ -97,7 +132,11 @@ class Replica:
         t = self.registry.find(key)
         record = self._envelope(key, t.block_size if t is not None else 0)
         record["event"] = event_to_wire(event)
-        self.replicator.publish(record)
+        seq = self.replicator.publish(record)
+        if seq and type(event.data) is AddRequest:
+            own = (key[0], key[1], event.request_id)
+            self._own_adds.pop(own, None)  # re-inserted: the dict stays in seq order
+            self._own_adds[own] = (seq, record)
 
     def _emit_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> None:
         if self.replicator is None:
@@ -105,6 +144,26 @@ class Replica:
         record = self._envelope(key, block_size)
         record["topology"] = op
         self.replicator.publish(record)
+
+    def remember_early(self, key: Key, op: str, request_id: str) -> None:
+        """A free (tombstone) or prefill completion (pending mark) of an id still unknown here
+        after the read barrier: keep it and tell every instance (``app.service.early``)."""
+        early = self.early
+        if early is None:
+            return
+        record = self._envelope(key, self._block_size(key))
+        early.put((key[0], key[1], request_id), op, record["ts"], record["ts"])
+        if op == e.FREE:
+            early.counters.tombstones_created += 1
+        else:
+            early.counters.marks_created += 1
+        record["early"] = {"op": op, "request_id": request_id}
+        if self.replicator is not None:
+            self.replicator.publish(record)
+
+    def _block_size(self, key: Key) -> int:
+        t = self.registry.find(key)
+        return t.block_size if t is not None else 0
 
     def emit_upsert(
         self, key: Key, block_size: int, worker_id: int, dp_start: int, dp_size: int
@@ -137,6 +196,9 @@ class Replica:
         applied = 0
         effects: dict[Key, ReplicaEffects] = {}
         for rec in records:
+            if "own_seq" in rec:
+                self._read_back(rec["own_seq"], effects)
+                continue
             try:
                 changed = self._apply_one(rec, effects)
             except (TrackerError, KeyError, TypeError, ValueError) as e:
@@ -151,6 +213,8 @@ class Replica:
             t = trackers.get(key)
             if t is not None:
                 t.flush_replica_effects(eff)
+        if self.on_applied is not None:
+            self.on_applied()
         return applied
 
     def _apply_one(self, rec: dict[str, Any], effects: dict[Key, ReplicaEffects]) -> bool:
@@ -160,6 +224,8 @@ class Replica:
         block_size = rec["block_size"]
         if "topology" in rec:
             return self._apply_topology(key, block_size, rec["topology"])
+        if "early" in rec:
+            return self._apply_early(key, rec["early"], rec["ts"], effects)
         registry = self.registry
         t = registry.find(key)
         if t is None or t.block_size != block_size:
@@ -173,14 +239,104 @@ class Replica:
         eff = effects.get(key)
         if eff is None:
             eff = effects[key] = ReplicaEffects()
+        data = event.data
+        early = None
+        if type(data) is AddRequest:
+            rid = event.request_id
+            if self.early is not None and len(self.early):
+                early = self.early.get((key[0], key[1], rid), self.wall_clock())
+                if early is not None and early.op == e.FREE and rec["ts"] <= early.ts:
+                    self.early.counters.tombstones_applied += 1  # freed before it arrived
+                    return False
+            if t.has_request(rid) and not self._replace_own_copy(key, t, rid, eff):
+                self.duplicate_adds += 1  # the copy here came first in the stream: keep it
+                return False
         changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
         if changed:
-            data = event.data
             if isinstance(data, AddRequest):
                 registry.counters_of(key).added += 1
+                if early is not None and rec["ts"] <= early.ts:  # a pending mark
+                    self._complete_prefill(t, event.request_id, early.ts, eff)
+                    self.early.discard((key[0], key[1], event.request_id))  # type: ignore[union-attr]
             elif isinstance(data, Free):
                 registry.counters_of(key).freed += 1
         return changed
+
+    # -- the same id added on two instances -------------------------------------------------
+
+    def _replace_own_copy(self, key: Key, t: Tracker, rid: str, eff: ReplicaEffects) -> bool:
+        """A peer's add of an id active here: True (and our copy is gone) when our copy is our
+        own add whose record has not come back yet, i.e. the peer's add is first in the
+        stream."""
+        own = self._own_adds.pop((key[0], key[1], rid), None)
+        if own is None:
+            return False
+        self._superseded.append(own)  # counted when it comes back (and is ignored)
+        event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
+        t.apply_replica_event(event, eff, decay_now=self.clock())
+        log.info("request %s was added here and on a peer first; the peer's add wins", rid)
+        return True
+
+    def _read_back(self, seq: int, effects: dict[Key, ReplicaEffects]) -> None:
+        """Own records up to ``seq`` came back from the stream (at this point of the batch)."""
+        own = self._own_adds
+        while own:
+            first = next(iter(own))
+            if own[first][0] > seq:
+                break
+            del own[first]
+        superseded = self._superseded
+        while superseded and superseded[0][0] <= seq:
+            _, record = superseded.pop(0)
+            try:  # applied as a peer's record would be, in its place in the stream
+                if self._apply_one(as_peer(record), effects):
+                    self.applied += 1
+            except (TrackerError, KeyError, TypeError, ValueError) as err:
+                self.dropped += 1
+                log.warning("dropping a replica record that cannot be applied: %r", err)
+
+    # -- early lifecycle calls ---------------------------------------------------------------
+
+    def _apply_early(
+        self, key: Key, op: dict[str, Any], ts: int, effects: dict[Key, ReplicaEffects]
+    ) -> bool:
+        """A peer's tombstone or pending mark: applied at once to a copy of the request that
+        started before it, else kept for the add (a tombstone is kept in any case, for a
+        duplicate add still on its way)."""
+        kind, rid = op["op"], op["request_id"]
+        if kind not in e.OPS or not isinstance(rid, str) or type(ts) is not int:
+            raise ValueError(f"malformed early call {op!r}")
+        early = self.early
+        if early is None:
+            return False
+        t = self.registry.find(key)
+        started = t.started_at(rid) if t is not None else None
+        applied = False
+        if t is not None and started is not None and started <= self.producer_instant(ts):
+            eff = effects.get(key)
+            if eff is None:
+                eff = effects[key] = ReplicaEffects()
+            if kind == e.FREE:
+                self._free_copy(key, t, rid, ts, eff)
+                early.counters.tombstones_applied += 1
+            else:
+                self._complete_prefill(t, rid, ts, eff)
+            applied = True
+        if kind == e.FREE or not applied:
+            early.put((key[0], key[1], rid), kind, ts, self.wall_clock())
+        return applied
+
+    def _free_copy(self, key: Key, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
+        """Free this instance's copy of a request as a peer's free would (nothing is sent)."""
+        event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
+        if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
+            self.registry.counters_of(key).freed += 1
+
+    def _complete_prefill(self, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
+        """Apply a pending mark: the request's prefill completed at the mark's time."""
+        event = ActiveSequenceEvent(rid, _ANY_RANK, MARK_PREFILL_COMPLETED, 0)
+        if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
+            self.early.counters.marks_applied += 1  # type: ignore[union-attr]
 
     def _apply_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> bool:
         kind = op["op"]
@@ -225,6 +381,10 @@ class Replica:
 
     # -- snapshots -------------------------------------------------------------------------
 
+    def export_early(self) -> list[list[Any]]:
+        """The early calls kept here, for a snapshot."""
+        return self.early.export() if self.early is not None else []
+
     def export_state(self) -> list[dict[str, Any]]:
         """Every tracker's replicated state (``app.core.snapshot``), instants as wall time."""
         to_wall, _ = wall_mapping(self.clock(), self.wall_clock())
@@ -233,8 +393,11 @@ class Replica:
             for key, t in sorted(self.registry.trackers.items())
         ]
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        """Replace every tracker by those of an ``export_state`` (counters are kept).
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        """Replace every tracker by those of an ``export_state``, and the early calls by
+        ``early`` (an ``export_early``; None: none) (counters are kept).
 
         All or nothing: on malformed data the previous trackers stay in place.
         """
@@ -247,6 +410,22 @@ class Replica:
                 key = (entry["model_name"], entry["routing_group"])
                 data = entry["tracker"]
                 registry.create(key, data["block_size"]).restore(data, from_wall)
+            if self.early is not None:
+                self.early.restore(early or [], self.wall_clock())
         except Exception:
             registry.replace_all(previous)
             raise
+        # own records not in the snapshot are applied like peers' when read back
+        self._own_adds.clear()
+        self._superseded.clear()
+
+
+_ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id
+
+
+def as_peer(record: dict[str, Any]) -> dict[str, Any]:
+    """One of our own records, to be applied like a peer's (origin and router id cleared)."""
+    copy = dict(record)
+    copy["origin"] = 0
+    copy["event"] = {**record["event"], "router_id": 0}
+    return copy

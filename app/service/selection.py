@@ -28,14 +28,12 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 from app.core.selection import (
     ApproximateCache,
     Prompt,
     RouterConfig,
-    Selection,
     chain_keys,
     effective_prefill_tokens,
     normalize_prompt,
@@ -52,25 +50,26 @@ from app.core.selection.catalog import (
 )
 from app.core.selection.errors import (
     CatalogWorkerNotFound,
-    InvalidDecayFraction,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
-    PendingSelectionNotFound,
-    PendingWorkerGone,
-    PrefillExceedsIsl,
-    RankNotFound,
-    ReservationConflict,
-    ReservationNotFound,
-    SchedulableWorkerNotFound,
 )
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
-from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from app.service import selection_commands as sc
 from app.service import selection_mutations as m
 from app.service.commands import Key
 from app.service.errors import TooManyHashes
 from app.service.registry import TrackerRegistry
+from app.service.selection_reservations import ReservationsMixin
+from app.service.selection_types import (
+    Candidates,
+    LoadRow,
+    OverlapScores,
+    Partition,
+    Reservation,
+    SelectOutcome,
+    WorkerLoad,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,85 +80,7 @@ DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
 MAX_RANKS_PER_PARTITION = 16_384
 
 
-@dataclass(slots=True)
-class Partition:
-    """One ``(model_name, routing_group)`` as the selection service sees it."""
-
-    key: Key
-    block_size: int
-    cache: ApproximateCache
-    workers: dict[int, WorkerSpec] = field(default_factory=dict)
-    """The schedulable workers placed in this partition's tracker."""
-
-
-@dataclass(slots=True)
-class Reservation:
-    key: Key
-    worker: WorkerWithDpRank
-    created_at: int
-    lingering: bool = False
-    """Its worker (or rank) was removed: the request is gone but the id stays taken until a
-    lifecycle call on it answers 404 (the reference's rule)."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """The ``worker_load`` block of an advisory selection."""
-
-    active_prefill_tokens: int
-    prefill_token_capacity: int
-    total_kv_blocks: int | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SelectOutcome:
-    selection_id: str | None
-    model_name: str
-    routing_group: str
-    endpoint: str
-    block_size: int
-    selection: Selection
-    prompt: Prompt
-    track_prefill_tokens: bool
-    worker_load: WorkerLoad | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Booked:
-    selection_id: str
-    model_name: str
-    routing_group: str
-    worker: WorkerWithDpRank
-    endpoint: str
-
-
-@dataclass(frozen=True, slots=True)
-class OverlapScores:
-    block_size: int
-    num_blocks: int
-    rows: list[tuple[int, int, int]]
-    """``(worker_id, dp_rank, device_blocks)`` per candidate rank, sorted."""
-
-
-# (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
-LoadRow = tuple[int, int, int, int, int]
-
-
-class Candidates(NamedTuple):
-    """The candidate ranks of one selection as columns (``select_columns``' arguments)."""
-
-    workers: list[WorkerWithDpRank]
-    prefill: list[int]
-    """P: prefill tokens pending on the rank."""
-    decode: list[int]
-    """D + new: active blocks plus the prompt's blocks not active on the rank."""
-    requests: list[int]
-    """A: requests booked on the rank."""
-    overlap: list[int]
-    """k: leading prompt blocks the approximate cache holds on the rank."""
-
-
-class SelectionService:
+class SelectionService(ReservationsMixin):
     def __init__(
         self,
         registry: TrackerRegistry,
@@ -552,188 +473,6 @@ class SelectionService:
         if not candidates.workers:
             raise self._no_workers(cmd.key)
         return part, prompt, candidates
-
-    # -- reservations ----------------------------------------------------------------------
-
-    def _live(self, sid: str) -> Reservation | None:
-        """The reservation of ``sid`` if it still holds its request; a lingering or stale id is
-        forgotten on the way (through ``commit``)."""
-        res = self.reservations.get(sid)
-        if res is None:
-            return None
-        if not res.lingering:
-            t = self.registry.find(res.key)
-            if t is not None and t.worker_for(sid) == res.worker:
-                return res
-            self.stale_dropped += 1
-        self.commit(m.Forget(sid))
-        return None
-
-    def _check_free(self, sid: str, key: Key) -> None:
-        """409 when the id is reserved anywhere (a lingering id included), or when the
-        partition's tracker already holds a request of that id (slot-tracker routes)."""
-        res = self.reservations.get(sid)
-        if res is not None:
-            if res.lingering:
-                raise ReservationConflict(sid)
-            if self._live(sid) is not None:
-                raise ReservationConflict(sid)
-        t = self.registry.find(key)
-        if t is not None and t.has_request(sid):
-            raise ReservationConflict(sid)
-
-    def replay(self, cmd: sc.ReplaySelection) -> Booked:
-        """Book a pending selection exactly where it pointed (single use)."""
-        key, sid = cmd.key, cmd.selection_id
-        entry = self.pending.get((*key, sid), self.clock())
-        if entry is None:
-            raise PendingSelectionNotFound(sid, *key)
-        self._partition(key)
-        worker = entry.worker
-        spec = self._placed_spec(key, worker)
-        if spec is None:
-            raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
-        self._check_free(sid, key)
-        self.commit(
-            m.Book(
-                selection_id=sid,
-                model_name=key[0],
-                routing_group=key[1],
-                worker=worker,
-                sequence_hashes=entry.sequence_hashes,
-                block_hashes=entry.block_hashes,
-                cache_chain=entry.sequence_hashes if entry.from_tokens else None,
-                isl_tokens=entry.isl_tokens,
-                prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
-                expected_output_tokens=entry.expected_output_tokens,
-                lora_name=entry.lora_name,
-            )
-        )
-        return Booked(
-            selection_id=sid,
-            model_name=key[0],
-            routing_group=key[1],
-            worker=worker,
-            endpoint=spec.endpoint or "",
-        )
-
-    def _placed_spec(self, key: Key, worker: WorkerWithDpRank) -> WorkerSpec | None:
-        """The spec of ``worker``'s worker when that rank is schedulable in ``key``."""
-        part = self.partitions.get(key)
-        spec = part.workers.get(worker.worker_id) if part is not None else None
-        if spec is None or not spec.has_rank(worker.dp_rank):
-            return None
-        t = self.registry.find(key)
-        placed = t.worker_range(worker.worker_id) if t is not None else None
-        if (
-            placed is None
-            or not placed.dp_start <= worker.dp_rank < placed.dp_start + placed.dp_size
-        ):
-            return None
-        return spec
-
-    def book(self, cmd: sc.BookExplicit) -> Booked:
-        """An explicit booking of a prompt on a given rank."""
-        key, sid = cmd.key, cmd.selection_id
-        part = self._partition(key)
-        # the reference checks the block hashes (isl > 0, equal lengths) only after the worker
-        with_blocks = cmd.token_ids is None and cmd.block_hashes is not None
-        prompt = self._prompt(cmd, part.block_size, for_booking=True, block_hashes=False)
-        ept = cmd.effective_prefill_tokens
-        if ept is not None and ept > prompt.isl_tokens:
-            raise PrefillExceedsIsl(ept, prompt.isl_tokens)
-        if cmd.worker_id not in part.workers:
-            raise SchedulableWorkerNotFound(cmd.worker_id, *key)
-        if with_blocks:
-            prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        self._check_free(sid, key)
-        worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
-        spec = self._placed_spec(key, worker)
-        if spec is None:
-            raise RankNotFound(cmd.worker_id, cmd.dp_rank)
-        # the booking's own flag decides, whatever the router's: only an explicit false stops
-        # the given prefill tokens from counting (as in the reference)
-        track = cmd.track_prefill_tokens is not False
-        self.commit(
-            m.Book(
-                selection_id=sid,
-                model_name=key[0],
-                routing_group=key[1],
-                worker=worker,
-                sequence_hashes=prompt.sequence_hashes,
-                block_hashes=prompt.block_hashes,
-                cache_chain=prompt.sequence_hashes if prompt.from_tokens else None,
-                isl_tokens=prompt.isl_tokens,
-                prefill_tokens=ept if ept is not None and track else 0,
-                expected_output_tokens=cmd.expected_output_tokens,
-                lora_name=cmd.lora_name,
-            )
-        )
-        return Booked(
-            selection_id=sid,
-            model_name=key[0],
-            routing_group=key[1],
-            worker=worker,
-            endpoint=spec.endpoint or "",
-        )
-
-    def prefill_complete(self, cmd: sc.ReservationCall) -> None:
-        if self._live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
-        self.commit(m.CompletePrefill(cmd.selection_id))
-
-    def output_block(self, cmd: sc.ReservationOutputBlock) -> None:
-        f = cmd.decay_fraction
-        if f is not None and not 0.0 <= f <= 1.0:
-            raise InvalidDecayFraction()
-        if self._live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
-        self.commit(m.AddOutputBlock(cmd.selection_id, f))
-
-    def release(self, cmd: sc.ReservationCall) -> None:
-        if self._live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
-        self.commit(m.Release(cmd.selection_id))
-
-    def _apply_book(self, b: m.Book, now: int) -> None:
-        key = b.key
-        t = self.registry.get(key)
-        prefill = b.prefill_tokens
-        t.add_request_if_registered(
-            SequenceRequest(
-                b.selection_id,
-                b.worker,
-                list(b.sequence_hashes),
-                prefill > 0,
-                b.expected_output_tokens,
-                PrefillLoadHint(prefill) if prefill > 0 else None,
-                b.lora_name,
-            ),
-            now,
-        )
-        self.registry.counters_of(key).added += 1
-        self.reservations[b.selection_id] = Reservation(key, b.worker, now)
-        self._reservations_of.setdefault(b.worker.worker_id, set()).add(b.selection_id)
-        if b.block_hashes:
-            self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
-        if b.consumes_pending:
-            self.pending.discard((*key, b.selection_id))
-
-    def _apply_release(self, r: m.Release, now: int) -> None:
-        res = self.reservations[r.selection_id]
-        if self.registry.get(res.key).free(r.selection_id, now):
-            self.registry.counters_of(res.key).freed += 1
-        self._forget(r.selection_id)
-
-    def _forget(self, sid: str) -> None:
-        res = self.reservations.pop(sid, None)
-        if res is None:
-            return
-        ids = self._reservations_of.get(res.worker.worker_id)
-        if ids is not None:
-            ids.discard(sid)
-            if not ids:
-                del self._reservations_of[res.worker.worker_id]
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from app.core.types import (
     NS_PER_MS,
     NS_PER_S,
     PrefillLoadHint,
-    PrefillTokenDeltas,
     SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
@@ -29,6 +28,7 @@ from app.service import commands as c
 from app.service.errors import (
     BlockSizeMismatch,
     InvalidTopology,
+    NoTracker,
     TooManyHashes,
     TooManyRanks,
     UnknownWorker,
@@ -190,9 +190,15 @@ class SlotTrackerService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def _tracker(self, key: Key) -> ActiveSequencesMultiWorker:
+        t = self.registry.trackers.get(key)
+        if t is None:
+            raise NoTracker(key)
+        return t
+
     def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
         """The tracker of the command's key and its prompt as block hashes."""
-        t = self.registry.get(cmd.key)
+        t = self._tracker((cmd.model_name, cmd.routing_group))
         if cmd.token_ids is not None:
             hashes = sequence_hashes_for_tokens(cmd.token_ids, t.block_size, cmd.lora_name)
         elif cmd.sequence_hashes is not None:
@@ -222,17 +228,20 @@ class SlotTrackerService:
             ),
             self.clock(),
         )
-        self.registry.counters_of(cmd.key).added += 1
+        self.registry.counters[(cmd.model_name, cmd.routing_group)].added += 1
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
-        self.registry.get(cmd.key).mark_prefill_completed(cmd.request_id, self.clock())
+        t = self._tracker((cmd.model_name, cmd.routing_group))
+        t.mark_prefill_completed(cmd.request_id, self.clock())
 
     def free(self, cmd: c.Free) -> None:
-        if self.registry.get(cmd.key).free(cmd.request_id, self.clock()):
-            self.registry.counters_of(cmd.key).freed += 1
+        key = (cmd.model_name, cmd.routing_group)
+        if self._tracker(key).free(cmd.request_id, self.clock()):
+            self.registry.counters[key].freed += 1
 
     def output_block(self, cmd: c.OutputBlock) -> None:
-        self.registry.get(cmd.key).add_output_block(cmd.request_id, cmd.decay_fraction)
+        t = self._tracker((cmd.model_name, cmd.routing_group))
+        t.add_output_block(cmd.request_id, cmd.decay_fraction)
 
     def expire(self) -> int:
         """One forced-expiry sweep over every tracker; returns how many requests expired."""
@@ -277,9 +286,7 @@ class SlotTrackerService:
         """Per rank, sorted: ``(worker_id, dp_rank, potential_prefill_tokens,
         potential_decode_blocks, active_requests)`` (``tracker.potential_loads``)."""
         t, hashes = self.prompt_hashes(cmd)
-        return t.potential_loads(
-            hashes, PrefillTokenDeltas.uniform(cmd.new_isl_tokens), self.clock()
-        )
+        return t.potential_loads(hashes, cmd.new_isl_tokens, self.clock())
 
     def project_loads(self, cmd: c.ProjectLoads) -> list[dict[str, Any]]:
         t, hashes = self.prompt_hashes(cmd)
@@ -307,5 +314,10 @@ class SlotTrackerService:
     def export_state(self) -> list[dict[str, Any]]:
         return self.replica.export_state()
 
-    def restore_state(self, trackers: list[dict[str, Any]]) -> None:
-        self.replica.restore_state(trackers)
+    def export_early(self) -> list[list[Any]]:
+        return self.replica.export_early()
+
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        self.replica.restore_state(trackers, early)

@@ -48,6 +48,7 @@ async def running_app(
     """Build an app with ``load_settings(**overrides)``, run its lifespan, yield it and a client."""
     app = create_app(load_settings(**overrides), clock=clock.now)
     async with app.router.lifespan_context(app):
+        await app.state.replication.settled(10)  # what a probe of /ready would wait for
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url=BASE_URL) as client:
             yield app, client

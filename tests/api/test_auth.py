@@ -2,8 +2,8 @@
 
 With a key configured every route answers 401 ``{"error": ...}`` without the right
 ``Authorization: Bearer <key>`` header, except the probes and the documentation: /health, /ready,
-/metrics, /docs, /openapi.json (and the static pages /redoc, /docs/oauth2-redirect, /dashboard,
-which carry no data). The key never appears in logs, in the OpenAPI document or in any answer.
+/metrics, /docs, /openapi.json (and the static pages /redoc, /docs/oauth2-redirect, /dashboard
+and the docs' assets under /docs/assets/, which carry no data). The key never appears in logs, in the OpenAPI document or in any answer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from app.http.auth import OPEN_PATHS
+from app.http.docs import DOCS_ASSETS
 from app.settings import load_settings
 from tests.api.conftest import post_json
 
@@ -97,7 +98,9 @@ def app_routes(app: FastAPI) -> set[tuple[str, str]]:
 
 
 def protected_routes(app: FastAPI) -> list[tuple[str, str]]:
-    return sorted((m, p) for m, p in app_routes(app) if p not in OPEN_PATHS)
+    return sorted(
+        (m, p) for m, p in app_routes(app) if p not in OPEN_PATHS and not p.startswith(DOCS_ASSETS)
+    )
 
 
 def assert_unauthorized(resp: httpx.Response) -> None:

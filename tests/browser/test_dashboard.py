@@ -1,68 +1,92 @@
-"""``GET /dashboard`` in a real browser: a real instance driven over HTTP, headless Chromium.
+"""``GET /dashboard`` in a real browser: real instances driven over HTTP, headless Chromium.
 
-The module starts ``python -m app`` on a free port with an API key, registers workers and
-adds and frees requests over HTTP, and checks through Selenium that the page's bars appear,
-grow and shrink. It also writes ``docs/dashboard.png``.
+Two replicated instances (``python -m app`` with Redis and an API key) share a namespace: the
+test registers workers and adds and frees requests on the first one, and checks through
+Selenium that the page of the second shows the bars appear, grow and shrink, the group history
+charts grow and follow the totals, and the replication panel shows the second instance's
+``/replication``. An embedded instance checks the key prompt and that it has no such panel.
 
-Chromium and chromedriver come from the Debian packages ``chromium`` and ``chromium-driver``,
-which ``make test`` installs through ``scripts/ensure_chromium.sh``. Without them these tests
-fail (they never skip): set ``SLOT_TRACKER_CHROMIUM`` / ``SLOT_TRACKER_CHROMEDRIVER`` to use
-binaries elsewhere.
+The test also takes the screenshot ``docs/dashboard.png``; it writes it there only with
+``SLOT_TRACKER_UPDATE_SCREENSHOT=1`` (charts, lag and ids differ on every run), and to a
+temporary file otherwise:
+
+    SLOT_TRACKER_UPDATE_SCREENSHOT=1 scripts/with_redis.sh .venv/bin/python -m pytest tests/browser
+
+Chromium comes from ``conftest.py`` (the Debian packages; the tests fail without them).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from tests.servers import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "dashboard.png"
-CHROMIUM = Path(os.environ.get("SLOT_TRACKER_CHROMIUM", "/usr/bin/chromium"))
-CHROMEDRIVER = Path(os.environ.get("SLOT_TRACKER_CHROMEDRIVER", "/usr/bin/chromedriver"))
-CHROME_FLAGS = (
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-extensions",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--force-color-profile=srgb",
-    "--hide-scrollbars",
-    "--lang=en-US",
-)
 API_KEY = "dashboard-test-key"
 LLAMA = ("llama-3.1-8b", "default")
 MISTRAL = ("mistral-7b", "canary")
 BIG_WORKER = 2**53 + 1  # not exactly representable as a JavaScript number
 WAIT_S = 15
+CHART_H, CHART_PAD = 40, 3  # the charts' viewBox height and padding, as in the page
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
 
 pytestmark = pytest.mark.browser
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a real instance (``python -m app``) that requires ``API_KEY``."""
-    with live_server(tmp_path_factory.mktemp("server"), SLOT_TRACKER_API_KEY=API_KEY) as url:
+def pair(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[tuple[str, str]]:
+    """Base URLs of two replicated instances in a namespace of their own, both with the key."""
+    namespace = f"dashboard-{uuid.uuid4().hex[:8]}"  # short: it shows in the screenshot
+    env = {
+        "SLOT_TRACKER_API_KEY": API_KEY,
+        "SLOT_TRACKER_REDIS_URL": redis_url,
+        "SLOT_TRACKER_NAMESPACE": namespace,
+    }
+    logs = tmp_path_factory.mktemp("replicated")
+    try:
+        with live_server(logs, **env) as writer, live_server(logs, **env) as reader:
+            for url in (writer, reader):
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{url}/ready").status_code != 200:
+                    assert time.monotonic() < deadline, f"{url} did not become ready"
+                    time.sleep(0.1)
+            yield writer, reader
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match="{" + namespace + "}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def server(pair: tuple[str, str]) -> str:
+    """The instance whose page is watched; the test's writes reach it through Redis."""
+    return pair[1]
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a single, embedded instance that requires ``API_KEY``."""
+    with live_server(tmp_path_factory.mktemp("embedded"), SLOT_TRACKER_API_KEY=API_KEY) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def api(server: str) -> Iterator[Callable[[str, dict[str, Any]], None]]:
-    """``api(path, body)``: POST with the key; fails the test unless the answer is 200/201."""
-    client = httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"})
+def api(pair: tuple[str, str]) -> Iterator[Callable[[str, dict[str, Any]], None]]:
+    """``api(path, body)``: POST to the other instance with the key; 200/201 or the test fails."""
+    client = httpx.Client(base_url=pair[0], headers=KEYED)
 
     def post(path: str, body: dict[str, Any]) -> None:
         resp = client.post(path, json=body)
@@ -75,32 +99,8 @@ def api(server: str) -> Iterator[Callable[[str, dict[str, Any]], None]]:
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.fail(
-            f"the dashboard browser tests need headless Chromium, but {', '.join(missing)} "
-            "is missing. Run `scripts/ensure_chromium.sh` (as root: apt-get install chromium "
-            "chromium-driver), which `make test` does, or point SLOT_TRACKER_CHROMIUM and "
-            "SLOT_TRACKER_CHROMEDRIVER at a Chromium and its matching chromedriver.",
-            pytrace=False,
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for flag in CHROME_FLAGS:
-        options.add_argument(flag)
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path_factory.getbasetemp())
-    options.add_argument(f"--user-data-dir={profile}")
-    options.add_argument("--window-size=1280,900")
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+def browser(chromium: Callable[..., Any]) -> Any:
+    return chromium()
 
 
 # --- reading the page ----------------------------------------------------------------------
@@ -178,8 +178,59 @@ def visible(driver: Any, element_id: str) -> bool:
     return driver.find_element("id", element_id).is_displayed()
 
 
+READ_HISTORY = """
+const [model, group, field] = arguments;
+const node = [...document.querySelectorAll("section.group")].find(
+  (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+const svg = node && node.querySelector(`.row.history .spark[data-metric="${field}"] svg`);
+if (!svg) return null;
+return {
+  line: svg.querySelector(".line").getAttribute("d") || "",
+  points: Number(svg.dataset.points),
+  peak: Number(svg.dataset.peak),
+  last: Number(svg.dataset.last),
+  shown: svg.closest(".spark").querySelector(".num").textContent,
+  peakText: svg.closest(".spark").querySelector(".peak").textContent,
+};
+"""
+
+
+def history(driver: Any, key: tuple[str, str], name: str) -> dict[str, Any]:
+    """One chart of a group's history, with the points of its line as (x, y) pairs."""
+    h = driver.execute_script(READ_HISTORY, *key, name)
+    assert h is not None, (key, name)
+    h["xy"] = [(float(x), float(y)) for x, y in re.findall(r"([\d.]+),([\d.]+)", h["line"])]
+    return h
+
+
+def chart_y(value: int, peak: int) -> float:
+    """Where the page draws ``value`` on a chart whose peak is ``peak`` (2 decimals)."""
+    return round(CHART_H - CHART_PAD - (CHART_H - 2 * CHART_PAD) * value / (peak or 1), 2)
+
+
+def total(driver: Any, key: tuple[str, str], name: str) -> int:
+    """The group total of one metric, summed from the numbers beside the bars."""
+    rows = read_group(driver, key) or {}
+    return sum(int(r["metrics"][name]["text"].replace(",", "")) for r in rows.values())
+
+
+def panel(driver: Any) -> dict[str, Any]:
+    """The replication panel: whether it shows, its mode and each field's text and value."""
+    return driver.execute_script(
+        """
+        const p = document.getElementById("replication");
+        const f = (id) => [document.getElementById(id).textContent,
+                           document.getElementById(id).dataset.value];
+        return {visible: p.getBoundingClientRect().height > 0 && !p.hidden, mode: p.dataset.mode,
+                connected: f("repl-connected"), lag: f("repl-lag"), outbox: f("repl-outbox"),
+                position: f("repl-position"), health: f("repl-degraded"),
+                modeText: f("repl-mode")[0], facts: document.getElementById("repl-facts").textContent};
+        """
+    )
+
+
 def save_screenshot(driver: Any) -> None:
-    """Write the whole page, at its natural height, to ``docs/dashboard.png``."""
+    """Write the whole page, at its natural height, to ``docs/dashboard.png`` (see above)."""
     height = driver.execute_script(
         "return Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)"
     )
@@ -189,8 +240,13 @@ def save_screenshot(driver: Any) -> None:
     )
     try:
         time.sleep(0.7)  # let the bar transitions settle
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        assert driver.save_screenshot(str(SCREENSHOT)), "screenshot failed"
+        if os.environ.get("SLOT_TRACKER_UPDATE_SCREENSHOT") == "1":
+            path = SCREENSHOT
+        else:
+            path = Path(driver.capabilities["chrome"]["userDataDir"]) / SCREENSHOT.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(path)), "screenshot failed"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
@@ -225,7 +281,9 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
     assert "No worker ranks registered yet" in text_of(d, "empty")
     wait_for(d, "readiness in the header", lambda: text_of(d, "ready") == "ready")
-    assert "embedded" in text_of(d, "mode")
+    assert text_of(d, "mode").startswith("redis")
+    wait_for(d, "the replication panel", lambda: panel(d)["visible"])
+    assert panel(d)["mode"] == "redis"
 
     # Registered out of order: the page sorts ranks by worker id, then dp rank.
     llama, mistral = (
@@ -255,6 +313,12 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     labels = [r["label"] for r in read_group(d, MISTRAL).values()]
     assert labels == [f"worker {BIG_WORKER} | dp 0", f"worker {BIG_WORKER} | dp 1"], labels
 
+    # The group's history starts as soon as it appears: idle, every point on the baseline.
+    wait_for(d, "two idle samples", lambda: history(d, LLAMA, "active_requests")["points"] >= 2)
+    idle = history(d, LLAMA, "active_requests")
+    assert (idle["peak"], idle["last"], idle["shown"], idle["peakText"]) == (0, 0, "0", "peak 0")
+    assert {y for _, y in idle["xy"]} == {chart_y(0, 0)}
+
     # One request on worker 1 / dp 0: its bars appear, at full scale.
     api(
         "/add",
@@ -272,6 +336,22 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         d,
         "1/0 blocks bar at full width",
         lambda: metric(d, LLAMA, 1, 0, "active_decode_blocks")["pct"] == 100,
+    )
+    # ... and the history follows: the newest point, at the right edge, is the new peak, and
+    # the line grows by a point with every refresh.
+    wait_for(d, "a1 in the history", lambda: history(d, LLAMA, "active_requests")["last"] == 1)
+    h = history(d, LLAMA, "active_requests")
+    assert (h["peak"], h["shown"], h["peakText"]) == (1, "1", "peak 1")
+    assert h["xy"][-1] == (300.0, chart_y(1, 1)) == (300.0, 3.0)
+    assert len(h["xy"]) == h["points"]
+    assert all(x1 < x2 for (x1, _), (x2, _) in zip(h["xy"], h["xy"][1:], strict=False))
+    blocks = history(d, LLAMA, "active_decode_blocks")
+    assert (blocks["last"], blocks["peak"], blocks["shown"]) == (4, 4, "4")
+    grown = h["points"] + 3
+    wait_for(
+        d,
+        "three more points in the line",
+        lambda: len(history(d, LLAMA, "active_requests")["xy"]) >= grown,
     )
     assert shows(d, 2, 0, blocks=0, prefill=0, requests=0)
 
@@ -314,6 +394,18 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     assert round(metric(d, LLAMA, 1, 0, "active_prefill_tokens")["pct"], 1) == 16.7
     assert metric(d, LLAMA, 1, 0, "active_requests")["pct"] == 50
     assert shows(d, 1, 0, blocks=4, prefill=64, requests=1)
+    # the group totals in the history are the sums of the bars: 4 + 12 blocks, 64 + 384 tokens
+    expected = {"active_requests": 3, "active_decode_blocks": 16, "active_prefill_tokens": 448}
+    wait_for(
+        d,
+        "b1+b2 in the history",
+        lambda: {name: history(d, LLAMA, name)["last"] for name in expected} == expected,
+    )
+    for name, value in expected.items():
+        assert total(d, LLAMA, name) == value
+        h = history(d, LLAMA, name)
+        assert (h["peak"], h["shown"]) == (value, f"{value:,}")
+        assert h["xy"][-1] == (300.0, chart_y(value, value))
 
     # Prefill done for a1: its prefill bar empties, its blocks stay.
     api("/prefill_complete", {**llama, "request_id": "a1"})
@@ -365,11 +457,37 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     )
     assert text_of(d, "sum-requests") == "7"
     etas = d.execute_script(
-        "return [...document.querySelectorAll('section.group[data-model=\"mistral-7b\"] .eta')]"
+        "return [...document.querySelectorAll("
+        "'section.group[data-model=\"mistral-7b\"] .row.rank .eta')]"
         ".map((e) => e.textContent)"
     )
     assert etas == ["~20 min", ""], etas
     assert metric(d, MISTRAL, BIG_WORKER, 0, "active_prefill_tokens")["text"] == "896"
+
+    # The replication panel shows this instance's /replication: connected, nothing to publish
+    # (the writes went to the other instance), and the position and lag of what it applied.
+    with httpx.Client(base_url=server, headers=KEYED) as client:
+        status = client.get("/replication").json()
+        capacity = status["outbox_capacity"]
+        assert status["mode"] == "redis" and status["connected"] is True
+        assert status["outbox_depth"] == 0 and capacity > 0
+        assert status["stream_position"] and status["last_applied_lag_ms"] is not None
+        assert status["degraded_reasons"] == []
+        wait_for(
+            d,
+            "the panel at the last stream position",
+            lambda: panel(d)["position"] == [status["stream_position"]] * 2,
+        )
+        assert client.get("/replication").json()["stream_position"] == status["stream_position"]
+    shown = panel(d)
+    assert shown["visible"] and shown["mode"] == "redis" and shown["modeText"] == "redis"
+    assert shown["connected"] == ["connected", "true"]
+    assert shown["outbox"] == [f"0 / {capacity:,}", "0"]
+    assert float(shown["lag"][1]) == status["last_applied_lag_ms"]
+    assert re.fullmatch(r"[\d,.]+ m?s", shown["lag"][0]), shown["lag"]
+    assert shown["health"] == ["healthy", ""]
+    assert f"instance {status['instance_id']}" in shown["facts"]
+    assert f"namespace {status['namespace']}" in shown["facts"]
     save_screenshot(d)
 
     # Worker 2's requests end: its bars shrink to nothing and worker 1 is the full scale again.
@@ -386,19 +504,37 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         lambda: metric(d, LLAMA, 1, 1, "active_decode_blocks")["pct"] == 100,
     )
     assert round(metric(d, LLAMA, 1, 0, "active_decode_blocks")["pct"], 1) == 66.7
+    # the history keeps the peak: 2 requests now (a1, c1), 4 at most (with b1, b2) before
+    wait_for(
+        d, "the frees in the history", lambda: history(d, LLAMA, "active_requests")["last"] == 2
+    )
+    h = history(d, LLAMA, "active_requests")
+    assert (h["peak"], h["shown"], h["peakText"]) == (4, "2", "peak 4")
+    assert h["xy"][-1] == (300.0, chart_y(2, 4)) == (300.0, 20.0)
+    assert max(y for _, y in h["xy"]) == chart_y(0, 4)  # it started idle
+    assert min(y for _, y in h["xy"]) == chart_y(4, 4)
 
     # A worker that goes away takes its row with it.
     api("/unregister", {**llama, "worker_id": 2})
     wait_for(d, "worker 2 gone", lambda: rank_order(d, LLAMA) == [("1", 0), ("1", 1)])
 
 
-def test_page_asks_for_the_key(server: str, api: Callable, browser: Any) -> None:
+def test_page_asks_for_the_key(embedded: str, browser: Any) -> None:
+    """On an embedded instance, which also shows no replication panel."""
     d = browser
-    api(
-        "/register",
-        {"model_name": "key-check", "worker_id": 5, "block_size": 16, "dp_start": 0, "dp_size": 1},
+    resp = httpx.post(
+        f"{embedded}/register",
+        json={
+            "model_name": "key-check",
+            "worker_id": 5,
+            "block_size": 16,
+            "dp_start": 0,
+            "dp_size": 1,
+        },
+        headers=KEYED,
     )
-    d.get(f"{server}/dashboard")
+    assert resp.status_code == 201, resp.text
+    d.get(f"{embedded}/dashboard")
     d.execute_script("sessionStorage.clear()")
     d.refresh()
     body = lambda: d.find_element("tag name", "body").get_attribute("data-state")  # noqa: E731
@@ -406,6 +542,7 @@ def test_page_asks_for_the_key(server: str, api: Callable, browser: Any) -> None
     assert "needs an API key" in text_of(d, "notice")
     assert "key needed" in text_of(d, "mode")
     assert text_of(d, "ready") == "ready"  # /ready is open
+    assert not panel(d)["visible"]
 
     field = d.find_element("id", "keyinput")
     field.send_keys("wrong-key")
@@ -422,6 +559,10 @@ def test_page_asks_for_the_key(server: str, api: Callable, browser: Any) -> None
     )
     assert not visible(d, "keyform")
     assert d.execute_script("return sessionStorage.getItem('kv-slot-tracker.api-key')") == API_KEY
+    # embedded: the header says so, and there is no replication panel
+    wait_for(d, "the mode with the key", lambda: "embedded" in text_of(d, "mode"))
+    assert panel(d)["mode"] == "embedded" and not panel(d)["visible"]
+    assert not visible(d, "replication")
 
     d.find_element("id", "keyclear").click()
     wait_for(d, "the key forgotten", lambda: body() == "needs-key")

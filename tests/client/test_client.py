@@ -1,4 +1,4 @@
-"""The typed client (``app.client``) against real service instances.
+"""The typed client (``kv_slot_tracker_client``, in clients/python) against real service instances.
 
 * ``server``: a ``python -m app`` subprocess on a free port (shared by the module; every test uses
   its own model name, so tests never see each other's trackers). ``client`` talks to it.
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from app.client import (
+from kv_slot_tracker_client import (
     AsyncSlotTrackerClient,
     BadRequest,
     BatchBuilder,
@@ -42,9 +41,13 @@ from app.client import (
     SlotTrackerError,
     TransportError,
     Unauthorized,
+    Unavailable,
     WorkerRow,
     to_i64,
 )
+from kv_slot_tracker_client import __version__ as client_version
+
+from app import __version__ as app_version
 from app.main import create_app
 from app.settings import load_settings
 from tests.fakes import FakeClock
@@ -554,6 +557,7 @@ def test_unauthorized(keyed_server: str) -> None:
     with SlotTrackerClient(keyed_server) as anonymous:
         assert anonymous.health() is True  # probes stay open
         assert anonymous.ready() is True
+        assert anonymous.openapi()["info"]["title"] == "kv-slot-tracker"  # open too
         with pytest.raises(Unauthorized) as err:
             anonymous.loads()
         assert (err.value.status, err.value.message) == (401, "missing or invalid bearer key")
@@ -572,6 +576,7 @@ def test_server_errors(status: int) -> None:
     with mock_client(Recorder(status, {"error": "boom"})) as c, pytest.raises(ServerError) as err:
         c.loads()
     assert (err.value.status, err.value.message, err.value.path) == (status, "boom", "/loads")
+    assert isinstance(err.value, Unavailable) == (status == 503)
 
 
 def test_error_message_fallbacks() -> None:
@@ -604,6 +609,7 @@ def test_unexpected_success_body() -> None:
 def test_every_error_is_a_slot_tracker_error() -> None:
     for cls in (BadRequest, Unauthorized, NotFound, Conflict, ServerError, TransportError):
         assert issubclass(cls, SlotTrackerError)
+    assert issubclass(Unavailable, ServerError)
 
 
 # -- transport errors and timeouts -------------------------------------------------------------
@@ -655,6 +661,9 @@ def test_probes_and_status(client: SlotTrackerClient, model: str) -> None:
     assert (status.model_extra or {})["ready"] is True
     client.register(1, model, 4)
     assert f'model_name="{model}"' in client.metrics()
+    doc = client.openapi()
+    assert (doc["info"]["title"], doc["info"]["version"]) == ("kv-slot-tracker", app_version)
+    assert "/potential_loads" in doc["paths"]
 
 
 def test_probe_answers() -> None:
@@ -692,6 +701,7 @@ def test_headers_key_and_base_url_prefix() -> None:
     workers, loads = rec.requests
     assert workers.headers["authorization"] == "Bearer k"
     assert workers.headers["x-caller"] == "router-1"
+    assert workers.headers["user-agent"] == f"kv-slot-tracker-client/{client_version}"
     assert str(workers.url) == "http://tracker/workers"
     assert str(loads.url) == "http://tracker/loads?model_name=&routing_group=g"
 

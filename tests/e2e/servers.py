@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from kv_slot_tracker_client import SlotTrackerClient, TransportError
 
-from app.client import SlotTrackerClient, TransportError
 from tests.replication.helpers import TcpProxy, free_port
 
 REPO = Path(__file__).resolve().parents[2]

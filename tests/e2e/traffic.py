@@ -23,7 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.client import BatchBuilder, Conflict, NotFound
+from kv_slot_tracker_client import BatchBuilder, Conflict, NotFound
+
 from tests.e2e.servers import ServerProcess
 
 Key = tuple[str, str]

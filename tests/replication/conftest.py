@@ -42,3 +42,16 @@ def redis_server() -> Any:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def namespace(redis_url: str, redis_namespace: str) -> Any:
+    """A namespace of its own on the shared test Redis, emptied at teardown."""
+    try:
+        yield redis_namespace
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match="{" + redis_namespace + "}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -20,7 +20,8 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
+from app.replication.redis import RedisReplication
+from app.replication.redis.bootstrap import START_WAIT_S
 from app.service import SlotTrackerService
 from app.settings import Settings
 from tests.calls import AddCall
@@ -107,11 +108,11 @@ class Cluster:
             instance_id=rep.instance_id,
             replicator=rep,
         )
-        rep.attach(service)
         node = Node(service, rep, registry)
         self.nodes.append(node)
         if start:
-            await rep.start()
+            await rep.start(service)
+            await rep.settled(START_WAIT_S)
         return node
 
     async def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Two applications built by ``create_app`` share state through Redis (HTTP in, HTTP out)."""
+"""Applications built by ``create_app``: the replication port wired to the service, and two of
+them sharing state through Redis (HTTP in, HTTP out)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,50 @@ from fastapi import FastAPI
 from app.main import create_app
 from app.settings import Settings
 
-pytestmark = pytest.mark.redis
+STATUS_KEYS = [
+    "mode", "instance_id", "namespace", "ready", "not_ready_reason", "connected", "degraded",
+    "degraded_reasons", "stream_position", "outbox_depth", "outbox_capacity", "published",
+    "applied", "duplicates", "dropped", "gaps", "resets", "resent", "bootstraps",
+    "snapshots_written", "last_applied_lag_ms", "snapshot_age_seconds", "snapshot_stream_id",
+]  # fmt: skip
 
 
 @asynccontextmanager
 async def running(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
+        await app.state.replication.settled(10)  # the lifespan does not wait for the bootstrap
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield client
 
 
+async def test_embedded_app_is_wired_in_one_phase() -> None:
+    app = create_app(Settings(instance_id=42))
+    assert app.state.replication.instance_id == 42
+    assert app.state.service.instance_id == 42
+    assert app.state.service.replicator is None  # nothing to replicate: no replica events
+    async with running(app) as client:
+        r = await client.get("/replication")
+        assert (await client.get("/ready")).json() == {"status": "ready", "reason": None}
+    assert r.content == (
+        b'{"mode":"embedded","instance_id":42,"namespace":null,"ready":true,'
+        b'"not_ready_reason":null,"connected":null,"degraded":false,"degraded_reasons":[],'
+        b'"stream_position":null,"outbox_depth":0,"outbox_capacity":0,"published":0,'
+        b'"applied":0,"duplicates":0,"dropped":0,"gaps":0,"resets":0,"resent":0,'
+        b'"bootstraps":0,"snapshots_written":0,"last_applied_lag_ms":null,'
+        b'"snapshot_age_seconds":null,"snapshot_stream_id":null}'
+    )
+
+
+@pytest.mark.redis
 async def test_two_apps_replicate_over_http(redis_url: str, redis_namespace: str) -> None:
     settings = Settings(redis_url=redis_url, namespace=redis_namespace)
     try:
         async with AsyncExitStack() as stack:
-            a = await stack.enter_async_context(running(create_app(settings)))
+            app_a = create_app(settings)
+            assert app_a.state.service.replicator is app_a.state.replication
+            assert app_a.state.service.instance_id == app_a.state.replication.instance_id != 0
+            a = await stack.enter_async_context(running(app_a))
             b = await stack.enter_async_context(running(create_app(settings)))
             assert (await a.get("/ready")).status_code == 200
             body = {
@@ -60,6 +89,7 @@ async def test_two_apps_replicate_over_http(redis_url: str, redis_namespace: str
             assert [r["active_decode_blocks"] for r in seen] == [0, 3]
             status_a = (await a.get("/replication")).json()
             status_b = (await b.get("/replication")).json()
+            assert list(status_a) == list(status_b) == STATUS_KEYS
             assert status_a["mode"] == status_b["mode"] == "redis"
             assert status_a["instance_id"] != status_b["instance_id"]
             assert status_a["published"] == 2 and status_b["applied"] == 2

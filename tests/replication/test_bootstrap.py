@@ -9,8 +9,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis_bus import RedisReplication
-from app.replication.stream import NamespaceKeys
+from app.replication.redis import RedisReplication
+from app.replication.redis.stream import NamespaceKeys
 from app.service import SlotTrackerService
 from tests.calls import free, potential_loads, prefill_complete, register, upsert
 from tests.fakes import NS_PER_SECOND, FakeClock
@@ -50,18 +50,18 @@ async def test_snapshot_round_trip_through_redis(cluster: Cluster) -> None:
     register(a.service, KEY, 1, 4, 0, 2)
     register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 60)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
-    await eventually(lambda: a.rep.status()["stream_position"] != "0-0")
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
+    await eventually(lambda: a.rep.status().stream_position != "0-0")
     assert await a.rep.write_snapshot()
-    assert a.rep.status()["snapshot_age_seconds"] is not None
+    assert a.rep.status().snapshot_age_seconds is not None
 
     cluster.clocks.advance(0.3)  # some decay happened before the late instance starts
     b = await cluster.node()
     assert b.rep.ready()
     st = b.rep.status()
-    assert st["bootstraps"] == 1
-    assert st["snapshot_stream_id"] == a.rep.status()["snapshot_stream_id"]
-    assert st["applied"] == 0  # everything came from the snapshot
+    assert st.bootstraps == 1
+    assert st.snapshot_stream_id == a.rep.status().snapshot_stream_id
+    assert st.applied == 0  # everything came from the snapshot
     assert_same(a, b)
     assert any(r["active_prefill_tokens"] for r in b.loads())
     assert any(r["modeled_remaining_prefill_ms"] for r in b.loads())
@@ -74,16 +74,16 @@ async def test_late_instance_reads_records_after_the_snapshot(cluster: Cluster) 
     register(a.service, KEY, 1, 4, 0, 2)
     register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "before-", 30)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
     assert await a.rep.write_snapshot()
     traffic(a, "after-", 20)
     free(a.service, KEY, "before-0")
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
 
     b = await cluster.node()
     assert b.rep.ready()
     assert_same(a, b)
-    assert b.rep.status()["applied"] == a.rep.status()["published"] - _published_at_snapshot(a)
+    assert b.rep.status().applied == a.rep.status().published - _published_at_snapshot(a)
 
 
 def _published_at_snapshot(node) -> int:
@@ -100,11 +100,11 @@ async def test_late_instance_without_snapshot_reads_the_whole_stream(cluster: Cl
     register(a.service, KEY, 1, 4, 0, 2)
     register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 25)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
     b = await cluster.node()
     assert b.rep.ready()
-    assert b.rep.status()["snapshot_age_seconds"] is None
-    assert b.rep.status()["applied"] == a.rep.status()["published"]
+    assert b.rep.status().snapshot_age_seconds is None
+    assert b.rep.status().applied == a.rep.status().published
     assert_same(a, b)
 
 
@@ -113,17 +113,17 @@ async def test_snapshot_taken_before_own_records_reach_the_stream(cluster: Clust
     a = await cluster.node()
     register(a.service, KEY, 1, 4, 0, 1)
     register(a.service, KEY, 2, 4, 0, 1)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
     traffic(a, "q", 12)
     # no await in between: the publisher has not run, the records are only in the outbox
-    assert a.rep.status()["outbox_depth"] > 0
+    assert a.rep.status().outbox_depth > 0
     assert await a.rep.write_snapshot()
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
 
     b = await cluster.node()
     st = b.rep.status()
-    assert st["applied"] == 0
-    assert st["duplicates"] == _records_of_traffic(12)
+    assert st.applied == 0
+    assert st.duplicates == _records_of_traffic(12)
     assert_same(a, b)
 
 
@@ -143,15 +143,15 @@ async def test_trimmed_position_bootstraps_again(cluster: Cluster, redis_url: st
         await eventually(lambda: request_ids(b) == request_ids(a) and len(b.loads()) == 3)
 
         proxy.cut()
-        await eventually(lambda: not b.rep.status()["connected"], what="b to notice")
+        await eventually(lambda: not b.rep.status().connected, what="b to notice")
         traffic(a, "missed-", 15)
         b.add("b-offline-1", hashes=[7, 7])
         b.add("b-offline-2", worker_id=2, hashes=[8])
-        await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+        await eventually(lambda: a.rep.status().outbox_depth == 0)
         assert await a.rep.write_snapshot()
-        snapshot_id = a.rep.status()["snapshot_stream_id"]
+        snapshot_id = a.rep.status().snapshot_stream_id
         traffic(a, "late-", 5)
-        await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+        await eventually(lambda: a.rep.status().outbox_depth == 0)
         client = redis.Redis.from_url(redis_url)
         ms, seq = (int(x) for x in snapshot_id.split("-"))
         trimmed = client.xtrim(NamespaceKeys.of(cluster.namespace).events, minid=f"{ms}-{seq + 1}")
@@ -167,10 +167,10 @@ async def test_trimmed_position_bootstraps_again(cluster: Cluster, redis_url: st
         await eventually(lambda: a.loads() == b.loads())
         assert_same(a, b)
         st = b.rep.status()
-        assert st["gaps"] == 1
-        assert st["bootstraps"] == 2
+        assert st.gaps == 1
+        assert st.bootstraps == 2
         assert {"missed-0", "late-0", "b-offline-1"} <= request_ids(b)
-        assert st["dropped"] == 0
+        assert st.dropped == 0
     finally:
         await proxy.close()
 
@@ -181,17 +181,17 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
         cluster.settings(stream_retention_seconds=60), CollectorRegistry(), wall_clock=wall.now
     )
     service = SlotTrackerService(instance_id=rep.instance_id, replicator=rep)
-    rep.attach(service)
-    await rep.start()
+    await rep.start(service)
+    await rep.settled(10)
     try:
         register(service, KEY, 1, 4, 0, 1)
         for i in range(300):
             free(service, KEY, f"none-{i}")  # no-op frees publish nothing
             upsert(service, KEY, 1, 4, 0, 1 + i % 2)
-        await eventually(lambda: rep.status()["outbox_depth"] == 0)
+        await eventually(lambda: rep.status().outbox_depth == 0)
         client = redis.Redis.from_url(cluster.redis_url)
         key = NamespaceKeys.of(cluster.namespace).events
-        published = rep.status()["published"]
+        published = rep.status().published
         assert published == 300  # the register and every upsert that changed the range
         assert client.xlen(key) == published
         # the stream ids are the server's (real) time; move our wall clock past the retention
@@ -213,26 +213,26 @@ async def test_periodic_snapshots_take_turns_under_a_lease(cluster: Cluster) -> 
     await eventually(lambda: written() >= 1, timeout=5, what="a periodic snapshot")
     # the instance that did not write learns the snapshot's age on its next round
     await eventually(
-        lambda: all(n.rep.status()["snapshot_age_seconds"] is not None for n in (a, b)),
+        lambda: all(n.rep.status().snapshot_age_seconds is not None for n in (a, b)),
         timeout=5,
     )
     # a lease lasts one interval: at most one snapshot per interval for the namespace
     assert written() <= 2
     late = await cluster.node()
-    assert late.rep.status()["bootstraps"] == 1
+    assert late.rep.status().bootstraps == 1
     assert_same(a, late)
 
 
 async def test_snapshot_write_is_fenced_by_the_lease(cluster: Cluster) -> None:
     a = await cluster.node()
     register(a.service, KEY, 1, 4, 0, 1)
-    store = a.rep._store
+    store = a.rep.snapshot_store
     assert await store.try_lease("token-a", 10_000)
     assert not await store.try_lease("token-b", 10_000)
     assert not await a.rep.write_snapshot("token-b")  # lost the lease: nothing written
     assert await store.meta() is None
     assert await a.rep.write_snapshot("token-a")
-    assert (await store.meta())[0] == a.rep.status()["snapshot_stream_id"]
+    assert (await store.meta())[0] == a.rep.status().snapshot_stream_id
 
 
 async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
@@ -254,7 +254,7 @@ async def test_restart_with_a_fixed_instance_id(cluster: Cluster) -> None:
     free(second.service, KEY, "old-0")
     await eventually(lambda: request_ids(peer) == request_ids(second))
     assert "new-0" in request_ids(peer) and "old-0" not in request_ids(peer)
-    assert peer.rep.status()["gaps"] == 0
+    assert peer.rep.status().gaps == 0
     assert_same(peer, second)
 
 
@@ -268,21 +268,22 @@ async def test_instance_started_after_a_reset_waits_for_a_snapshot(
     register(a.service, KEY, 1, 4, 0, 1)
     register(a.service, KEY, 2, 4, 0, 1)
     traffic(a, "r", 9)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
     keys = NamespaceKeys.of(cluster.namespace)
     client = redis.Redis.from_url(redis_url)
     try:
         client.set(keys.reset, "1")  # what an instance does when it notices the loss
         b = await cluster.node(start=False)
-        starting = asyncio.create_task(b.rep.start())
+        await b.rep.start(b.service)  # returns at once: the bootstrap runs in the background
+        starting = asyncio.create_task(b.rep.settled(10))
         await asyncio.sleep(1.0)
         assert not b.rep.ready()
-        assert "waiting for a snapshot" in b.rep.status()["not_ready_reason"]
+        assert "waiting for a snapshot" in b.rep.status().not_ready_reason
         assert await a.rep.write_snapshot()
         assert not client.exists(keys.reset)  # a snapshot written after the reset clears it
         await starting
         assert b.rep.ready()
-        assert b.rep.status()["applied"] == 0  # everything came from the snapshot
+        assert b.rep.status().applied == 0  # everything came from the snapshot
         assert_same(a, b)
     finally:
         client.close()

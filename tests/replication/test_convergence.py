@@ -75,7 +75,7 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
             expected_live.discard(victim)
 
     def same() -> bool:
-        return a.loads() == b.loads() and a.rep.status()["outbox_depth"] == 0
+        return a.loads() == b.loads() and a.rep.status().outbox_depth == 0
 
     await eventually(same, what="identical loads")
     ta, tb = a.service.tracker(KEY), b.service.tracker(KEY)
@@ -88,9 +88,9 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
         b.service, KEY, query, None, None, 7
     )
     sa, sb = a.rep.status(), b.rep.status()
-    assert sa["dropped"] == sb["dropped"] == 0
-    assert sa["gaps"] == sb["gaps"] == 0
-    assert sa["applied"] > 0 and sb["applied"] > 0
+    assert sa.dropped == sb.dropped == 0
+    assert sa.gaps == sb.gaps == 0
+    assert sa.applied > 0 and sb.applied > 0
 
 
 async def test_prefill_decay_uses_the_producer_time(cluster: Cluster) -> None:
@@ -154,13 +154,13 @@ async def test_active_sequence_replica_sync_isolated_by_endpoint(
                     blocks(a_peer, key_b) > 0
                     or blocks(a, key_b) > 0
                     or blocks(b_ns, key_a) > 0
-                    or b_ns.rep.status()["applied"] > 0
+                    or b_ns.rep.status().applied > 0
                 ),
                 timeout=0.25,
             )
         assert blocks(a_peer, key_b) == 0
         assert blocks(b_ns, key_a) == 0
-        assert b_ns.rep.status()["applied"] == 0
+        assert b_ns.rep.status().applied == 0
     finally:
         await other_ns.close()
         client = redis.Redis.from_url(redis_url)

@@ -8,7 +8,7 @@ import random
 import pytest
 import redis
 
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.calls import free, register
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
 
@@ -64,11 +64,11 @@ async def test_redis_restart_mid_traffic_loses_nothing(
     await asyncio.sleep(0.2)
     redis_server.stop()  # SIGKILL: no persistence, the stream and snapshot are gone
     await eventually(
-        lambda: not a.rep.status()["connected"] and not b.rep.status()["connected"],
+        lambda: not a.rep.status().connected and not b.rep.status().connected,
         what="both instances to notice",
     )
     await asyncio.sleep(0.3)  # keep writing into the outboxes while Redis is down
-    assert a.rep.status()["outbox_depth"] > 0
+    assert a.rep.status().outbox_depth > 0
     redis_server.start()  # same port, empty
     await running
     await traffic.run(50)
@@ -76,20 +76,20 @@ async def test_redis_restart_mid_traffic_loses_nothing(
     def agreed() -> bool:
         return (
             requests(a) == requests(b) == set(traffic.live)
-            and a.rep.status()["outbox_depth"] == 0
-            and b.rep.status()["outbox_depth"] == 0
+            and a.rep.status().outbox_depth == 0
+            and b.rep.status().outbox_depth == 0
         )
 
     await eventually(agreed, timeout=15, what="both instances to hold every live request")
     await eventually(lambda: a.loads() == b.loads())
     for node in (a, b):
         st = node.rep.status()
-        assert st["connected"]
-        assert st["dropped"] == 0
-        assert st["gaps"] == 0
+        assert st.connected
+        assert st.dropped == 0
+        assert st.gaps == 0
         node.service.tracker(KEY).assert_consistent()
     # the loss was noticed: the publishers re-sent what Redis forgot
-    assert a.rep.status()["resent"] > 0 and b.rep.status()["resent"] > 0
+    assert a.rep.status().resent > 0 and b.rep.status().resent > 0
 
 
 async def test_lost_stream_is_detected_read_again_and_snapshotted(
@@ -114,19 +114,19 @@ async def test_lost_stream_is_detected_read_again_and_snapshotted(
         assert await a.rep.write_snapshot()
 
         proxy.cut()
-        await eventually(lambda: not b.rep.status()["connected"])
+        await eventually(lambda: not b.rep.status().connected)
         keys = NamespaceKeys.of(cluster.namespace)
         client = redis.Redis.from_url(redis_url)
         client.delete(keys.events, keys.snapshot)
         proxy.restore()
-        await eventually(lambda: b.rep.status()["resets"] == 1, what="b to notice the reset")
-        assert b.rep.status()["stream_position"] == "0-0"
+        await eventually(lambda: b.rep.status().resets == 1, what="b to notice the reset")
+        assert b.rep.status().stream_position == "0-0"
 
         for _ in range(10):
             traffic.step()
         await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
-        assert a.rep.status()["resent"] > 0
-        assert b.rep.status()["gaps"] == 0
+        assert a.rep.status().resent > 0
+        assert b.rep.status().gaps == 0
         # someone wrote a new snapshot right away (the interval is an hour in these tests)
         await eventually(lambda: client.hget(keys.snapshot, "id") is not None, timeout=5)
         client.close()
@@ -157,15 +157,15 @@ async def test_stream_recreated_by_a_peer_is_detected_by_the_own_last_entry(
         await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
 
         proxy.cut()
-        await eventually(lambda: not b.rep.status()["connected"])
+        await eventually(lambda: not b.rep.status().connected)
         client.delete(keys.events, keys.snapshot)
         a.add("after-the-loss", hashes=[9])
         traffic.live["after-the-loss"] = a
-        await eventually(lambda: a.rep.status()["outbox_depth"] == 0 and client.exists(keys.events))
+        await eventually(lambda: a.rep.status().outbox_depth == 0 and client.exists(keys.events))
         proxy.restore()
-        await eventually(lambda: b.rep.status()["resets"] == 1, what="b to notice the reset")
+        await eventually(lambda: b.rep.status().resets == 1, what="b to notice the reset")
         await eventually(lambda: requests(a) == requests(b) == set(traffic.live))
-        assert b.rep.status()["gaps"] == 0
+        assert b.rep.status().gaps == 0
         await eventually(lambda: client.hget(keys.snapshot, "id") is not None, timeout=5)
         await eventually(lambda: not client.exists(keys.reset), timeout=5)
     finally:

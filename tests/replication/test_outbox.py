@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from app.replication.records import RECORD_FIELD
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.calls import register, upsert
 from tests.replication.helpers import KEY, Cluster, RedisServer, eventually
 
@@ -34,8 +34,8 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
     assert time.monotonic() - started < 5  # start() gave up waiting, did not raise
     assert not a.rep.ready()
     st = a.rep.status()
-    assert st["connected"] is False
-    assert "Redis" in st["not_ready_reason"]
+    assert st.connected is False
+    assert "Redis" in st.not_ready_reason
 
     # writes are accepted locally, never blocked
     register(a.service, KEY, 1, 4, 0, 1)
@@ -43,24 +43,24 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
         a.add(f"r{i}", hashes=[i])
     assert len(a.service.tracker(KEY).request_worker) == 6
     st = a.rep.status()
-    assert st["outbox_depth"] == 5
-    assert st["dropped"] == 2  # the two newest
-    assert st["degraded"]
-    assert "records dropped in the last minute" in st["degraded_reasons"]
+    assert st.outbox_depth == 5
+    assert st.dropped == 2  # the two newest
+    assert st.degraded
+    assert "records dropped in the last minute" in st.degraded_reasons
     assert a.registry.get_sample_value("kv_slot_tracker_replication_dropped_total") == 2
     assert a.registry.get_sample_value("kv_slot_tracker_replication_outbox_depth") == 5
 
     redis_server.start()
     await eventually(a.rep.ready, timeout=10, what="bootstrap once Redis is up")
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0, what="the outbox to drain")
+    await eventually(lambda: a.rep.status().outbox_depth == 0, what="the outbox to drain")
     records = stream_records(redis_server.url, cluster.namespace)
     assert [r["seq"] for r in records] == [1, 2, 3, 4, 5]
     assert {r["incarnation"] for r in records} == {a.rep.incarnation}
     assert {r["origin"] for r in records} == {a.rep.instance_id}
     assert records[0]["topology"]["op"] == "upsert"
     assert [r["event"]["request_id"] for r in records[1:]] == ["r0", "r1", "r2", "r3"]
-    assert a.rep.status()["published"] == 5
-    assert a.rep.status()["connected"]
+    assert a.rep.status().published == 5
+    assert a.rep.status().connected
     # the instance adopted the shared state: what the cluster got, not the dropped adds
     assert set(a.service.tracker(KEY).request_worker) == {"r0", "r1", "r2", "r3"}
     a.service.tracker(KEY).assert_consistent()
@@ -69,17 +69,17 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
 async def test_batches_are_capped_and_keep_order(cluster: Cluster) -> None:
     a = await cluster.node(replication_batch_events=256)
     calls: list[int] = []
-    append = a.rep._append
+    append = a.rep.outbox.append
 
     async def counting_append(keys, args):
         calls.append(len(args) - 2)
         return await append(keys=keys, args=args)
 
-    a.rep._append = counting_append
+    a.rep.outbox.append = counting_append
     register(a.service, KEY, 1, 4, 0, 1)
     for i in range(600):
         upsert(a.service, KEY, 1, 4, 0, 2 + i % 2)
-    await eventually(lambda: a.rep.status()["outbox_depth"] == 0)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
     assert calls == [256, 256, 89]
     records = stream_records(cluster.redis_url, cluster.namespace)
     assert [r["seq"] for r in records] == list(range(1, 602))
@@ -91,11 +91,11 @@ async def test_stop_flushes_the_outbox(cluster: Cluster) -> None:
     register(a.service, KEY, 1, 4, 0, 1)
     for i in range(100):
         a.add(f"r{i}")
-    assert a.rep.status()["outbox_depth"] == 101
+    assert a.rep.status().outbox_depth == 101
     await a.rep.stop()
     assert len(stream_records(cluster.redis_url, cluster.namespace)) == 101
     a.add("after-stop")  # still answered locally; the record is dropped quietly
-    assert a.rep.status()["dropped"] == 1
+    assert a.rep.status().dropped == 1
 
 
 async def test_stop_with_redis_down_returns_promptly(

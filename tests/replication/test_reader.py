@@ -9,7 +9,7 @@ import redis
 from app.core.events import ActiveSequenceEvent, AddRequest, event_to_wire
 from app.core.types import WorkerWithDpRank
 from app.replication.records import RECORD_FIELD
-from app.replication.stream import NamespaceKeys
+from app.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import GROUP, KEY, MODEL, WALL_START_NS, Cluster, eventually
 
 pytestmark = pytest.mark.redis
@@ -76,17 +76,17 @@ async def test_applies_peers_skips_duplicates_and_own_records(cluster: Cluster, 
     stream.put_raw(b"\xc1 not msgpack")
     last = stream.put(record(PEER, 1, 3, **add("r3", PEER, [1, 9])))
 
-    await eventually(lambda: b.rep.status()["stream_position"] == last, what="reader to catch up")
+    await eventually(lambda: b.rep.status().stream_position == last, what="reader to catch up")
     t = b.service.tracker(KEY)
     assert set(t.request_worker) == {"r1", "previous-life", "r3"}
     assert t.active_blocks() == {(1, 0): 4}  # [1,2], [5], [1,9] share hash 1
     st = b.rep.status()
-    assert st["applied"] == 4
-    assert st["duplicates"] == 2
-    assert st["gaps"] == 0
+    assert st.applied == 4
+    assert st.duplicates == 2
+    assert st.gaps == 0
     assert b.rep.counters.own_skipped == 1
     assert b.rep.counters.malformed == 1
-    assert st["last_applied_lag_ms"] is not None
+    assert st.last_applied_lag_ms is not None
     registry = b.registry
     assert registry.get_sample_value("kv_slot_tracker_replication_applied_total") == 4
     assert registry.get_sample_value("kv_slot_tracker_replication_duplicates_total") == 2
@@ -106,7 +106,8 @@ async def test_each_read_reply_is_applied_as_one_batch(cluster: Cluster, stream:
         return apply_remote(records)
 
     b.service.apply_remote = spy
-    await b.rep.start()
+    await b.rep.start(b.service)
+    await b.rep.settled(10)
     assert b.rep.ready()
     assert batches == [6]  # one reply, one apply (one flush of effects per tracker)
     assert b.service.tracker(KEY).active_request_counts() == {(1, 0): 5}
@@ -117,14 +118,14 @@ async def test_missing_records_without_a_snapshot_count_a_gap(cluster: Cluster, 
     stream.put(record(PEER, 1, 1, **upsert()))
     stream.put(record(PEER, 1, 2, **add("r2", PEER)))
     last = stream.put(record(PEER, 1, 5, **add("r5", PEER, [3])))  # 3 and 4 never arrive
-    await eventually(lambda: b.rep.status()["stream_position"] == last)
+    await eventually(lambda: b.rep.status().stream_position == last)
     st = b.rep.status()
-    assert st["gaps"] == 1
+    assert st.gaps == 1
     assert set(b.service.tracker(KEY).request_worker) == {"r2", "r5"}
     # numbering goes on from there: the next record is not another gap
     last = stream.put(record(PEER, 1, 6, **add("r6", PEER, [4])))
-    await eventually(lambda: b.rep.status()["stream_position"] == last)
-    assert b.rep.status()["gaps"] == 1
+    await eventually(lambda: b.rep.status().stream_position == last)
+    assert b.rep.status().gaps == 1
     assert "r6" in b.service.tracker(KEY).request_worker
 
 
@@ -137,6 +138,6 @@ async def test_records_for_other_keys_or_block_sizes_are_dropped(cluster: Cluste
     wrong_size = record(PEER, 1, 3, **add("y", PEER))
     wrong_size["block_size"] = 8
     last = stream.put(wrong_size)
-    await eventually(lambda: b.rep.status()["stream_position"] == last)
+    await eventually(lambda: b.rep.status().stream_position == last)
     assert list(b.service.trackers) == [KEY]
     assert b.service.tracker(KEY).request_worker == {}

@@ -7,9 +7,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from app.replication.embedded import EmbeddedReplication
-from app.replication.redis_bus import RedisReplication
-from app.replication.stream import NamespaceKeys
-from app.service import SlotTrackerService
+from app.replication.redis import RedisReplication
+from app.replication.redis.stream import NamespaceKeys
 from app.settings import Settings
 from tests.calls import register
 from tests.replication.helpers import KEY, Cluster, eventually
@@ -24,14 +23,12 @@ STATUS_FIELDS = {
 def test_embedded_mode_surface() -> None:
     rep = EmbeddedReplication(Settings())
     assert rep.instance_id != 0
-    service = SlotTrackerService(instance_id=rep.instance_id)
-    rep.attach(service)
     rep.publish({"anything": 1})
     assert rep.ready()
     status = rep.status()
-    assert set(status) >= STATUS_FIELDS
-    assert status["mode"] == "embedded"
-    assert status["instance_id"] == rep.instance_id
+    assert set(status.as_dict()) >= STATUS_FIELDS
+    assert status.mode == "embedded"
+    assert status.instance_id == rep.instance_id
 
 
 def test_instance_id_is_configured_or_random_non_zero() -> None:
@@ -44,9 +41,6 @@ def test_instance_id_is_configured_or_random_non_zero() -> None:
     )
     ids = {RedisReplication(settings, CollectorRegistry()).instance_id for _ in range(5)}
     assert 0 not in ids and len(ids) == 5
-    rep = RedisReplication(settings, CollectorRegistry())
-    with pytest.raises(ValueError):
-        rep.attach(SlotTrackerService(instance_id=rep.instance_id + 1))
     with pytest.raises(ValueError):
         RedisReplication(Settings(), CollectorRegistry())  # no redis_url: embedded mode
 
@@ -64,18 +58,18 @@ async def test_status_and_metrics_of_a_running_instance(cluster: Cluster) -> Non
     b = await cluster.node()
     register(a.service, KEY, 1, 4, 0, 1)
     a.add("r1")
-    await eventually(lambda: b.rep.status()["applied"] == 2)
+    await eventually(lambda: b.rep.status().applied == 2)
     assert await a.rep.write_snapshot()
     st = b.rep.status()
-    assert set(st) >= STATUS_FIELDS
-    assert st["mode"] == "redis"
-    assert st["namespace"] == cluster.namespace
-    assert st["connected"] and st["ready"] and not st["degraded"]
-    assert st["stream_position"] != "0-0"
-    assert st["last_applied_lag_ms"] is not None
+    assert set(st.as_dict()) >= STATUS_FIELDS
+    assert st.mode == "redis"
+    assert st.namespace == cluster.namespace
+    assert st.connected and st.ready and not st.degraded
+    assert st.stream_position != "0-0"
+    assert st.last_applied_lag_ms is not None
     sa = a.rep.status()
-    assert sa["published"] == 2 and sa["outbox_depth"] == 0
-    assert sa["snapshot_age_seconds"] is not None and sa["snapshot_age_seconds"] < 60
+    assert sa.published == 2 and sa.outbox_depth == 0
+    assert sa.snapshot_age_seconds is not None and sa.snapshot_age_seconds < 60
     reg = a.registry
     assert reg.get_sample_value("kv_slot_tracker_replication_published_total") == 2
     assert reg.get_sample_value("kv_slot_tracker_replication_snapshots_written_total") == 1

@@ -347,6 +347,7 @@ class OverlapMachine(RuleBasedStateMachine):
     def loads_match_naive(self) -> None:
         tracker, rng = self.tracker, self.rng
         tracker.assert_consistent()
+        tracker.trie.assert_consistent()
         workers = sorted(tracker.slots)
         for query in self._queries():
             decay_now = self.clock.now() + rng.choice([0, NS_PER_S, 7 * NS_PER_S, 40 * NS_PER_S])

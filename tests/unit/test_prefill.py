@@ -463,3 +463,61 @@ def test_removing_middle_prefill_keeps_order() -> None:
     assert tracker.anchor_rid == "r3"
     assert tracker.anchor_since == at(2)
     assert len(tracker) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Storage: O(1) removal anywhere, compact entries
+# --------------------------------------------------------------------------------------------
+
+
+def test_prefill_completed_mid_queue_and_added_again_goes_to_the_back() -> None:
+    """The queue skips a stale copy of an id whose new prefill sits further back."""
+    tracker = PrefillLoadTracker()
+    insert(tracker, "a", u(10), E)
+    insert(tracker, "b", u(20), E)
+    insert(tracker, "c", u(30), E)
+    assert remove(tracker, "b", at(1)) == u(20)
+    insert(tracker, "b", u(40), at(2))
+    assert list(tracker.order) == ["a", "c", "b"]
+    assert remove(tracker, "a", at(3)) == u(10)
+    assert tracker.anchor_rid == "c" and tracker.anchor_since == at(3)
+    assert remove(tracker, "c", at(4)) == u(30)
+    assert tracker.anchor_rid == "b" and tracker.anchor_since == at(4)
+    assert tokens(tracker, at(4)) == 40
+
+
+def test_stale_queue_entries_stay_bounded_by_the_live_prefills() -> None:
+    tracker = PrefillLoadTracker()
+    tracker.insert("anchor", u(1), E)
+    for i in range(1000):
+        tracker.insert(f"r{i}", u(2), E)
+    longest = 0
+    for i in range(1000):
+        tracker.remove(f"r{i}", E)
+        longest = max(longest, len(tracker._queue))
+        assert len(tracker._queue) <= 2 * len(tracker) + 33
+    assert longest == 1001  # the first rebuild waits until stale ids outnumber live ones
+    tracker.assert_consistent()
+    assert len(tracker._queue) == 31  # the anchor and 30 stale ids since the last rebuild
+    assert tracker._queue[0] == "anchor"
+    assert tracker.anchor_rid == "anchor" and tracker.full_sum == 1
+
+
+def test_unmodeled_prefills_are_kept_as_bare_token_counts() -> None:
+    tracker = PrefillLoadTracker()
+    insert(tracker, "u", u(60), E)
+    insert(tracker, "m", p(100, 10), E)
+    assert tracker._entries == {"u": 60, "m": p(100, 10)}
+    assert dict(tracker.prefills) == {"u": u(60), "m": p(100, 10)}
+    assert "u" in tracker.prefills and "x" not in tracker.prefills
+    with pytest.raises(TypeError):
+        tracker.prefills["x"] = u(1)  # type: ignore[index]
+
+
+def test_inserting_a_tracked_prefill_again_is_refused_and_changes_nothing() -> None:
+    tracker = PrefillLoadTracker()
+    insert(tracker, "r1", u(60), E)
+    with pytest.raises(ValueError, match="already tracked"):
+        tracker.insert("r1", u(5), at(1))
+    tracker.assert_consistent()
+    assert tracker.full_sum == 60 and list(tracker.order) == ["r1"]

@@ -11,7 +11,6 @@ import logging
 
 import pytest
 
-from app.core.errors import PublishQueueClosed, PublishQueueFull
 from app.core.events import (
     FREE,
     MARK_PREFILL_COMPLETED,
@@ -20,20 +19,22 @@ from app.core.events import (
     Free,
     MarkPrefillCompleted,
 )
-from app.core.tracker import (
-    MAX_REPLICA_BATCH_DURATION_NS,
-    MAX_REPLICA_BATCH_EVENTS,
-    ActiveSequencesMultiWorker,
-    SequencePublisher,
-)
+from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
 from app.core.types import SequenceRequest, WorkerWithDpRank
 from app.replication.queue import (
     REPLICA_EVENT_CHANNEL_CAPACITY,
     EventQueue,
-    collect_batch,
-    run_singleton_publisher,
+    PublishQueueClosed,
+    PublishQueueFull,
 )
 from tests.fakes import FakeClock
+from tests.unit.replica_runtime import (
+    MAX_REPLICA_BATCH_DURATION_NS,
+    MAX_REPLICA_BATCH_EVENTS,
+    collect_batch,
+    drain,
+    run_singleton_publisher,
+)
 from tests.unit.wire import decode_batch, encode_batch
 
 WORKER = WorkerWithDpRank(1, 0)
@@ -133,7 +134,7 @@ def test_active_sequence_publish_channel_is_absent_when_replica_sync_disabled() 
         QueuePublisher(enabled), 4, {1: (0, 1)}, replica_sync=True, clock=clock.now
     )
     _drive_lifecycle(tracker, clock)
-    assert [event_name(e) for e in enabled.peek_all()] == ["add", "mark", "free"]
+    assert [event_name(e) for e in drain(enabled)] == ["add", "mark", "free"]
 
 
 def test_active_sequence_publish_sender_classifies_closed_queue_by_cancellation() -> None:
@@ -209,7 +210,7 @@ async def _next_attempt(publisher: BlockingSingletonPublisher) -> str:
 async def test_active_sequence_singleton_publisher_serializes_and_stops_on_cancellation(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="app.replication.queue")
+    caplog.set_level(logging.ERROR, logger="tests.unit.replica_runtime")
     publisher = BlockingSingletonPublisher()
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(3)
     queue.try_send(add_event("ordered"))

@@ -33,15 +33,15 @@ from app.core.types import (
     WorkerDpRange,
     WorkerWithDpRank,
 )
-from app.replication.sync_loop import (
+from tests.fakes import FakeClock
+from tests.unit.recording import RecordingPublisher, modeled_hint, tracking_hint
+from tests.unit.replica_runtime import (
     PENDING,
     Cancel,
     ReceiveError,
     run_replica_sync,
     start_replica_sync,
 )
-from tests.fakes import FakeClock
-from tests.unit.recording import RecordingPublisher, modeled_hint, tracking_hint
 
 W1 = WorkerWithDpRank(1, 0)
 W2 = WorkerWithDpRank(2, 0)
@@ -265,7 +265,7 @@ async def test_replica_sync_flushes_sparse_event_without_waiting_for_another() -
 async def test_replica_sync_receive_error_flushes_applied_prefix(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="app.replication.sync_loop")
+    caplog.set_level(logging.WARNING, logger="tests.unit.replica_runtime")
     tracker, publisher = make_recording_tracker({1: (0, 1)}, FakeClock())
 
     await replica(

@@ -651,3 +651,23 @@ def test_worker_load_snapshot_counts_blocks_and_requests() -> None:
     snap = slot.worker_load_snapshot()
     assert (snap.active_blocks, snap.active_requests) == (3, 2)
     assert slot.active_prompt_hashes() == {1, 2, 3}
+
+
+# --------------------------------------------------------------------------------------------
+# Storage of one request
+# --------------------------------------------------------------------------------------------
+
+
+def test_request_keeps_a_copy_of_its_prompt_and_no_output_list_until_needed() -> None:
+    clock = FakeClock()
+    slot = make_slot(clock)
+    given = [5, 2**64 - 1, 7]
+    add(slot, "r1", given, tracking_hint(10), clock.now())
+    st = slot.requests["r1"]
+    given.append(9)  # the caller's list is not the request's
+    assert st.prompt_blocks == [5, 2**64 - 1, 7]
+    assert st._outputs is None and st.output_blocks == ()
+    h = output_block(slot, "r1", None)
+    assert st.output_blocks == (h,)
+    assert free(slot, "r1", clock.now()).removes[0].hashes == [5, 2**64 - 1, 7]
+    assert slot.blocks.refcount == {}

@@ -28,10 +28,16 @@ from app.core.events import (
 )
 from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
 from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
-from app.replication.queue import EventQueue, collect_batch, run_singleton_publisher
-from app.replication.sync_loop import PENDING, Cancel, start_replica_sync
+from app.replication.queue import EventQueue
 from tests.fakes import FakeClock
 from tests.unit.recording import tracking_hint
+from tests.unit.replica_runtime import (
+    PENDING,
+    Cancel,
+    collect_batch,
+    run_singleton_publisher,
+    start_replica_sync,
+)
 from tests.unit.wire import decode_batch, decode_event, encode_batch, encode_event
 
 # -- Q07 --------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from decimal import Decimal
 
+from app.core.serde import unexpected
+
 from .errors import InvalidRouterConfig, InvalidRouterConfigOverride
 
 
@@ -230,7 +232,7 @@ class RouterConfigOverride:
             return None
         if not isinstance(value, dict):
             raise InvalidRouterConfigOverride(
-                f"invalid type: {_serde_kind(value)}, expected struct RouterConfigOverrideSerde"
+                f"invalid type: {unexpected(value)}, expected struct RouterConfigOverrideSerde"
             )
         floats = {
             name: _json_f64(value.get(name))
@@ -254,21 +256,6 @@ class RouterConfigOverride:
 _OVERRIDE_BOOLS = ("assume_kv_reuse", "track_prefill_tokens")
 
 
-def _serde_kind(value: object) -> str:
-    """serde's ``Unexpected`` rendering of a decoded JSON value."""
-    if isinstance(value, bool):
-        return f"boolean `{'true' if value else 'false'}`"
-    if isinstance(value, int):
-        return f"integer `{value}`"
-    if isinstance(value, float):
-        return f"floating point `{value!r}`"
-    if isinstance(value, str):
-        return f'string "{value}"'
-    if isinstance(value, list):
-        return "sequence"
-    return "map"
-
-
 def _json_f64(value: object) -> float | None:
     if value is None:
         return None
@@ -279,10 +266,10 @@ def _json_f64(value: object) -> float | None:
             return float(value)
         except OverflowError:
             raise InvalidRouterConfigOverride("number out of range") from None
-    raise InvalidRouterConfigOverride(f"invalid type: {_serde_kind(value)}, expected f64")
+    raise InvalidRouterConfigOverride(f"invalid type: {unexpected(value)}, expected f64")
 
 
 def _json_bool(value: object) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
-    raise InvalidRouterConfigOverride(f"invalid type: {_serde_kind(value)}, expected a boolean")
+    raise InvalidRouterConfigOverride(f"invalid type: {unexpected(value)}, expected a boolean")

@@ -1,27 +1,42 @@
-"""The replica apply loop (SPEC §6.4): drain a subscriber in batches, flush effects per batch.
+"""The seeds' runtime glue that the app itself does not use, kept for the ports of their tests.
 
-A subscriber offers ``async next_event()`` and a non-blocking ``try_next_event()``; each returns an
-event, a ``ReceiveError``, ``None`` when the stream is closed, and (``try_next_event`` only)
-``PENDING`` when nothing is available right now.
+* The replica apply loop (SPEC §6.4): drain a subscriber in batches, flush effects per batch. A
+  subscriber offers ``async next_event()`` and a non-blocking ``try_next_event()``; each returns
+  an event, a ``ReceiveError``, ``None`` when the stream is closed, and (``try_next_event`` only)
+  ``PENDING`` when nothing is available right now.
+* The singleton publisher (SPEC §6.3): publish queued events one at a time, in order.
+* ``collect_batch`` with the seeds' caps (``MAX_REPLICA_BATCH_*``); the app passes its own.
+
+(The app replicates through Redis instead: ``app.replication.redis``.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from app.core.events import ActiveSequenceEvent
-from app.core.tracker import (
-    MAX_REPLICA_BATCH_DURATION_NS,
-    MAX_REPLICA_BATCH_EVENTS,
-    ActiveSequencesMultiWorker,
-    ReplicaEffects,
-)
+from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
+from app.replication.queue import EventQueue, describe
+from app.replication.queue import collect_batch as collect_capped_batch
 
 log = logging.getLogger(__name__)
+
+# The seeds' caps of one replica batch (the service's publisher takes its own from settings).
+MAX_REPLICA_BATCH_EVENTS = 256
+MAX_REPLICA_BATCH_DURATION_NS = 1_000_000
+
+T = TypeVar("T")
+
+collect_batch = functools.partial(
+    collect_capped_batch,
+    max_events=MAX_REPLICA_BATCH_EVENTS,
+    max_duration_ns=MAX_REPLICA_BATCH_DURATION_NS,
+)
 
 PENDING: Any = type("Pending", (), {"__repr__": lambda self: "PENDING"})()
 
@@ -127,3 +142,31 @@ def start_replica_sync(
             log.exception("replica sync loop failed")
 
     return asyncio.create_task(runner(), name="replica-sync")
+
+
+async def run_singleton_publisher(
+    queue: EventQueue[T], publish: Callable[[T], Awaitable[None]]
+) -> None:
+    """Publish one event at a time, in order; a failure is logged and the loop goes on.
+
+    Stops when the queue closes or the task is cancelled (abandoning an in-flight publish).
+    """
+    while True:
+        item = await queue.recv()
+        if item is None:
+            return
+        try:
+            await publish(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # transport errors must not stop the loop
+            rid, worker = describe(item)
+            log.error("Failed to publish replica event request_id=%s worker=%s: %s", rid, worker, e)
+
+
+def drain(queue: EventQueue[T]) -> list[T]:
+    """Everything queued, in order (the queue is empty afterwards)."""
+    items = []
+    while (item := queue.try_recv()) is not None:
+        items.append(item)
+    return items

@@ -1,0 +1,205 @@
+"""The body operations of a replicated instance: ``Operations`` plus what sharing state needs.
+
+* The readiness gate (``app.http.gate``): 503 before anything runs while the instance has not
+  caught up with its peers.
+* With ``replication_ack = "redis"``, a mutating call is answered only once its records are in
+  the stream: refused (503, nothing applied) while Redis is known to be unreachable, else
+  applied, then answered when the append holding its last record returns (calls waiting at one
+  moment share it), or 503 after ``replication_ack_timeout_ms`` (applied here, not
+  acknowledged). A call that queued no record (an error, a read, an output block) is answered
+  at once.
+* Lifecycle calls for request ids this instance does not know yet (``/prefill_complete``,
+  ``/output_block``, ``/free``, and the same inside ``/batch``) wait for the add's record
+  (``app.service.consistency``). Only they take this slow path: the operation returns a
+  coroutine instead of a result, which the dispatchers (``app.http.lean``, the FastAPI
+  endpoints) await. A call whose ids are all known runs synchronously, exactly as in embedded
+  mode. A batch is scanned first; an id added earlier in the same batch counts as known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from app.http import schemas as s
+from app.http.body import parse_json
+from app.http.errors import EXPECTED, error_result
+from app.http.gate import ReadinessGate
+from app.http.operations import (
+    OK,
+    Operations,
+    Result,
+    _batch_error,
+    free_command,
+    output_block_command,
+    prefill_command,
+)
+from app.service import SlotTrackerService
+from app.service import commands as c
+from app.service.consistency import Consistency
+from app.service.errors import NotAcknowledged, WritesRefused
+
+_DONE = b'{"status":200}'
+
+Lifecycle = c.PrefillComplete | c.Free | c.OutputBlock
+Deferred = Result | Awaitable[Result]
+
+# operations that may queue replica records: with durable acknowledgements they wait for them
+MUTATING = frozenset({"register", "upsert", "unregister", "reconcile", "add",
+                      "prefill_complete", "free", "output_block", "batch"})  # fmt: skip
+
+
+async def _finish(pending: Awaitable[Result]) -> Result:
+    """The result of an operation that had to wait, errors mapped like synchronous ones."""
+    try:
+        return await pending
+    except EXPECTED as e:
+        return error_result(e)
+
+
+class ReplicatedOperations(Operations):
+    def __init__(
+        self,
+        service: SlotTrackerService,
+        max_batch: int,
+        gate: ReadinessGate,
+        consistency: Consistency,
+        ack_timeout_ms: int | None = None,
+    ) -> None:
+        super().__init__(service, max_batch)
+        self.gate = gate
+        self.consistency = consistency
+        self.replication = consistency.replication
+        self.ack_timeout_ms = ack_timeout_ms  # None: local acknowledgements
+
+    def get(self, name: str) -> Callable[[bytes], Any]:
+        op = getattr(self, name)
+        if self.ack_timeout_ms is not None and name in MUTATING:
+            return lambda raw: self.run_durable(op, raw)
+        return lambda raw: self.run(op, raw)
+
+    def run_durable(self, op: Callable[[bytes], Any], raw: bytes) -> Any:
+        """``run`` with a durable acknowledgement (see the module docstring)."""
+        gate = self.gate
+        if gate.closed:
+            refused = gate.refusal()
+            if refused is not None:
+                return error_result(refused)
+        replication = self.replication
+        reason = replication.write_refusal()
+        if reason is not None:
+            self.consistency.counters.ack_refused += 1
+            return error_result(WritesRefused(reason))
+        before = replication.last_accepted()
+        try:
+            result = op(raw)
+        except EXPECTED as e:
+            return error_result(e)
+        if type(result) is tuple and replication.last_accepted() == before:
+            return result  # nothing to replicate: answered at once
+        return self._acknowledged(result, before)
+
+    async def _acknowledged(self, result: Deferred, before: int) -> Result:
+        if type(result) is not tuple:
+            try:
+                result = await result  # type: ignore[misc]
+            except EXPECTED as e:
+                return error_result(e)
+        replication = self.replication
+        seq = replication.last_accepted()
+        if seq == before:
+            return result  # type: ignore[return-value]
+        counters = self.consistency.counters
+        counters.ack_waits += 1
+        timeout_ms = self.ack_timeout_ms
+        assert timeout_ms is not None
+        if await replication.appended(seq, timeout_ms / 1000):
+            return result  # type: ignore[return-value]
+        counters.ack_timeouts += 1
+        return error_result(NotAcknowledged(timeout_ms))
+
+    def run(self, op: Callable[[bytes], Any], raw: bytes) -> Any:  # type: ignore[override]
+        gate = self.gate
+        if gate.closed:
+            refused = gate.refusal()
+            if refused is not None:
+                return error_result(refused)
+        try:
+            result = op(raw)
+        except EXPECTED as e:
+            return error_result(e)
+        if type(result) is tuple:
+            return result
+        return _finish(result)
+
+    # -- lifecycle calls that may wait for their add --------------------------------------
+
+    def _lifecycle(self, cmd: Lifecycle, run: Callable[[Any], Any]) -> Deferred:
+        if self.consistency.known(cmd.key, cmd.request_id):
+            run(cmd)
+            return 200, OK
+        return self._after_wait(cmd)
+
+    async def _after_wait(self, cmd: Lifecycle) -> Result:
+        consistency = self.consistency
+        certain = await consistency.settle([(cmd.key, cmd.request_id)])
+        consistency.run(cmd, certain)
+        return 200, OK
+
+    def prefill_complete(self, raw: bytes) -> Deferred:  # type: ignore[override]
+        cmd = prefill_command(parse_json(raw, s.RequestBody))
+        return self._lifecycle(cmd, self.service.prefill_complete)
+
+    def free(self, raw: bytes) -> Deferred:  # type: ignore[override]
+        cmd = free_command(parse_json(raw, s.RequestBody))
+        return self._lifecycle(cmd, self.service.free)
+
+    def output_block(self, raw: bytes) -> Deferred:  # type: ignore[override]
+        cmd = output_block_command(parse_json(raw, s.OutputBlockBody))
+        return self._lifecycle(cmd, self.service.output_block)
+
+    # -- batch ----------------------------------------------------------------------------
+
+    def batch(self, raw: bytes) -> Deferred:  # type: ignore[override]
+        ops = self._batch_ops(raw)
+        unknown = self._unknown_ids(ops)
+        if not unknown:
+            return self._run_batch(ops)
+        return self._batch_after_wait(ops, unknown)
+
+    def _unknown_ids(self, ops: list[Any]) -> list[tuple[c.Key, str]]:
+        """Ids of the batch's lifecycle calls that neither this instance nor an earlier add of
+        the batch knows."""
+        known = self.consistency.known
+        added: set[tuple[c.Key, str]] = set()
+        unknown = []
+        for b in ops:
+            if type(b) is bytes:
+                continue
+            rid = (b.model_name, b.routing_group), b.request_id
+            if b.op == "add":
+                added.add(rid)
+            elif rid not in added and not known(*rid):
+                unknown.append(rid)
+        return unknown
+
+    async def _batch_after_wait(self, ops: list[Any], unknown: list[tuple[c.Key, str]]) -> Result:
+        consistency = self.consistency
+        certain = await consistency.settle(unknown)
+
+        def apply(b: Any) -> bytes:
+            if b.op == "add":
+                return self._apply(b)
+            if b.op == "free":
+                cmd: Lifecycle = free_command(b)
+            elif b.op == "prefill_complete":
+                cmd = prefill_command(b)
+            else:
+                cmd = output_block_command(b)
+            try:
+                consistency.run(cmd, certain)
+            except EXPECTED as e:
+                return _batch_error(e)
+            return _DONE
+
+        return self._run_batch(ops, apply)

@@ -1,0 +1,122 @@
+"""The seam between the service and replication, both ways, and the one status model.
+
+Wiring is one-phase: the composition root builds the replication from settings first (it owns
+the instance id), then the service with ``instance_id=replication.instance_id`` and, unless the
+mode is embedded, ``replicator=replication``; ``start(service)`` then hands it the service as
+its ``ReplicaTarget``. The service only ever calls ``publish``; replication only ever calls the
+three ``ReplicaTarget`` methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+
+class ReplicaTarget(Protocol):
+    """What replication needs of the service whose state it keeps in agreement."""
+
+    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+        """Apply other instances' records in order (one batch); how many changed state."""
+        ...
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Every tracker's state, for a snapshot."""
+        ...
+
+    def export_early(self) -> list[list[Any]]:
+        """The early lifecycle calls kept (tombstones, pending marks), for a snapshot."""
+        ...
+
+    def restore_state(
+        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+    ) -> None:
+        """Replace every tracker by those of an ``export_state`` and the early calls by those
+        of an ``export_early``; all or nothing."""
+        ...
+
+
+class Replication(Protocol):
+    """What the app needs of replication, in either mode."""
+
+    mode: str  # "embedded" (nothing to replicate) or "redis"
+    instance_id: int  # non-zero; the origin of this instance's records
+
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one of the service's records for the peers; never blocks, never raises.
+        Returns the record's sequence number among this process's records (0: not queued)."""
+        ...
+
+    async def start(self, target: ReplicaTarget) -> None:
+        """Start keeping ``target`` in agreement with the peers, in the background: returns at
+        once (the instance listens while it bootstraps); never raises for I/O trouble."""
+        ...
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until the bootstrap settled (ready, or Redis unreachable, or failed), at most
+        ``timeout_s``: for callers that want to wait for the state before going on."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    def ready(self) -> bool:
+        """Whether the local state may be served (caught up with the peers)."""
+        ...
+
+    def write_refusal(self) -> str | None:
+        """Why a change must not be accepted now, with durable acknowledgements (None: it
+        may): Redis is known to be unreachable."""
+        ...
+
+    def last_accepted(self) -> int:
+        """The sequence number of this instance's newest record queued for its peers."""
+        ...
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until this instance's records up to ``seq`` are in the shared stream (True), at most
+        ``timeout_s`` (False)."""
+        ...
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """The read barrier: True once this instance has applied every record that was in the
+        shared stream when called; False when that could not be established in time."""
+        ...
+
+    def status(self) -> ReplicationStatus: ...
+
+
+@dataclass(slots=True)
+class ReplicationStatus:
+    """``GET /replication``: the fields in the order they are answered. The defaults are what
+    embedded mode answers (a single instance: nothing to connect to, publish or apply)."""
+
+    mode: str
+    instance_id: int
+    namespace: str | None = None
+    ready: bool = True
+    not_ready_reason: str | None = None
+    connected: bool | None = None
+    degraded: bool = False
+    degraded_reasons: list[str] = field(default_factory=list)
+    stream_position: str | None = None
+    outbox_depth: int = 0  # records accepted and not yet appended to the stream
+    outbox_capacity: int = 0
+    published: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    dropped: int = 0
+    gaps: int = 0
+    resets: int = 0
+    resent: int = 0
+    bootstraps: int = 0
+    snapshots_written: int = 0
+    last_applied_lag_ms: float | None = None
+    snapshot_age_seconds: float | None = None
+    snapshot_stream_id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object of ``GET /replication`` (keys in field order)."""
+        return {name: getattr(self, name) for name in _FIELD_NAMES}
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(ReplicationStatus))

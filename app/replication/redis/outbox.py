@@ -1,0 +1,297 @@
+"""The write path: local first, then the stream.
+
+The service mutates its trackers, then hands a record to ``publish``, which stamps
+``incarnation`` and ``seq`` and puts it in a bounded outbox without awaiting anything; a full
+outbox drops the newest record (counted, logged at most every 30 s). One publisher task drains
+the outbox in batches (``replication_batch_events`` records, or ``replication_batch_ms`` after
+the first) and appends each batch to ``{ns}:events`` in one round trip, trimming entries older
+than ``stream_retention_seconds``. On a Redis error it keeps the batch, backs off (exponential
+with jitter, at most ~1 s) and retries, so nothing within the outbox capacity is lost to an
+outage.
+
+Durable acknowledgements (``replication_ack = "redis"``). A caller notes ``last_accepted_seq``
+after its change and awaits ``appended(seq)``: one future per waiting call, resolved after the
+append of the batch holding its last record returns. Calls waiting at one moment therefore
+share one append round trip (group commit; ``group_commit`` observes how many). Before applying
+a change, a caller asks ``refusal()``: while the publisher is known to be cut off from Redis
+(its last append failed, or the running one has not returned for longer than the ack timeout)
+the call is refused, so it changes nothing.
+
+The append is a short script (``stream.APPEND_SCRIPT``) rather than a plain pipeline so it can
+refuse to append when the stream no longer holds this publisher's previous entry (Redis
+restarted without persistence, or failed over to a lagging replica): the publisher then
+re-sends what it appended in the last 30 s first, keeping its records in order for readers, and
+asks for a snapshot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from app.core.types import NS_PER_MS, NS_PER_S
+from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
+from app.replication.records import encode_record
+from app.replication.redis.connection import IO_ERRORS, backoff_delay, honour_cancellation
+from app.replication.redis.instance import Instance
+from app.replication.redis.snapshots import SnapshotSchedule
+from app.replication.redis.stream import APPEND_SCRIPT, id_text
+
+log = logging.getLogger(__name__)
+
+RESEND_WINDOW_NS = 30 * NS_PER_S
+DROP_LOG_INTERVAL_NS = 30 * NS_PER_S
+DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
+
+
+class Outbox:
+    def __init__(self, instance: Instance, schedule: SnapshotSchedule) -> None:
+        self.me = instance  # who we are, our clocks and counters
+        self.settings = instance.settings
+        self.counters = instance.counters
+        self.schedule = schedule
+        self.capacity = self.settings.outbox_capacity
+        self._queue: EventQueue[dict[str, Any]] = EventQueue(self.capacity)
+        self._next_seq = 1
+        self._last_appended = ""  # stream id of our newest appended entry
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=self.capacity)
+        self._last_drop_ns: int | None = None
+        self._last_drop_log_ns: int | None = None
+        self._drops_since_log = 0
+        self.connected: bool | None = None  # None until the first append was tried
+        self.appended_seq = 0  # our highest sequence number known to be in the stream
+        self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()  # (seq, waiting call)
+        self._append_started: int | None = None  # clock ns: an append running since then
+        self.group_commit: Callable[[int], None] | None = None  # observes calls per append
+        # the append script, bound to the client by connect(): ``append(keys=..., args=...)``
+        self.append: Any = None
+
+    def connect(self, client: Redis) -> None:
+        self.append = client.register_script(APPEND_SCRIPT)
+
+    # -- accepting records ------------------------------------------------------------------
+
+    def publish(self, record: dict[str, Any]) -> int:
+        """Queue one record for the stream; never blocks, never raises. Returns its sequence
+        number (0 when it was dropped)."""
+        seq = self._next_seq
+        record["incarnation"] = self.me.incarnation
+        record["seq"] = seq
+        try:
+            self._queue.try_send(record)
+        except PublishQueueError as e:
+            self._dropped(record, e)
+            return 0
+        self._next_seq = seq + 1  # only accepted records use up a number
+        return seq
+
+    def _dropped(self, record: dict[str, Any], error: PublishQueueError) -> None:
+        self.counters.dropped += 1
+        if isinstance(error, PublishQueueClosed):
+            log.debug("replication outbox closed; dropping a record during shutdown")
+            return
+        now = self.me.clock()
+        self._last_drop_ns = now
+        self._drops_since_log += 1
+        last = self._last_drop_log_ns
+        if last is None or now - last >= DROP_LOG_INTERVAL_NS:
+            event = record.get("event") or {}
+            log.error(
+                "replication outbox full (capacity=%d); dropping newest record "
+                "(request_id=%s); %d dropped since the last message, %d in total",
+                self.capacity,
+                event.get("request_id"),
+                self._drops_since_log,
+                self.counters.dropped,
+            )
+            self._last_drop_log_ns = now
+            self._drops_since_log = 0
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next accepted record gets."""
+        return self._next_seq
+
+    @property
+    def last_accepted_seq(self) -> int:
+        return self._next_seq - 1
+
+    @property
+    def last_appended(self) -> str:
+        """Stream id of our newest appended entry ("" before the first, or after a reset)."""
+        return self._last_appended
+
+    def pending(self) -> int:
+        """Accepted records not yet appended (queued, being batched, or in flight)."""
+        return self._next_seq - 1 - self.counters.published
+
+    def degraded_reasons(self) -> list[str]:
+        reasons = []
+        if len(self._queue) >= 0.9 * self.capacity:
+            reasons.append("outbox nearly full")
+        last_drop = self._last_drop_ns
+        if last_drop is not None and self.me.clock() - last_drop < DEGRADED_AFTER_DROP_NS:
+            reasons.append("records dropped in the last minute")
+        return reasons
+
+    def close(self) -> None:
+        """Shutting down: later records are dropped; the publisher drains what is queued."""
+        self._queue.shutting_down = True
+        self._queue.close()
+
+    # -- the publisher task -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        max_events = self.settings.replication_batch_events
+        max_ns = self.settings.replication_batch_ms * NS_PER_MS
+        while True:
+            honour_cancellation()
+            batch, stop = await collect_batch(
+                self._queue,
+                max_events=max_events,
+                max_duration_ns=max_ns,
+                clock=self.me.clock,
+            )
+            if batch:
+                await self._append_batch(batch)
+            if stop:
+                return
+
+    async def _append_batch(self, batch: list[dict[str, Any]]) -> None:
+        """Append until it succeeds; the batch is kept across any number of Redis errors."""
+        payloads = [encode_record(r) for r in batch]
+        attempt = 0
+        self._append_started = self.me.clock()
+        while True:
+            honour_cancellation()
+            try:
+                await self._append_payloads(payloads)
+                break
+            except IO_ERRORS as e:
+                attempt += 1
+                self._set_connected(False, e)
+                await asyncio.sleep(backoff_delay(attempt))
+        self._append_started = None
+        self.counters.published += len(payloads)
+        self._set_connected(True)
+        self.appended_seq = batch[-1]["seq"]
+        if self._acks:
+            self._acknowledge()
+
+    # -- durable acknowledgements -----------------------------------------------------------
+
+    def refusal(self, stall_ns: int) -> str | None:
+        """Why a change must not be accepted now (None: it may): the publisher is known to be
+        cut off from Redis, or its running append has not returned for ``stall_ns``."""
+        if self.connected is False:
+            return "Redis unreachable"
+        started = self._append_started
+        if started is not None and self.me.clock() - started > stall_ns:
+            return "Redis not answering"
+        if self._queue.closed:
+            return "shutting down"
+        return None
+
+    async def appended(self, seq: int, timeout_s: float) -> bool:
+        """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
+        if seq <= self.appended_seq:
+            return True
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        self._acks.append((seq, done))
+        # a timer rather than wait_for, which would wrap each waiting call in a task
+        timer = loop.call_later(timeout_s, _resolve, done, False)
+        try:
+            return await done
+        finally:
+            timer.cancel()
+
+    def _acknowledge(self) -> None:
+        """Release the calls whose records the last append took (one group commit)."""
+        acks, appended, released = self._acks, self.appended_seq, 0
+        while acks and acks[0][0] <= appended:
+            _, done = acks.popleft()
+            if not done.done():
+                done.set_result(True)
+                released += 1
+        if released and self.group_commit is not None:
+            self.group_commit(released)
+
+    def _trim_horizon(self) -> str:
+        retention_ms = self.settings.stream_retention_seconds * 1000
+        return str(max(0, self.me.wall_clock() // NS_PER_MS - retention_ms))
+
+    async def _append_payloads(self, payloads: list[bytes]) -> None:
+        key = [self.me.keys.events, self.me.keys.reset]
+        ids = await self.append(
+            keys=key, args=[self._last_appended, self._trim_horizon(), *payloads]
+        )
+        if ids is None:  # our previous entry is gone: re-send recent records first
+            await self._resend_recent()
+            ids = await self.append(keys=key, args=["", self._trim_horizon(), *payloads])
+        self._last_appended = id_text(ids[-1])
+        now = self.me.wall_clock()
+        recent = self._recent
+        recent.extend((now, p) for p in payloads)
+        horizon = now - self._resend_window_ns()
+        while recent[0][0] < horizon:
+            recent.popleft()
+
+    def _resend_window_ns(self) -> int:
+        return min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
+
+    async def _resend_recent(self) -> None:
+        """Re-send the records of the resend window after Redis lost our last one.
+
+        Older records now exist only in the instances' memory: whatever happens here, ask for a
+        snapshot right away (an instance with the full state writes one) so that starting
+        instances, which wait for it, need not wait for the periodic round.
+        """
+        window = self._resend_window_ns()
+        horizon = self.me.wall_clock() - window
+        recent = self._recent
+        while recent and recent[0][0] < horizon:
+            recent.popleft()
+        self._last_appended = ""
+        self.schedule.request_now()
+        if not recent:
+            return
+        payloads = [p for _, p in recent]
+        log.warning(
+            "Redis no longer holds this instance's last replica record (restarted without "
+            "persistence or failed over); re-sending the %d records of the last %d s",
+            len(payloads),
+            window // NS_PER_S,
+        )
+        step = self.settings.replication_batch_events
+        for i in range(0, len(payloads), step):
+            ids = await self.append(
+                keys=[self.me.keys.events, self.me.keys.reset],
+                args=["", self._trim_horizon(), *payloads[i : i + step]],
+            )
+            self._last_appended = id_text(ids[-1])
+        self.counters.resent += len(payloads)
+
+    def _set_connected(self, ok: bool, error: BaseException | None = None) -> None:
+        was = self.connected
+        self.connected = ok
+        if ok:
+            if was is False:
+                log.info("replication publisher reconnected to Redis; outbox drained")
+            return
+        if was is not False:
+            log.warning(
+                "replication publisher lost Redis (%s); buffering up to %d records, retrying",
+                error,
+                self.capacity,
+            )
+
+
+def _resolve(done: asyncio.Future[bool], value: bool) -> None:
+    if not done.done():
+        done.set_result(value)

@@ -1,0 +1,130 @@
+"""Cost of one call through the HTTP edge's operations, in process (no server, no sockets).
+
+Runs the lean path's operations directly on request bodies like ``bench/http_bench.py``'s
+(16 workers x 4 ranks, 200 active requests; add+free of 32-block prompts sharing a 16-block
+prefix; potential loads of a 256-block prompt) and reports microseconds of CPU per call. With
+``--instructions`` it runs itself under callgrind instead and reports instructions per call,
+which do not depend on what else the machine is doing: the figure to compare two commits on a
+busy machine (``--repo`` points at a checkout of the other commit).
+
+    .venv/bin/python bench/edge_cost.py [--instructions] [--repo PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def build(repo: Path):
+    sys.path.insert(0, str(repo))
+    from app.http.operations import Operations
+    from app.main import create_app
+    from app.settings import load_settings
+
+    app = create_app(load_settings(api_key="", redis_url=""))
+    ops = Operations(app.state.service, 1_000_000)
+    return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads")}
+
+
+def bodies(n: int) -> dict[str, list[bytes]]:
+    rng = random.Random(5)
+    prefix = [7000001 * i for i in range(1, 129)]
+    out: dict[str, list[bytes]] = {"register": [], "active": [], "add": [], "free": []}
+    for w in range(16):
+        out["register"].append(
+            json.dumps(
+                {
+                    "worker_id": w,
+                    "model_name": "bench",
+                    "block_size": 16,
+                    "dp_start": 0,
+                    "dp_size": 4,
+                }
+            ).encode()
+        )
+    for i in range(200):
+        rank = rng.randrange(64)
+        hashes = prefix[: rng.choice([32, 64, 128])] + [rng.getrandbits(62) for _ in range(32)]
+        out["active"].append(json.dumps({"model_name": "bench", "request_id": f"act{i}",
+            "worker_id": rank // 4, "dp_rank": rank % 4, "sequence_hashes": hashes,
+            "new_isl_tokens": 100}).encode())  # fmt: skip
+    for i in range(n):
+        hashes = prefix[:16] + [rng.getrandbits(62) for _ in range(16)]
+        out["add"].append(json.dumps({"model_name": "bench", "request_id": f"r{i}",
+            "worker_id": i % 16, "dp_rank": i % 4, "sequence_hashes": hashes,
+            "new_isl_tokens": 512}).encode())  # fmt: skip
+        out["free"].append(json.dumps({"model_name": "bench", "request_id": f"r{i}"}).encode())
+    query = prefix + [rng.getrandbits(62) for _ in range(128)]
+    out["potential"] = [
+        json.dumps(
+            {"model_name": "bench", "sequence_hashes": query, "new_isl_tokens": 4096}
+        ).encode()
+    ]
+    return out
+
+
+def run(repo: Path, what: str, n: int) -> float:
+    ops = build(repo)
+    b = bodies(max(n, 1))
+    for raw in b["register"]:
+        assert ops["register"](raw)[0] == 201
+    for raw in b["active"]:
+        assert ops["add"](raw)[0] == 201
+    gc.collect()
+    add, free, potential = ops["add"], ops["free"], ops["potential_loads"]
+    start = time.process_time()
+    if what == "lifecycle":
+        for a, f in zip(b["add"][:n], b["free"][:n], strict=True):
+            add(a)
+            free(f)
+    elif what == "potential":
+        query = b["potential"][0]
+        for _ in range(n):
+            potential(query)
+    return time.process_time() - start
+
+
+def instructions(repo: Path, what: str, n: int) -> int:
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"edge_cost.{os.getpid()}.{what}.cg"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+           __file__, "--inner", what, "--n", str(n), "--repo", str(repo)]  # fmt: skip
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}
+    )
+    out.unlink(missing_ok=True)
+    return int(re.search(r"Collected : (\d+)", res.stderr).group(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repo", type=Path, default=HERE.parent)
+    ap.add_argument("--n", type=int, default=2000, help="calls (add+free pairs, or queries)")
+    ap.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
+    ap.add_argument("--inner", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.inner:
+        run(args.repo, args.inner, args.n)
+        return
+    for what, per in (("lifecycle", 2), ("potential", 1)):
+        if args.instructions:
+            base = instructions(args.repo, "none", args.n)
+            total = instructions(args.repo, what, args.n)
+            print(f"{what}: {(total - base) / (args.n * per):,.0f} instructions per call")
+        else:
+            seconds = min(run(args.repo, what, args.n) for _ in range(3))
+            print(f"{what}: {seconds / (args.n * per) * 1e6:.2f} us CPU per call")
+
+
+if __name__ == "__main__":
+    main()
