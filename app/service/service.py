@@ -28,7 +28,6 @@ from app.service import commands as c
 from app.service.errors import (
     BlockSizeMismatch,
     InvalidTopology,
-    NoTracker,
     TooManyHashes,
     TooManyRanks,
     UnknownWorker,
@@ -190,15 +189,9 @@ class SlotTrackerService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _tracker(self, key: Key) -> ActiveSequencesMultiWorker:
-        t = self.registry.trackers.get(key)
-        if t is None:
-            raise NoTracker(key)
-        return t
-
     def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
         """The tracker of the command's key and its prompt as block hashes."""
-        t = self._tracker((cmd.model_name, cmd.routing_group))
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
         if cmd.token_ids is not None:
             hashes = sequence_hashes_for_tokens(cmd.token_ids, t.block_size, cmd.lora_name)
         elif cmd.sequence_hashes is not None:
@@ -231,16 +224,16 @@ class SlotTrackerService:
         self.registry.counters[(cmd.model_name, cmd.routing_group)].added += 1
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
-        t = self._tracker((cmd.model_name, cmd.routing_group))
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
         t.mark_prefill_completed(cmd.request_id, self.clock())
 
     def free(self, cmd: c.Free) -> None:
         key = (cmd.model_name, cmd.routing_group)
-        if self._tracker(key).free(cmd.request_id, self.clock()):
+        if self.registry.get(key).free(cmd.request_id, self.clock()):
             self.registry.counters[key].freed += 1
 
     def output_block(self, cmd: c.OutputBlock) -> None:
-        t = self._tracker((cmd.model_name, cmd.routing_group))
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
         t.add_output_block(cmd.request_id, cmd.decay_fraction)
 
     def expire(self) -> int:
