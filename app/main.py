@@ -125,17 +125,23 @@ def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
 def build_selection(
     settings: Settings, service: SlotTrackerService, env: Mapping[str, str] | None = None
 ) -> SelectionService:
-    """The selection API's service, on the slot-tracker service's tracker registry."""
+    """The selection API's service, on the slot-tracker service's tracker registry, sharing
+    its state with the other instances through the service's replica."""
     seed = settings.selection_seed
-    return SelectionService(
+    rng = random.Random()
+    if seed >= 0:  # instances sharing state must not generate the same selection ids
+        rng = random.Random(seed if service.replicator is None else f"{seed}:{service.instance_id}")
+    selection = SelectionService(
         service.registry,
         config=router_config(settings, os.environ if env is None else env),
         clock=service.clock,
-        rng=random.Random(seed) if seed >= 0 else random.Random(),
+        rng=rng,
         pending_max_entries=settings.selection_cache_max_entries,
         pending_ttl_ns=settings.selection_cache_ttl_seconds * NS_PER_S,
         max_hashes_per_request=settings.max_hashes_per_request,
     )
+    service.replica.bind_selection(selection)
+    return selection
 
 
 async def _expiry_sweeper(

@@ -29,6 +29,7 @@ from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
 from app.http.replicated import ReplicatedOperations
+from app.http.replicated_selection import ReplicatedSelectionOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
@@ -101,27 +102,24 @@ def build_http_app(
 
     gate = None
     slot_operations = Operations(service, settings.max_hashes_per_request)
+    selection_operations = SelectionOperations(selection)
     if consistency is not None:
         gate = ReadinessGate(replication)
-        durable = settings.replication_ack == "redis"
-        slot_operations = ReplicatedOperations(
-            service,
-            settings.max_hashes_per_request,
-            gate,
-            consistency,
-            settings.replication_ack_timeout_ms if durable else None,
+        ack_timeout_ms = (
+            settings.replication_ack_timeout_ms if settings.replication_ack == "redis" else None
         )
-    operations = {
-        "slot": slot_operations,
-        "selection": SelectionOperations(selection),
-    }
+        slot_operations = ReplicatedOperations(
+            service, settings.max_hashes_per_request, gate, consistency, ack_timeout_ms
+        )
+        selection_operations = ReplicatedSelectionOperations(
+            selection, gate, consistency, ack_timeout_ms
+        )
+    operations = {"slot": slot_operations, "selection": selection_operations}
     queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
     lean_routes = []
     for route in ROUTES:
         if route.is_call:
-            op = operations[route.api].get(route.name)
-            if gate is not None and route.api != "slot" and route.needs_state:
-                op = gate.guard_call(op)  # the slot operations have the gate built in
+            op = operations[route.api].get(route.name)  # replicated: the gate built in
             endpoint = call_endpoint(route, op, settings.max_body_bytes)
             if route.lean:
                 lean_routes.append(

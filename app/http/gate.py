@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.http.errors import error_result
 from app.replication.port import Replication
 from app.service.errors import NotReady
 
@@ -41,18 +40,5 @@ class ReadinessGate:
                 if refused is not None:
                     raise refused
             return handler(params)
-
-        return guarded
-
-    def guard_call(self, op: Callable[..., Any]) -> Callable[..., Any]:
-        """A call route's operation (``(body, *path parameters) -> (status, body)``),
-        answering ``NotReady`` while the gate is closed."""
-
-        def guarded(raw: bytes, *args: Any) -> Any:
-            if self.closed:
-                refused = self.refusal()
-                if refused is not None:
-                    return error_result(refused)
-            return op(raw, *args)
 
         return guarded

@@ -49,12 +49,59 @@ MUTATING = frozenset({"register", "upsert", "unregister", "reconcile", "add",
                       "prefill_complete", "free", "output_block", "batch"})  # fmt: skip
 
 
-async def _finish(pending: Awaitable[Result]) -> Result:
+async def finish_waiting(pending: Awaitable[Result]) -> Result:
     """The result of an operation that had to wait, errors mapped like synchronous ones."""
     try:
         return await pending
     except EXPECTED as e:
         return error_result(e)
+
+
+class DurableAcks:
+    """``replication_ack = "redis"``: refuse a mutating call while Redis is known unreachable,
+    and answer one that queued records only once they are in the stream (see the module
+    docstring). Shared by the slot-tracker and the selection operations."""
+
+    __slots__ = ("replication", "counters", "timeout_ms")
+
+    def __init__(self, consistency: Consistency, timeout_ms: int) -> None:
+        self.replication = consistency.replication
+        self.counters = consistency.counters
+        self.timeout_ms = timeout_ms
+
+    def refusal(self) -> Result | None:
+        """The answer when writes must be refused now (nothing was applied), else None."""
+        reason = self.replication.write_refusal()
+        if reason is None:
+            return None
+        self.counters.ack_refused += 1
+        return error_result(WritesRefused(reason))
+
+    def mark(self) -> int:
+        """The replication's position before a call runs."""
+        return self.replication.last_accepted()
+
+    def finish(self, result: Deferred, before: int) -> Deferred:
+        """``result`` at once when the call queued nothing, else once acknowledged."""
+        if type(result) is tuple and self.replication.last_accepted() == before:
+            return result  # nothing to replicate: answered at once
+        return self._acknowledged(result, before)
+
+    async def _acknowledged(self, result: Deferred, before: int) -> Result:
+        if type(result) is not tuple:
+            try:
+                result = await result  # type: ignore[misc]
+            except EXPECTED as e:
+                return error_result(e)
+        seq = self.replication.last_accepted()
+        if seq == before:
+            return result  # type: ignore[return-value]
+        counters = self.counters
+        counters.ack_waits += 1
+        if await self.replication.appended(seq, self.timeout_ms / 1000):
+            return result  # type: ignore[return-value]
+        counters.ack_timeouts += 1
+        return error_result(NotAcknowledged(self.timeout_ms))
 
 
 class ReplicatedOperations(Operations):
@@ -69,12 +116,12 @@ class ReplicatedOperations(Operations):
         super().__init__(service, max_batch)
         self.gate = gate
         self.consistency = consistency
-        self.replication = consistency.replication
-        self.ack_timeout_ms = ack_timeout_ms  # None: local acknowledgements
+        # None: local acknowledgements
+        self.acks = DurableAcks(consistency, ack_timeout_ms) if ack_timeout_ms is not None else None
 
     def get(self, name: str) -> Callable[[bytes], Any]:
         op = getattr(self, name)
-        if self.ack_timeout_ms is not None and name in MUTATING:
+        if self.acks is not None and name in MUTATING:
             return lambda raw: self.run_durable(op, raw)
         return lambda raw: self.run(op, raw)
 
@@ -85,38 +132,17 @@ class ReplicatedOperations(Operations):
             refused = gate.refusal()
             if refused is not None:
                 return error_result(refused)
-        replication = self.replication
-        reason = replication.write_refusal()
-        if reason is not None:
-            self.consistency.counters.ack_refused += 1
-            return error_result(WritesRefused(reason))
-        before = replication.last_accepted()
+        acks = self.acks
+        assert acks is not None
+        refused_writes = acks.refusal()
+        if refused_writes is not None:
+            return refused_writes
+        before = acks.mark()
         try:
             result = op(raw)
         except EXPECTED as e:
             return error_result(e)
-        if type(result) is tuple and replication.last_accepted() == before:
-            return result  # nothing to replicate: answered at once
-        return self._acknowledged(result, before)
-
-    async def _acknowledged(self, result: Deferred, before: int) -> Result:
-        if type(result) is not tuple:
-            try:
-                result = await result  # type: ignore[misc]
-            except EXPECTED as e:
-                return error_result(e)
-        replication = self.replication
-        seq = replication.last_accepted()
-        if seq == before:
-            return result  # type: ignore[return-value]
-        counters = self.consistency.counters
-        counters.ack_waits += 1
-        timeout_ms = self.ack_timeout_ms
-        assert timeout_ms is not None
-        if await replication.appended(seq, timeout_ms / 1000):
-            return result  # type: ignore[return-value]
-        counters.ack_timeouts += 1
-        return error_result(NotAcknowledged(timeout_ms))
+        return acks.finish(result, before)
 
     def run(self, op: Callable[[bytes], Any], raw: bytes) -> Any:  # type: ignore[override]
         gate = self.gate
@@ -130,7 +156,7 @@ class ReplicatedOperations(Operations):
             return error_result(e)
         if type(result) is tuple:
             return result
-        return _finish(result)
+        return finish_waiting(result)
 
     # -- lifecycle calls that may wait for their add --------------------------------------
 

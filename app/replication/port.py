@@ -28,11 +28,20 @@ class ReplicaTarget(Protocol):
         """The early lifecycle calls kept (tombstones, pending marks), for a snapshot."""
         ...
 
+    def export_selection(self) -> dict[str, Any] | None:
+        """The selection service's state (catalog, reservations, caches, pending selections),
+        for a snapshot."""
+        ...
+
     def restore_state(
-        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+        self,
+        trackers: list[dict[str, Any]],
+        early: list[list[Any]] | None = None,
+        selection: dict[str, Any] | None = None,
     ) -> None:
-        """Replace every tracker by those of an ``export_state`` and the early calls by those
-        of an ``export_early``; all or nothing."""
+        """Replace every tracker by those of an ``export_state``, the early calls by those of
+        an ``export_early`` and the selection state by an ``export_selection``; all or
+        nothing."""
         ...
 
 

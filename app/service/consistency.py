@@ -76,7 +76,7 @@ class Consistency:
             self._applied = None
             event.set()
 
-    async def _next_batch(self, timeout_s: float) -> None:
+    async def next_batch(self, timeout_s: float) -> None:
         event = self._applied
         if event is None:
             event = self._applied = asyncio.Event()
@@ -104,7 +104,7 @@ class Consistency:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            await self._next_batch(remaining)
+            await self.next_batch(remaining)
         return False
 
     def resolve(self, cmd: c.PrefillComplete | c.Free | c.OutputBlock, certain: bool) -> None:

@@ -24,8 +24,12 @@ still unknown after the read barrier is kept and sent as an ``early`` record; ev
 applies it to the add when that arrives (a tombstone cancels it, a pending mark completes its
 prefill), or at once to a copy it already holds.
 
+Selection state (``app.service.selection_replica``): the selection service publishes its
+changes through ``emit_selection`` as ``{"selection": ...}`` records, applied here in stream
+order among the lifecycle records they belong with.
+
 Snapshots: ``export_state`` / ``restore_state`` carry every tracker (``app.core.snapshot``),
-instants as wall-clock time, and the early calls.
+instants as wall-clock time, the early calls, and the selection state.
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ class Replicator(Protocol):
     def publish(self, record: dict[str, Any]) -> int | None: ...
 
 
+class SharedSelection(Protocol):
+    """The selection service's side of replication (``app.service.selection_replica``)."""
+
+    publish: Callable[[dict[str, Any]], None] | None
+
+    def apply_peer(self, wire: Any, instant: int) -> bool: ...
+
+    def export_selection(self, wall_offset: int) -> dict[str, Any]: ...
+
+    def restore_selection(self, data: dict[str, Any] | None, wall_offset: int) -> None: ...
+
+
 class _TrackerPublisher(SequencePublisher):
     """Forwards one tracker's lifecycle events as replica records."""
 
@@ -99,6 +115,7 @@ class Replica:
         # own add records whose copy a peer's earlier add replaced: applied when read back
         self._superseded: list[tuple[int, dict[str, Any]]] = []
         self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
+        self.selection: SharedSelection | None = None
 
     def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
         self.early = e.EarlyCalls(capacity, ttl_ns)
@@ -111,6 +128,12 @@ class Replica:
     def registry(self) -> TrackerRegistry:
         assert self._registry is not None, "bind() the registry first"
         return self._registry
+
+    def bind_selection(self, selection: SharedSelection) -> None:
+        """Share ``selection``'s state: publish its changes, apply peers' and snapshot it."""
+        self.selection = selection
+        if self.replicator is not None:
+            selection.publish = self.emit_selection
 
     def publisher_for(self, key: Key) -> SequencePublisher:
         return _TrackerPublisher(self, key)
@@ -143,6 +166,11 @@ class Replica:
             return
         record = self._envelope(key, block_size)
         record["topology"] = op
+        self.replicator.publish(record)
+
+    def emit_selection(self, change: dict[str, Any]) -> None:
+        assert self.replicator is not None
+        record = {"origin": self.instance_id, "ts": self.wall_clock(), "selection": change}
         self.replicator.publish(record)
 
     def remember_early(self, key: Key, op: str, request_id: str) -> None:
@@ -220,6 +248,10 @@ class Replica:
     def _apply_one(self, rec: dict[str, Any], effects: dict[Key, ReplicaEffects]) -> bool:
         if rec.get("origin") == self.instance_id:
             return False
+        if "selection" in rec:
+            if self.selection is None:
+                return False
+            return self.selection.apply_peer(rec["selection"], self.producer_instant(rec["ts"]))
         key = (rec["model_name"], rec["routing_group"])
         block_size = rec["block_size"]
         if "topology" in rec:
@@ -393,11 +425,22 @@ class Replica:
             for key, t in sorted(self.registry.trackers.items())
         ]
 
+    def export_selection(self) -> dict[str, Any] | None:
+        """The selection state, for a snapshot (``None`` when no selection service shares)."""
+        selection = self.selection
+        if selection is None:
+            return None
+        return selection.export_selection(self.wall_clock() - self.clock())
+
     def restore_state(
-        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+        self,
+        trackers: list[dict[str, Any]],
+        early: list[list[Any]] | None = None,
+        selection: dict[str, Any] | None = None,
     ) -> None:
-        """Replace every tracker by those of an ``export_state``, and the early calls by
-        ``early`` (an ``export_early``; None: none) (counters are kept).
+        """Replace every tracker by those of an ``export_state``, the early calls by ``early``
+        (an ``export_early``; None: none) and the selection state by ``selection`` (an
+        ``export_selection``; None: empty) (counters are kept).
 
         All or nothing: on malformed data the previous trackers stay in place.
         """
@@ -412,6 +455,8 @@ class Replica:
                 registry.create(key, data["block_size"]).restore(data, from_wall)
             if self.early is not None:
                 self.early.restore(early or [], self.wall_clock())
+            if self.selection is not None:
+                self.selection.restore_selection(selection, self.wall_clock() - self.clock())
         except Exception:
             registry.replace_all(previous)
             raise

@@ -10,9 +10,9 @@ and a reservation is a request of that tracker (its id is the selection id), so 
 Every public method first decides (checks in the reference's order, the random pick, a generated
 id) and raises domain errors (``app.core.selection.errors``, ``app.service.errors``) without
 changing anything; then it changes state only through ``commit`` with one record of
-``app.service.selection_mutations``. ``commit`` is the one place a replica stream of selection
-state would publish from (not done yet: the catalog, reservations, approximate caches and pending
-selections are local to this instance).
+``app.service.selection_mutations``. ``commit`` is also the one place selection state is
+published to the other instances from (``app.service.selection_replica``): the catalog,
+reservations, approximate caches and pending selections are shared like the trackers.
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
 with its block size, after its last worker goes, while the tracker itself is dropped as the
@@ -60,6 +60,7 @@ from app.service import selection_mutations as m
 from app.service.commands import Key
 from app.service.errors import TooManyHashes
 from app.service.registry import TrackerRegistry
+from app.service.selection_replica import SelectionReplicaMixin
 from app.service.selection_reservations import ReservationsMixin
 from app.service.selection_types import (
     Candidates,
@@ -80,7 +81,7 @@ DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
 MAX_RANKS_PER_PARTITION = 16_384
 
 
-class SelectionService(ReservationsMixin):
+class SelectionService(ReservationsMixin, SelectionReplicaMixin):
     def __init__(
         self,
         registry: TrackerRegistry,
@@ -112,7 +113,7 @@ class SelectionService(ReservationsMixin):
     # -- the one mutation entry point ------------------------------------------------------
 
     def commit(self, mutation: m.Mutation) -> None:
-        """Apply one change to the selection state (the seam for replicating it later)."""
+        """Apply one change to the selection state, then publish it to the other instances."""
         now = self.clock()
         if isinstance(mutation, m.Book):
             self._apply_book(mutation, now)
@@ -136,6 +137,7 @@ class SelectionService(ReservationsMixin):
             self._apply_remove_worker(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
+        self._publish(mutation)
 
     # -- the worker catalog ----------------------------------------------------------------
 

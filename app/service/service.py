@@ -310,7 +310,13 @@ class SlotTrackerService:
     def export_early(self) -> list[list[Any]]:
         return self.replica.export_early()
 
+    def export_selection(self) -> dict[str, Any] | None:
+        return self.replica.export_selection()
+
     def restore_state(
-        self, trackers: list[dict[str, Any]], early: list[list[Any]] | None = None
+        self,
+        trackers: list[dict[str, Any]],
+        early: list[list[Any]] | None = None,
+        selection: dict[str, Any] | None = None,
     ) -> None:
-        self.replica.restore_state(trackers, early)
+        self.replica.restore_state(trackers, early, selection)

@@ -293,6 +293,43 @@ class ApproximateCache:
                 starts.extend((key, k) for k in kids)
                 yield StoredRun(worker, parent, tuple(run))
 
+    # -- snapshots ---------------------------------------------------------------------------------
+
+    def export(self, now_ns: int) -> list[list[int]]:
+        """The live blocks as rows ``[worker_id, dp_rank, key, parent or -1, local, expires]``,
+        per rank with parents first (``restore`` takes them back; ``expires`` as stored)."""
+        return [
+            [b.worker.worker_id, b.worker.dp_rank, b.block_hash,
+             -1 if b.parent_hash is None else b.parent_hash, b.tokens_hash, b.expires_at_ns]
+            for b in self.blocks(now_ns)
+        ]  # fmt: skip
+
+    def restore(self, rows: Sequence[Sequence[int]], shift_ns: int = 0) -> None:
+        """Replace the content by an ``export``'s rows, every expiry moved by ``shift_ns`` (from
+        another clock to this one). Raises ``ValueError`` on a malformed row, leaving the cache
+        empty."""
+        self._nodes, self._by_rank, self._ranks_of_worker = {}, {}, {}
+        self._heap, self._heap_keys, self._live = [], 0, 0
+        nodes = self._nodes
+        try:
+            for worker_id, dp_rank, key, parent, local, expires in rows:
+                worker = WorkerWithDpRank(worker_id, dp_rank)
+                node = nodes.get(key)
+                if node is None:
+                    node = nodes[key] = _Node(None if parent == -1 else parent, local)
+                rank_keys = self._by_rank.get(worker)
+                if rank_keys is None:
+                    rank_keys = self._by_rank[worker] = {}
+                    self._ranks_of_worker.setdefault(worker_id, set()).add(worker)
+                if worker not in node.ranks:
+                    self._live += 1
+                    rank_keys[key] = None
+                node.ranks[worker] = expires + shift_ns
+        except (TypeError, ValueError) as e:
+            self.restore([])
+            raise ValueError(f"malformed approximate-cache row: {e}") from None
+        self._rebuild_heap()
+
     def ranks(self) -> list[WorkerWithDpRank]:
         """Ranks holding at least one block (expired or not yet swept)."""
         return list(self._by_rank)

@@ -95,6 +95,16 @@ class PendingSelections:
         self.expired += n
         return n
 
+    def entries(self) -> list[tuple[str, int, PendingSelection]]:
+        """Every resident entry, oldest first, as ``(selection_id, expires_at, entry)``."""
+        return [(key[2], expires, entry) for key, (expires, entry) in self._entries.items()]
+
+    def restore(self, entries: list[tuple[str, int, PendingSelection]]) -> None:
+        """Replace the content by ``entries`` (as ``entries`` lists them; counters are kept)."""
+        self._entries = OrderedDict(
+            ((e.model_name, e.routing_group, sid), (expires, e)) for sid, expires, e in entries
+        )
+
     def __len__(self) -> int:
         """Resident entries, including expired ones not yet dropped."""
         return len(self._entries)

@@ -186,7 +186,7 @@ class StreamReader:
             self.position = START_ID
         else:
             with gc_paused(freeze=True):
-                self._target.restore_state(snapshot.trackers, snapshot.early)
+                self._target.restore_state(snapshot.trackers, snapshot.early, snapshot.selection)
             self._seqs = snapshot.seqs.copy()
             self.position = snapshot.stream_id
             self.schedule.note(snapshot.stream_id, snapshot.at)

@@ -83,6 +83,7 @@ class Snapshot:
     seqs: SeqLedger
     trackers: list[dict[str, Any]] = field(default_factory=list)
     early: list[list[Any]] = field(default_factory=list)  # tombstones and pending marks
+    selection: dict[str, Any] | None = None  # the selection service's state
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -94,6 +95,7 @@ class Snapshot:
                 "seqs": self.seqs.export(),
                 "trackers": self.trackers,
                 "early": self.early,
+                "selection": self.selection,
             }
         )
 
@@ -109,6 +111,7 @@ class Snapshot:
             seqs=SeqLedger.load(data["seqs"]),
             trackers=data["trackers"],
             early=data.get("early", []),  # absent from snapshots of earlier versions
+            selection=data.get("selection"),  # likewise
         )
 
 
@@ -278,6 +281,7 @@ class SnapshotWriter:
             seqs,
             self._target.export_state(),
             self._target.export_early(),
+            self._target.export_selection(),
         )
 
     async def write(self, lease_token: str = "") -> bool:

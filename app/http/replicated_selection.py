@@ -1,0 +1,107 @@
+"""The selection API's operations on a replicated instance: ``SelectionOperations`` plus what
+sharing state needs, as ``app.http.replicated`` does for the slot-tracker routes.
+
+* The readiness gate: 503 before anything runs while the instance has not caught up.
+* With ``replication_ack = "redis"``, a call that changed shared state (a worker, a booking, a
+  pending selection, a release) is answered once its records are in the stream
+  (``DurableAcks``); a call that queued nothing (a read, a plain ``/select``, an error) at once.
+* A call about something this instance does not know yet (a reservation, a pending selection
+  or a worker made on a peer a moment earlier, whose records have not arrived) would answer
+  404 wrongly. Such a call, and only it, waits: for the read barrier (this instance applied
+  every stream entry that existed when the call arrived), and with local acknowledgements also
+  for the next batches of peers' records, at most ``consistency_wait_ms``, and runs again
+  (with durable acknowledgements the barrier alone is proof: every acknowledged change is
+  already in the stream). An
+  operation decides before it changes anything, so running it again is safe. Only then is the
+  404 answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from app.core.selection.errors import (
+    CatalogWorkerNotFound,
+    PendingSelectionNotFound,
+    RankNotFound,
+    ReservationNotFound,
+    SchedulableWorkerNotFound,
+)
+from app.http.errors import EXPECTED, error_result
+from app.http.gate import ReadinessGate
+from app.http.replicated import DurableAcks, finish_waiting
+from app.http.selection_operations import Result, SelectionOperations
+from app.service.consistency import Consistency
+from app.service.selection import SelectionService
+
+# Not found here, but perhaps made on a peer a moment ago. (A 503 for a partition without
+# schedulable workers does not wait: it already tells the client to try again.)
+NOT_YET_KNOWN = (
+    ReservationNotFound,
+    PendingSelectionNotFound,
+    CatalogWorkerNotFound,
+    SchedulableWorkerNotFound,
+    RankNotFound,
+)
+
+
+class ReplicatedSelectionOperations(SelectionOperations):
+    def __init__(
+        self,
+        service: SelectionService,
+        gate: ReadinessGate,
+        consistency: Consistency,
+        ack_timeout_ms: int | None = None,
+    ) -> None:
+        super().__init__(service)
+        self.gate = gate
+        self.consistency = consistency
+        self.acks = DurableAcks(consistency, ack_timeout_ms) if ack_timeout_ms is not None else None
+
+    def get(self, name: str) -> Callable[..., Any]:
+        op = getattr(self, name)
+        gate = self.gate
+        acks = self.acks
+
+        def run(raw: bytes, *args: Any) -> Any:
+            if gate.closed:
+                refused = gate.refusal()
+                if refused is not None:
+                    return error_result(refused)
+            before = 0
+            if acks is not None:
+                refused_writes = acks.refusal()
+                if refused_writes is not None:
+                    return refused_writes
+                before = acks.mark()
+            try:
+                result: Any = op(raw, *args)
+            except NOT_YET_KNOWN:
+                result = finish_waiting(self._after_wait(op, raw, args))
+            except EXPECTED as e:
+                return error_result(e)
+            return result if acks is None else acks.finish(result, before)
+
+        return run
+
+    async def _after_wait(self, op: Callable[..., Result], raw: bytes, args: tuple) -> Result:
+        """Run ``op`` again once the peers' records that may concern it were applied."""
+        consistency = self.consistency
+        consistency.counters.barrier_waits += 1
+        wait_s = consistency.wait_s
+        if wait_s > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_s
+            if not await consistency.replication.caught_up(wait_s):
+                consistency.counters.barrier_timeouts += 1
+            while True:
+                try:
+                    return op(raw, *args)
+                except NOT_YET_KNOWN:
+                    remaining = deadline - loop.time()
+                    if consistency.durable_acks or remaining <= 0:
+                        raise
+                await consistency.next_batch(remaining)
+        return op(raw, *args)
