@@ -67,6 +67,7 @@ from app.service.selection_types import (
     OverlapScores,
     Partition,
     Reservation,
+    SelectionCounters,
     SelectOutcome,
     WorkerLoad,
 )
@@ -108,6 +109,7 @@ class SelectionService(ReservationsMixin):
         self.stale_dropped = 0
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
+        self.counters = SelectionCounters()
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -420,6 +422,7 @@ class SelectionService(ReservationsMixin):
                 else DEFAULT_PREFILL_TOKEN_CAPACITY,
                 spec.total_kv_blocks,
             )
+        self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
         return SelectOutcome(
             selection_id=sid,
             model_name=key[0],
