@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
-from app.observability import build_registry, watch_consistency, watch_service
+from app.observability import build_registry, watch_consistency, watch_selection, watch_service
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
@@ -53,6 +53,7 @@ def create_app(
     )
     selection = build_selection(settings, service)
     watch_service(registry, service)
+    watch_selection(registry, selection)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)

@@ -1,19 +1,24 @@
-"""Prometheus metrics: HTTP metrics from prometheus-fastapi-instrumentator, and tracker state
-read at scrape time by a custom collector (so the hot path updates no metric at all, and the
-series of a removed rank disappear with it).
+"""Prometheus metrics: HTTP metrics from prometheus-fastapi-instrumentator, and tracker and
+selection state read at scrape time by custom collectors (so the hot path updates no metric at
+all, and the series of a removed rank disappear with it).
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.core.selection.catalog import INCOMPLETE, SCHEDULABLE, UNSCHEDULABLE
 from app.service import SlotTrackerService
+from app.service.commands import Key
 from app.service.consistency import ConsistencyCounters
 from app.service.replica import Replica
+from app.service.selection import SelectionService
+from app.service.selection_types import SELECTION_OUTCOMES
 
 RANK_LABELS = ["model_name", "routing_group", "worker_id", "dp_rank"]
 KEY_LABELS = ["model_name", "routing_group"]
@@ -79,6 +84,96 @@ class TrackerCollector(Collector):
         yield from (added, freed, expired)
 
 
+class SelectionCollector(Collector):
+    """The selection API's state, read at scrape time: O(catalog workers + partitions +
+    reservations) per scrape, nothing per call (the selection counters are plain integers)."""
+
+    def __init__(self, service: SelectionService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator:
+        svc = self.service
+        workers = GaugeMetricFamily(
+            "kv_slot_tracker_selection_workers",
+            "Selection catalog workers by lifecycle: schedulable (a candidate), incomplete "
+            "(cannot be scheduled yet), unschedulable (schedulable, but its ranks were removed "
+            "through /unregister)",
+            labels=[*KEY_LABELS, "lifecycle"],
+        )
+        by_lifecycle: dict[Key, Tally[str]] = {}
+        for record in svc.catalog.values():
+            key = record.spec.key
+            lifecycle = record.lifecycle
+            if record.schedulable:
+                t = svc.registry.find(key)
+                if t is None or not t.has_worker(record.spec.worker_id):
+                    lifecycle = UNSCHEDULABLE
+            by_lifecycle.setdefault(key, Tally())[lifecycle] += 1
+        for (model, group), tally in sorted(by_lifecycle.items()):
+            for lifecycle in (SCHEDULABLE, INCOMPLETE, UNSCHEDULABLE):
+                workers.add_metric([model, group, lifecycle], tally[lifecycle])
+        yield workers
+
+        reservations = GaugeMetricFamily(
+            "kv_slot_tracker_selection_reservations",
+            "Reservation ids held per partition: active (booked) or lingering (their worker or "
+            "rank was removed; the id stays taken until a call on it answers 404)",
+            labels=[*KEY_LABELS, "state"],
+        )
+        held: Tally[tuple[Key, bool]] = Tally(
+            (res.key, res.lingering) for res in svc.reservations.values()
+        )
+        keys = sorted(svc.partitions.keys() | {key for key, _ in held})
+        for model, group in keys:
+            for state, lingering in (("active", False), ("lingering", True)):
+                reservations.add_metric([model, group, state], held[(model, group), lingering])
+        yield reservations
+
+        blocks = GaugeMetricFamily(
+            "kv_slot_tracker_selection_cached_blocks",
+            "Approximate-cache entries (rank, block) per partition, expired ones not yet swept "
+            "included",
+            labels=KEY_LABELS,
+        )
+        for (model, group), part in sorted(svc.partitions.items()):
+            blocks.add_metric([model, group], len(part.cache))
+        yield blocks
+
+        made = CounterMetricFamily(
+            "kv_slot_tracker_selections",
+            "Successful selections and bookings per partition: select, select_and_reserve, and "
+            "POST /reservations replaying a pending selection (replay) or naming a rank (explicit)",
+            labels=[*KEY_LABELS, "outcome"],
+        )
+        counted = svc.counters.made
+        for model, group in sorted(svc.partitions.keys() | {key for key, _ in counted}):
+            for outcome in SELECTION_OUTCOMES:
+                made.add_metric([model, group, outcome], counted.get(((model, group), outcome), 0))
+        yield made
+
+        pending = GaugeMetricFamily(
+            "kv_slot_tracker_selection_pending",
+            "Pending selections (select with a selection_id) held for a later booking, expired "
+            "ones not yet swept included",
+        )
+        pending.add_metric([], len(svc.pending))
+        yield pending
+        for name, value, doc in (
+            ("pending_evicted", svc.pending.evicted,
+             "Pending selections evicted unclaimed because the cache was full"),
+            ("pending_expired", svc.pending.expired,
+             "Pending selections dropped unclaimed after selection_cache_ttl_seconds"),
+            ("lingering_dropped", svc.lingering_dropped,
+             "Lingering reservation ids dropped by the sweep after the request expiry"),
+            ("stale_dropped", svc.stale_dropped,
+             "Reservation ids dropped because their request was freed elsewhere (slot-tracker "
+             "routes, expiry)"),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(f"kv_slot_tracker_selection_{name}", doc)
+            counter.add_metric([], value)
+            yield counter
+
+
 class ConsistencyCollector(Collector):
     """Replicated mode: lifecycle calls that waited for their add, and early calls kept."""
 
@@ -140,6 +235,11 @@ def build_registry() -> CollectorRegistry:
 def watch_service(registry: CollectorRegistry, service: SlotTrackerService) -> None:
     """Expose the service's trackers and counters in ``registry`` (read at scrape time)."""
     registry.register(TrackerCollector(service))
+
+
+def watch_selection(registry: CollectorRegistry, service: SelectionService) -> None:
+    """Expose the selection API's catalog, reservations, caches and counters in ``registry``."""
+    registry.register(SelectionCollector(service))
 
 
 class HttpMetrics:

@@ -190,7 +190,7 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
         metrics["summary"] = "Prometheus metrics (text exposition format)"
         metrics["responses"] = {
             "200": {
-                "description": "Tracker gauges and counters, and HTTP metrics.",
+                "description": "Tracker and selection gauges and counters, and HTTP metrics.",
                 "content": {"text/plain": {"schema": {"type": "string"}}},
             }
         }

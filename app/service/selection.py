@@ -68,6 +68,7 @@ from app.service.selection_types import (
     OverlapScores,
     Partition,
     Reservation,
+    SelectionCounters,
     SelectOutcome,
     WorkerLoad,
 )
@@ -109,6 +110,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         self.stale_dropped = 0
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
+        self.counters = SelectionCounters()
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -422,6 +424,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
                 else DEFAULT_PREFILL_TOKEN_CAPACITY,
                 spec.total_kv_blocks,
             )
+        self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
         return SelectOutcome(
             selection_id=sid,
             model_name=key[0],

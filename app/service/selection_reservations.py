@@ -81,6 +81,7 @@ class ReservationsMixin:
                 lora_name=entry.lora_name,
             )
         )
+        self.counters.count(key, "replay")
         return Booked(
             selection_id=sid,
             model_name=key[0],
@@ -141,6 +142,7 @@ class ReservationsMixin:
                 lora_name=cmd.lora_name,
             )
         )
+        self.counters.count(key, "explicit")
         return Booked(
             selection_id=sid,
             model_name=key[0],

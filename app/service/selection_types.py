@@ -32,6 +32,23 @@ class Reservation:
     lifecycle call on it answers 404 (the reference's rule)."""
 
 
+SELECTION_OUTCOMES = ("select", "select_and_reserve", "replay", "explicit")
+"""How a rank was chosen: ``/select``, ``/select_and_reserve``, and the two bookings of
+``POST /reservations`` (a pending selection replayed, or a prompt on a given rank)."""
+
+
+@dataclass(slots=True)
+class SelectionCounters:
+    """Successful selections and bookings per partition and outcome (never reset; read by the
+    metrics at scrape time, so a call costs one dict update)."""
+
+    made: dict[tuple[Key, str], int] = field(default_factory=dict)
+
+    def count(self, key: Key, outcome: str) -> None:
+        made = self.made
+        made[key, outcome] = made.get((key, outcome), 0) + 1
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """The ``worker_load`` block of an advisory selection."""

@@ -2,9 +2,10 @@
 service really exports, with labels they really carry.
 
 Two applications built by ``create_app`` replicate through the test Redis; a little traffic
-(register, add, prefill complete, output block, free, a refused call, on both) makes every
-series appear, and both ``/metrics`` pages are read. Every PromQL expression of the dashboard
-(panel targets and template-variable queries) is parsed with a real PromQL parser, and then:
+(register, add, prefill complete, output block, free, a refused call, a selection worker and a
+pending selection, on both) makes every series appear, and both ``/metrics`` pages are read.
+Every PromQL expression of the dashboard (panel targets and template-variable queries) is
+parsed with a real PromQL parser, and then:
 
 * every selector names a sample the service exports (so ``..._bucket``/``_sum``/``_count``/
   ``_total`` must be spelt as exported: a histogram's bare name is refused);
@@ -73,7 +74,14 @@ async def drive_traffic(client: httpx.AsyncClient, worker_id: int) -> None:
         ("/output_block", {"model_name": "llama", "request_id": f"b{worker_id}"}),
         ("/free", {"model_name": "llama", "request_id": f"a{worker_id}"}),
     ]  # fmt: skip
-    for path, body in ok:
+    # a selection worker and a pending selection: every selection series, and no replica record
+    selection = [
+        ("/selection/workers", {"model_name": "llama-sel", "worker_id": worker_id,
+                                "endpoint": f"http://w{worker_id}", "block_size": 4}),
+        ("/selection/select", {"model_name": "llama-sel", "selection_id": "s",
+                               "token_ids": [1, 2, 3, 4, 5]}),
+    ]  # fmt: skip
+    for path, body in ok + selection:
         resp = await client.post(path, json=body)
         assert resp.is_success, (path, resp.status_code, resp.text)
     assert (await client.get("/loads", params={"model_name": "llama"})).status_code == 200
