@@ -74,7 +74,8 @@ async def drive_traffic(client: httpx.AsyncClient, worker_id: int) -> None:
         ("/output_block", {"model_name": "llama", "request_id": f"b{worker_id}"}),
         ("/free", {"model_name": "llama", "request_id": f"a{worker_id}"}),
     ]  # fmt: skip
-    # a selection worker and a pending selection: every selection series, and no replica record
+    # a selection worker and a pending selection: every selection series (two selection
+    # records for the peer)
     selection = [
         ("/selection/workers", {"model_name": "llama-sel", "worker_id": worker_id,
                                 "endpoint": f"http://w{worker_id}", "block_size": 4}),
@@ -100,7 +101,7 @@ async def scrape_replicated(redis_url: str, namespace: str) -> Exported:
         async def caught_up() -> bool:
             sa = (await a.get("/replication")).json()
             sb = (await b.get("/replication")).json()
-            return sa["published"] == sb["applied"] == 5 and sb["published"] == sa["applied"] == 5
+            return sa["published"] == sb["applied"] == 7 and sb["published"] == sa["applied"] == 7
 
         for _ in range(1000):
             if await caught_up():
@@ -110,7 +111,7 @@ async def scrape_replicated(redis_url: str, namespace: str) -> Exported:
             raise AssertionError("the two instances did not apply each other's records")
         for client in (a, b):
             page = (await client.get("/metrics")).text
-            assert "kv_slot_tracker_replication_lag_seconds_count 5.0" in page
+            assert "kv_slot_tracker_replication_lag_seconds_count 7.0" in page
             exported.add_page(page)
     return exported
 
