@@ -85,8 +85,8 @@ class TrackerCollector(Collector):
 
 
 class SelectionCollector(Collector):
-    """The selection API's state, read at scrape time: O(catalog workers + partitions +
-    reservations) per scrape, nothing per call (the selection counters are plain integers)."""
+    """The selection API's state, read at scrape time: O(catalog workers + partitions) per
+    scrape (reservations are tallied as they change), nothing per call."""
 
     def __init__(self, service: SelectionService) -> None:
         self.service = service
@@ -120,13 +120,13 @@ class SelectionCollector(Collector):
             "rank was removed; the id stays taken until a call on it answers 404)",
             labels=[*KEY_LABELS, "state"],
         )
-        held: Tally[tuple[Key, bool]] = Tally(
-            (res.key, res.lingering) for res in svc.reservations.values()
-        )
+        held = svc.held
         keys = sorted(svc.partitions.keys() | {key for key, _ in held})
         for model, group in keys:
             for state, lingering in (("active", False), ("lingering", True)):
-                reservations.add_metric([model, group, state], held[(model, group), lingering])
+                reservations.add_metric(
+                    [model, group, state], held.get(((model, group), lingering), 0)
+                )
         yield reservations
 
         blocks = GaugeMetricFamily(

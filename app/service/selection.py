@@ -103,6 +103,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         self.partitions: dict[Key, Partition] = {}
         self.catalog: dict[int, WorkerRecord] = {}
         self.reservations: dict[str, Reservation] = {}
+        self.held: dict[tuple[Key, bool], int] = {}
+        """Reservation ids per ``(partition, lingering)``, kept as they change (for metrics)."""
         self._reservations_of: dict[int, set[str]] = {}
         self._schedulable = 0  # schedulable workers in the catalog
         self.lingering_dropped = 0
@@ -268,7 +270,9 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         for sid in list(ids):
             res = self.reservations[sid]
             if ranks is None or res.worker.dp_rank in ranks:
+                self._count(res, -1)
                 res.lingering = True
+                self._count(res, 1)
                 ids.discard(sid)
         if not ids:
             del self._reservations_of[worker_id]

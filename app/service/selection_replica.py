@@ -85,9 +85,7 @@ class SelectionReplicaMixin:
         held = self.reservations.get(sid)
         if held is not None and held.key == key and held.worker == b.worker:
             return False
-        self._forget(sid)
-        self.reservations[sid] = Reservation(key, b.worker, instant)
-        self._reservations_of.setdefault(b.worker.worker_id, set()).add(sid)
+        self._hold(sid, Reservation(key, b.worker, instant))
         return True
 
     # -- snapshots -------------------------------------------------------------------------
@@ -142,7 +140,9 @@ class SelectionReplicaMixin:
         self.catalog, self.partitions, self.reservations, pending = state
         self._schedulable = sum(r.schedulable for r in self.catalog.values())
         self._reservations_of = {}
+        self.held = {}
         for sid, res in self.reservations.items():
+            self._count(res, 1)
             if not res.lingering:
                 self._reservations_of.setdefault(res.worker.worker_id, set()).add(sid)
         self.pending.restore(pending)

@@ -186,8 +186,7 @@ class ReservationsMixin:
             now,
         )
         self.registry.counters_of(key).added += 1
-        self.reservations[b.selection_id] = Reservation(key, b.worker, now)
-        self._reservations_of.setdefault(b.worker.worker_id, set()).add(b.selection_id)
+        self._hold(b.selection_id, Reservation(key, b.worker, now))
         if b.block_hashes:
             self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
         if b.consumes_pending:
@@ -199,10 +198,27 @@ class ReservationsMixin:
             self.registry.counters_of(res.key).freed += 1
         self._forget(r.selection_id)
 
+    def _hold(self, sid: str, res: Reservation) -> None:
+        """Record the reservation ``sid`` (replacing an earlier one of that id)."""
+        self._forget(sid)
+        self.reservations[sid] = res
+        self._reservations_of.setdefault(res.worker.worker_id, set()).add(sid)
+        self._count(res, 1)
+
+    def _count(self, res: Reservation, delta: int) -> None:
+        held = self.held
+        k = (res.key, res.lingering)
+        n = held.get(k, 0) + delta
+        if n:
+            held[k] = n
+        else:
+            del held[k]
+
     def _forget(self, sid: str) -> None:
         res = self.reservations.pop(sid, None)
         if res is None:
             return
+        self._count(res, -1)
         ids = self._reservations_of.get(res.worker.worker_id)
         if ids is not None:
             ids.discard(sid)

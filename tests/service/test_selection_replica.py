@@ -78,6 +78,10 @@ class Node:
     def view(self) -> dict[str, Any]:
         """Everything a client can read of the selection state."""
         sel = self.selection
+        tally: dict[Any, int] = {}
+        for r in sel.reservations.values():
+            tally[(r.key, r.lingering)] = tally.get((r.key, r.lingering), 0) + 1
+        assert sel.held == tally  # the per-partition tally kept as reservations change
         return {
             "workers": [(r.spec, r.lifecycle, r.reasons) for r in sel.workers(None, None)],
             "loads": sel.loads(None, None),
