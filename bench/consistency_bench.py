@@ -11,11 +11,15 @@ server of the bench's own (restartable, SIGSTOP-able), three instances on loopba
               restarted empty, and with ``--ack redis`` kill -9 + restart of instances. At the
               end every instance must equal the ground truth; reports the answers seen and how
               long after the traffic stopped the instances were identical.
+  floor       the same path without the service: one process appends (``XADD``) a timestamp
+              every 20 ms, three others wait in ``XREAD BLOCK`` (redis-py asyncio on uvloop, as
+              the service) and report append-to-read latency (one host, one monotonic clock):
+              what Redis and the scheduler deliver on this machine, next to ``visibility``.
   outage      traffic, then Redis goes away (SIGSTOP 4 s, or killed and restarted empty) and
               the traffic stops during the outage: the time from Redis being back to every
               instance equal to the ground truth.
 
-Run: .venv/bin/python bench/consistency_bench.py {visibility,run,outage} [options]
+Run: .venv/bin/python bench/consistency_bench.py {visibility,floor,run,outage} [options]
 Needs a redis-server binary (SLOT_TRACKER_TEST_REDIS_SERVER or PATH).
 """
 
@@ -239,11 +243,68 @@ def outage(kind: str, ack: str, rounds: int) -> dict:
     return {"kind": kind, "ack": ack, "converged_after_redis_back_ms": [round(t) for t in times]}
 
 
+# -- floor ---------------------------------------------------------------------------------------
+
+_FLOOR_READER = """
+import asyncio, sys, time
+import redis.asyncio as redis
+import uvloop
+
+async def main(url, key, n):
+    r = redis.Redis.from_url(url)
+    pos, out = "0-0", []
+    while len(out) < n:
+        reply = await r.xread({key: pos}, count=100, block=5000)
+        now = time.monotonic_ns()
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                pos = entry_id
+                out.append(now - int(fields[b"t"]))
+    print(" ".join(map(str, out)), flush=True)
+
+uvloop.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def floor(samples: int) -> dict:
+    import subprocess
+
+    import redis
+
+    binary = os.environ.get("SLOT_TRACKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    if not binary:
+        raise SystemExit("no redis-server binary (SLOT_TRACKER_TEST_REDIS_SERVER or PATH)")
+    server = RedisServer(binary, free_port())
+    server.start()
+    key = f"floor-{uuid.uuid4().hex[:8]}"
+    try:
+        readers = [
+            subprocess.Popen([sys.executable, "-c", _FLOOR_READER, server.url, key, str(samples)],
+                             stdout=subprocess.PIPE, text=True)
+            for _ in range(3)
+        ]  # fmt: skip
+        time.sleep(1.0)  # the readers are blocked in XREAD
+        client = redis.Redis.from_url(server.url)
+        for _ in range(samples):
+            client.xadd(key, {"t": time.monotonic_ns()})
+            time.sleep(0.02)
+        values = []
+        for proc in readers:
+            out, _ = proc.communicate(timeout=30)
+            values += [int(v) / 1e6 for v in out.split()]
+        client.close()
+    finally:
+        server.cleanup()
+    return {"append_to_read": stats_ms(values)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
     v = sub.add_parser("visibility")
     v.add_argument("--samples", type=int, default=500)
+    f = sub.add_parser("floor")
+    f.add_argument("--samples", type=int, default=500)
     r = sub.add_parser("run")
     r.add_argument("--seconds", type=float, default=60)
     r.add_argument("--ack", choices=["local", "redis"], default="local")
@@ -255,6 +316,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.what == "visibility":
         result = visibility(args.samples)
+    elif args.what == "floor":
+        result = floor(args.samples)
     elif args.what == "run":
         result = run(args.seconds, args.ack, args.clients)
     else:
