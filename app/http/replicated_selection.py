@@ -11,7 +11,11 @@ sharing state needs, as ``app.http.replicated`` does for the slot-tracker routes
   every stream entry that existed when the call arrived), and with local acknowledgements also
   for the next batches of peers' records, at most ``consistency_wait_ms``, and runs again
   (with durable acknowledgements the barrier alone is proof: every acknowledged change is
-  already in the stream). An
+  already in the stream).
+* With local acknowledgements a reservation may still be on its way after the wait (a peer's
+  outbox, a Redis stall). Its ``DELETE`` answers 404 as the reference does, and nothing is
+  lost: the id gets a replicated tombstone in every partition (``app.service.early``), so if its
+  request arrives later it is cancelled on every instance, including the one that made it. An
   operation decides before it changes anything, so running it again is safe. Only then is the
   404 answered.
 """
@@ -79,29 +83,31 @@ class ReplicatedSelectionOperations(SelectionOperations):
             try:
                 result: Any = op(raw, *args)
             except NOT_YET_KNOWN:
-                result = finish_waiting(self._after_wait(op, raw, args))
+                result = finish_waiting(self._after_wait(name, op, raw, args))
             except EXPECTED as e:
                 return error_result(e)
             return result if acks is None else acks.finish(result, before)
 
         return run
 
-    async def _after_wait(self, op: Callable[..., Result], raw: bytes, args: tuple) -> Result:
+    async def _after_wait(
+        self, name: str, op: Callable[..., Result], raw: bytes, args: tuple
+    ) -> Result:
         """Run ``op`` again once the peers' records that may concern it were applied."""
         consistency = self.consistency
         consistency.counters.barrier_waits += 1
         wait_s = consistency.wait_s
-        if wait_s > 0:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + wait_s
-            if not await consistency.replication.caught_up(wait_s):
-                consistency.counters.barrier_timeouts += 1
-            while True:
-                try:
-                    return op(raw, *args)
-                except NOT_YET_KNOWN:
-                    remaining = deadline - loop.time()
-                    if consistency.durable_acks or remaining <= 0:
-                        raise
-                await consistency.next_batch(remaining)
-        return op(raw, *args)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        if wait_s > 0 and not await consistency.replication.caught_up(wait_s):
+            consistency.counters.barrier_timeouts += 1
+        while True:
+            try:
+                return op(raw, *args)
+            except NOT_YET_KNOWN:
+                remaining = deadline - loop.time()
+                if consistency.durable_acks or remaining <= 0:
+                    if name == "delete_reservation" and not consistency.durable_acks:
+                        consistency.release_unknown(args[0], sorted(self.service.partitions))
+                    raise
+            await consistency.next_batch(remaining)

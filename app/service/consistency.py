@@ -127,6 +127,13 @@ class Consistency:
                 self.wait_s * 1000,
             )
 
+    def release_unknown(self, selection_id: str, keys: list[c.Key]) -> None:
+        """A reservation released while still unknown here after the wait: its id is gone for
+        good. Its request may yet arrive (a peer's outbox, a Redis stall), in any of the
+        partitions ``keys``, so each gets a replicated tombstone of the id."""
+        for key in keys:
+            self.service.replica.remember_early(key, FREE, selection_id)
+
     def run(self, cmd: c.PrefillComplete | c.Free | c.OutputBlock, certain: bool) -> None:
         """After ``settle``: the call as usual when its id is known now, else ``resolve``."""
         if not self.known(cmd.key, cmd.request_id):

@@ -166,3 +166,32 @@ async def test_durable_acknowledgements_cover_the_selection_routes(
             assert (await b.client.delete(SEL + "/reservations/d2")).status_code == 200
     finally:
         await proxy.close()
+
+
+async def test_a_reservation_released_before_its_records_arrive_is_cancelled_everywhere(
+    redis_url: str, namespace: str
+) -> None:
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    try:
+        async with running_apps(
+            settings(proxy.url(), namespace),
+            settings(redis_url, namespace, consistency_wait_ms=300),
+        ) as (a, b):
+            await upsert(a, 1)
+            await until(lambda: converged([a, b]), what="the worker on b")
+            proxy.cut()  # a's records wait in its outbox
+            r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], selection_id="gone"))
+            assert r.status_code == 200, r.text
+            # b cannot know it yet: 404 after the bounded wait, and a tombstone for the id
+            r = await b.client.delete(SEL + "/reservations/gone")
+            assert r.status_code == 404, r.text
+            assert b.metric("consistency_tombstones_created_total") == 1
+            proxy.restore()
+            # the reservation's request reaches b and is cancelled there; a frees its copy
+            await until(lambda: converged([a, b]), what="the same state on both")
+            for app in (a, b):
+                assert all(row["active_requests"] == 0 for row in await app.loads())
+            assert (await a.client.delete(SEL + "/reservations/gone")).status_code == 404
+    finally:
+        await proxy.close()
