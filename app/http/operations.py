@@ -10,13 +10,14 @@ errors become their status and ``{"error": ...}`` body through the one error tab
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from app.core.types import U64_MAX
+from app.core.types import U32_MAX, U64_MAX
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
@@ -254,7 +255,101 @@ class Operations:
             return _batch_error(e)
 
     def batch(self, raw: bytes) -> Result:
-        return self._run_batch(self._batch_ops(raw))
+        calls = self._plain_batch(raw)
+        if calls is None:  # something unusual: the validating path, with its messages
+            return self._run_batch(self._batch_ops(raw))
+        self._check_size(len(calls))
+        results = []
+        append = results.append
+        for call, cmd, ok in calls:
+            try:
+                call(cmd)
+            except EXPECTED as e:
+                append(_batch_error(e))
+            else:
+                append(ok)
+        return 200, b'{"results":[' + b",".join(results) + b"]}"
+
+    def _plain_batch(
+        self, raw: bytes
+    ) -> list[tuple[Callable[[Any], Any], c.Command, bytes]] | None:
+        """The batch's operations as ``(service method, command, success result)``, when the
+        body is plain: valid JSON whose operations have only their own fields, each of exactly
+        its schema type and range (what ``StrictBatchBody`` accepts, checked on the decoded
+        values without building models). None for anything else, which the validating path
+        then answers; so this path never has to produce an error message."""
+        if b"NaN" in raw or b"Infinity" in raw:
+            return None  # the validating path tells these literals from strings
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if type(body) is not dict or len(body) != 1:
+            return None
+        ops = body.get("operations")
+        if type(ops) is not list:
+            return None
+        # without a JSON boolean anywhere, array() checks int-ness and range in C
+        no_bools = b"true" not in raw and b"false" not in raw
+        service = self.service
+        calls: list[tuple[Callable[[Any], Any], c.Command, bytes]] = []
+        append = calls.append
+        for d in ops:
+            if type(d) is not dict:
+                return None
+            name = d.get("op")
+            model = d.get("model_name")
+            group = d.get("routing_group", DEFAULT_GROUP)
+            rid = d.get("request_id")
+            if type(model) is not str or type(group) is not str or type(rid) is not str:
+                return None
+            if name == "free" or name == "prefill_complete":
+                if not d.keys() <= _REQUEST_KEYS:
+                    return None
+                if name == "free":
+                    append(
+                        (
+                            service.free,
+                            c.Free(model_name=model, routing_group=group, request_id=rid),
+                            _DONE,
+                        )
+                    )
+                else:
+                    append(
+                        (
+                            service.prefill_complete,
+                            c.PrefillComplete(
+                                model_name=model, routing_group=group, request_id=rid
+                            ),
+                            _DONE,
+                        )
+                    )
+            elif name == "add":
+                cmd = _plain_add(d, model, group, rid, no_bools)
+                if cmd is None:
+                    return None
+                append((service.add, cmd, _CREATED))
+            elif name == "output_block":
+                if not d.keys() <= _OUTPUT_KEYS:
+                    return None
+                frac = d.get("decay_fraction")
+                if frac is not None and not (type(frac) in _NUMBER and 0 <= frac <= 1):
+                    return None
+                append(
+                    (
+                        service.output_block,
+                        c.OutputBlock(
+                            model_name=model,
+                            routing_group=group,
+                            request_id=rid,
+                            decay_fraction=frac,
+                        ),
+                        _DONE,
+                    )
+                )
+            else:
+                return None
+        return calls
 
     def _batch_ops(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)
@@ -280,6 +375,97 @@ class Operations:
     def _check_size(self, n: int) -> None:
         if n > self.max_batch:
             raise HttpError(422, "too many operations in one batch")
+
+
+DEFAULT_GROUP = "default"
+_REQUEST_KEYS = frozenset({"op", "model_name", "routing_group", "request_id"})
+_OUTPUT_KEYS = _REQUEST_KEYS | {"decay_fraction"}
+_ADD_KEYS = _REQUEST_KEYS | {
+    "worker_id",
+    "dp_rank",
+    "sequence_hashes",
+    "token_ids",
+    "new_isl_tokens",
+    "expected_prefill_ms",
+    "track_prefill_tokens",
+    "expected_output_tokens",
+    "lora_name",
+}
+_NUMBER = (int, float)
+_ABSENT: Any = object()
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_MAX_PREFILL_MS = 1e12
+
+
+def _ints(values: Any, code: str, low: int, high: int, no_bools: bool) -> bool:
+    """Whether ``values`` is a list of ints (no bools) in ``low..high`` (``code``: the array
+    type of exactly that range)."""
+    if type(values) is not list:
+        return False
+    if not values:
+        return True
+    if no_bools:
+        try:
+            array(code, values)
+        except (TypeError, OverflowError):
+            return False
+        return True
+    return set(map(type, values)) == {int} and min(values) >= low and max(values) <= high
+
+
+def _plain_add(d: dict[str, Any], model: str, group: str, rid: str, no_bools: bool) -> c.Add | None:
+    """An add operation's command when its fields are plain (see ``_plain_batch``)."""
+    if not d.keys() <= _ADD_KEYS:
+        return None
+    wid = d.get("worker_id")
+    rank = d.get("dp_rank")
+    if (
+        type(wid) is not int
+        or not 0 <= wid <= U64_MAX
+        or type(rank) is not int
+        or not 0 <= rank <= U32_MAX
+    ):
+        return None
+    hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
+    tokens = d.get("token_ids", _ABSENT)
+    if hashes is not _ABSENT:
+        if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bools):
+            return None
+        if hashes and min(hashes) < 0:
+            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
+        tokens = None
+    elif tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bools):
+        return None
+    else:
+        hashes = None
+    isl = d.get("new_isl_tokens", 0)
+    ms = d.get("expected_prefill_ms")
+    track = d.get("track_prefill_tokens")
+    eot = d.get("expected_output_tokens")
+    lora = d.get("lora_name")
+    if (
+        type(isl) is not int
+        or not 0 <= isl <= U64_MAX
+        or (ms is not None and not (type(ms) in _NUMBER and 0 <= ms <= _MAX_PREFILL_MS))
+        or (track is not None and type(track) is not bool)
+        or (eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX))
+        or (lora is not None and type(lora) is not str)
+    ):
+        return None
+    return c.Add(
+        model_name=model,
+        routing_group=group,
+        sequence_hashes=hashes,
+        token_ids=tokens,
+        lora_name=lora,
+        request_id=rid,
+        worker_id=wid,
+        dp_rank=rank,
+        new_isl_tokens=isl,
+        expected_prefill_ms=ms,
+        track_prefill_tokens=track,
+        expected_output_tokens=eot,
+    )
 
 
 def _batch_error(e: Exception) -> bytes:

@@ -19,8 +19,6 @@ from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
 from app.core.types import (
     NS_PER_MS,
     NS_PER_S,
-    PrefillLoadHint,
-    SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -207,18 +205,18 @@ class SlotTrackerService:
         tokens = cmd.new_isl_tokens
         track = tokens > 0 if cmd.track_prefill_tokens is None else cmd.track_prefill_tokens
         duration_ns = None
-        if cmd.expected_prefill_ms is not None:
+        if tokens > 0 and cmd.expected_prefill_ms is not None:
             duration_ns = round(cmd.expected_prefill_ms * NS_PER_MS)
-        t.add_request_if_registered(
-            SequenceRequest(
-                cmd.request_id,
-                WorkerWithDpRank(cmd.worker_id, cmd.dp_rank),
-                hashes,
-                track,
-                cmd.expected_output_tokens,
-                PrefillLoadHint(tokens, duration_ns) if tokens > 0 else None,
-                cmd.lora_name,
-            ),
+        t.add_on_rank(
+            cmd.request_id,
+            cmd.worker_id,
+            cmd.dp_rank,
+            hashes,
+            track,
+            cmd.expected_output_tokens,
+            tokens,
+            duration_ns,
+            cmd.lora_name,
             self.clock(),
         )
         self.registry.counters[(cmd.model_name, cmd.routing_group)].added += 1
