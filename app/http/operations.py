@@ -10,14 +10,14 @@ errors become their status and ``{"error": ...}`` body through the one error tab
 from __future__ import annotations
 
 import contextlib
-from array import array
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from app.core.types import U32_MAX, U64_MAX
+from app.core.types import U64_MAX
+from app.http import plain as p
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
@@ -189,16 +189,34 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        self.service.add(add_command(parse_json(raw, s.AddBody)))
+        d = p.plain_object(raw, p.ADD_KEYS)
+        fields = p.add_fields(d, p.no_bools(raw)) if d is not None else None
+        if fields is None:  # not plain: the validating path, with its messages
+            self.service.add(add_command(parse_json(raw, s.AddBody)))
+        else:
+            self.service.add_fields(*fields)
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
+        fields = self._plain_request(raw)
+        if fields is None:
+            self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
+        else:
+            self.service.prefill_complete_fields(*fields)
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        self.service.free(free_command(parse_json(raw, s.RequestBody)))
+        fields = self._plain_request(raw)
+        if fields is None:
+            self.service.free(free_command(parse_json(raw, s.RequestBody)))
+        else:
+            self.service.free_fields(*fields)
         return 200, OK
+
+    @staticmethod
+    def _plain_request(raw: bytes) -> p.Fields | None:
+        d = p.plain_object(raw, p.REQUEST_KEYS)
+        return p.request_fields(d) if d is not None else None
 
     def output_block(self, raw: bytes) -> Result:
         self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))
@@ -256,99 +274,64 @@ class Operations:
 
     def batch(self, raw: bytes) -> Result:
         calls = self._plain_batch(raw)
-        if calls is None:  # something unusual: the validating path, with its messages
+        if calls is None:  # not plain: the validating path, with its messages
             return self._run_batch(self._batch_ops(raw))
         self._check_size(len(calls))
         results = []
         append = results.append
-        for call, cmd, ok in calls:
+        for call, fields, ok in calls:
             try:
-                call(cmd)
+                call(*fields)
             except EXPECTED as e:
                 append(_batch_error(e))
             else:
                 append(ok)
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
-    def _plain_batch(
-        self, raw: bytes
-    ) -> list[tuple[Callable[[Any], Any], c.Command, bytes]] | None:
-        """The batch's operations as ``(service method, command, success result)``, when the
-        body is plain: valid JSON whose operations have only their own fields, each of exactly
-        its schema type and range (what ``StrictBatchBody`` accepts, checked on the decoded
-        values without building models). None for anything else, which the validating path
-        then answers; so this path never has to produce an error message."""
-        if b"NaN" in raw or b"Infinity" in raw:
-            return None  # the validating path tells these literals from strings
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
+    def _plain_batch(self, raw: bytes) -> list[tuple[Callable[..., Any], p.Fields, bytes]] | None:
+        """A plain batch (``app.http.plain``; what ``StrictBatchBody`` accepts) as ``(service
+        method, its fields, success result)`` per operation; None for any other body."""
+        body = p.decode(raw)
         if type(body) is not dict or len(body) != 1:
             return None
         ops = body.get("operations")
         if type(ops) is not list:
             return None
-        # without a JSON boolean anywhere, array() checks int-ness and range in C
-        no_bools = b"true" not in raw and b"false" not in raw
+        no_bool = p.no_bools(raw)
         service = self.service
-        calls: list[tuple[Callable[[Any], Any], c.Command, bytes]] = []
+        calls: list[tuple[Callable[..., Any], p.Fields, bytes]] = []
         append = calls.append
+        fields: p.Fields | None
         for d in ops:
             if type(d) is not dict:
                 return None
             name = d.get("op")
-            model = d.get("model_name")
-            group = d.get("routing_group", DEFAULT_GROUP)
-            rid = d.get("request_id")
-            if type(model) is not str or type(group) is not str or type(rid) is not str:
-                return None
-            if name == "free" or name == "prefill_complete":
-                if not d.keys() <= _REQUEST_KEYS:
+            if name == "add":
+                if not d.keys() <= p.BATCH_ADD_KEYS:
                     return None
-                if name == "free":
-                    append(
-                        (
-                            service.free,
-                            c.Free(model_name=model, routing_group=group, request_id=rid),
-                            _DONE,
-                        )
-                    )
-                else:
-                    append(
-                        (
-                            service.prefill_complete,
-                            c.PrefillComplete(
-                                model_name=model, routing_group=group, request_id=rid
-                            ),
-                            _DONE,
-                        )
-                    )
-            elif name == "add":
-                cmd = _plain_add(d, model, group, rid, no_bools)
-                if cmd is None:
+                fields = p.add_fields(d, no_bool)
+                call, ok = service.add_fields, _CREATED
+            elif name == "free" or name == "prefill_complete":
+                if not d.keys() <= p.BATCH_REQUEST_KEYS:
                     return None
-                append((service.add, cmd, _CREATED))
+                fields = p.request_fields(d)
+                call = service.free_fields if name == "free" else service.prefill_complete_fields
+                ok = _DONE
             elif name == "output_block":
-                if not d.keys() <= _OUTPUT_KEYS:
+                if not d.keys() <= p.BATCH_OUTPUT_KEYS:
                     return None
-                frac = d.get("decay_fraction")
-                if frac is not None and not (type(frac) in _NUMBER and 0 <= frac <= 1):
+                fields = p.request_fields(d)
+                plain, frac = p.decay_fraction(d)
+                if fields is None or not plain:
                     return None
-                append(
-                    (
-                        service.output_block,
-                        c.OutputBlock(
-                            model_name=model,
-                            routing_group=group,
-                            request_id=rid,
-                            decay_fraction=frac,
-                        ),
-                        _DONE,
-                    )
-                )
+                fields = (c.OutputBlock(model_name=fields[0], routing_group=fields[1],
+                                        request_id=fields[2], decay_fraction=frac),)  # fmt: skip
+                call, ok = service.output_block, _DONE
             else:
                 return None
+            if fields is None:
+                return None
+            append((call, fields, ok))
         return calls
 
     def _batch_ops(self, raw: bytes) -> list[Any]:
@@ -375,97 +358,6 @@ class Operations:
     def _check_size(self, n: int) -> None:
         if n > self.max_batch:
             raise HttpError(422, "too many operations in one batch")
-
-
-DEFAULT_GROUP = "default"
-_REQUEST_KEYS = frozenset({"op", "model_name", "routing_group", "request_id"})
-_OUTPUT_KEYS = _REQUEST_KEYS | {"decay_fraction"}
-_ADD_KEYS = _REQUEST_KEYS | {
-    "worker_id",
-    "dp_rank",
-    "sequence_hashes",
-    "token_ids",
-    "new_isl_tokens",
-    "expected_prefill_ms",
-    "track_prefill_tokens",
-    "expected_output_tokens",
-    "lora_name",
-}
-_NUMBER = (int, float)
-_ABSENT: Any = object()
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-_MAX_PREFILL_MS = 1e12
-
-
-def _ints(values: Any, code: str, low: int, high: int, no_bools: bool) -> bool:
-    """Whether ``values`` is a list of ints (no bools) in ``low..high`` (``code``: the array
-    type of exactly that range)."""
-    if type(values) is not list:
-        return False
-    if not values:
-        return True
-    if no_bools:
-        try:
-            array(code, values)
-        except (TypeError, OverflowError):
-            return False
-        return True
-    return set(map(type, values)) == {int} and min(values) >= low and max(values) <= high
-
-
-def _plain_add(d: dict[str, Any], model: str, group: str, rid: str, no_bools: bool) -> c.Add | None:
-    """An add operation's command when its fields are plain (see ``_plain_batch``)."""
-    if not d.keys() <= _ADD_KEYS:
-        return None
-    wid = d.get("worker_id")
-    rank = d.get("dp_rank")
-    if (
-        type(wid) is not int
-        or not 0 <= wid <= U64_MAX
-        or type(rank) is not int
-        or not 0 <= rank <= U32_MAX
-    ):
-        return None
-    hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
-    tokens = d.get("token_ids", _ABSENT)
-    if hashes is not _ABSENT:
-        if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bools):
-            return None
-        if hashes and min(hashes) < 0:
-            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
-        tokens = None
-    elif tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bools):
-        return None
-    else:
-        hashes = None
-    isl = d.get("new_isl_tokens", 0)
-    ms = d.get("expected_prefill_ms")
-    track = d.get("track_prefill_tokens")
-    eot = d.get("expected_output_tokens")
-    lora = d.get("lora_name")
-    if (
-        type(isl) is not int
-        or not 0 <= isl <= U64_MAX
-        or (ms is not None and not (type(ms) in _NUMBER and 0 <= ms <= _MAX_PREFILL_MS))
-        or (track is not None and type(track) is not bool)
-        or (eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX))
-        or (lora is not None and type(lora) is not str)
-    ):
-        return None
-    return c.Add(
-        model_name=model,
-        routing_group=group,
-        sequence_hashes=hashes,
-        token_ids=tokens,
-        lora_name=lora,
-        request_id=rid,
-        worker_id=wid,
-        dp_rank=rank,
-        new_isl_tokens=isl,
-        expected_prefill_ms=ms,
-        track_prefill_tokens=track,
-        expected_output_tokens=eot,
-    )
 
 
 def _batch_error(e: Exception) -> bytes:

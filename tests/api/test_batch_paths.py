@@ -1,7 +1,7 @@
-"""``/batch`` has two paths: plain bodies run straight from orjson's values, anything else through
-the pydantic models (``Operations._batch_ops``), which alone write error messages. Both must give
-the same answers and leave the same state, for any body: these tests run every body through
-each path on its own fresh service and compare."""
+"""``/batch``, ``/add``, ``/free`` and ``/prefill_complete`` have two paths: plain bodies run
+straight from orjson's values (``app.http.plain``), anything else through the pydantic models,
+which alone write error messages. Both must give the same answers and leave the same state, for
+any body: these tests run every body through each path on its own fresh service and compare."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.http.operations import Operations
+from app.http import schemas as s
+from app.http.body import parse_json
+from app.http.errors import EXPECTED, error_result
+from app.http.operations import OK, Operations, add_command, free_command, prefill_command
 from app.service import SlotTrackerService
 
 REGISTER = [
@@ -203,3 +206,52 @@ def test_duplicate_keys_answer_the_same() -> None:
         b'"dp_rank":0,"sequence_hashes":[1],"sequence_hashes":[2,3]}]}',
     ]:
         assert_same(raw)
+
+
+SINGLE = {
+    "add": (s.AddBody, add_command, "add", 201),
+    "free": (s.RequestBody, free_command, "free", 200),
+    "prefill_complete": (s.RequestBody, prefill_command, "prefill_complete", 200),
+}
+
+
+def validating_call(ops: Operations, name: str, raw: bytes) -> tuple[int, bytes]:
+    model, build, method, status = SINGLE[name]
+    try:
+        getattr(ops.service, method)(build(parse_json(raw, model)))
+    except EXPECTED as e:
+        return error_result(e)
+    return status, OK
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(operation(), max_size=6), st.sampled_from(["", " ", "\n", "x", ",", "}"]))
+def test_any_single_call_answers_the_same_on_both_paths(
+    calls: list[dict[str, Any]], tail: str
+) -> None:
+    plain, validating = fresh(), fresh()
+    for i, body in enumerate(calls):
+        name = body.pop("op")
+        if name not in SINGLE:
+            continue
+        raw = json.dumps(body).encode() + (tail.encode() if i % 2 else b"")
+        assert plain.get(name)(raw) == validating_call(validating, name, raw), raw
+    assert state(plain) == state(validating)
+
+
+def test_single_calls_with_duplicate_or_escaped_fields_take_the_validating_path() -> None:
+    ops = fresh()
+    for name, raw in [
+        ("free", b'{"model_name":"m","request_id":"a","request_id":"b"}'),
+        ("free", b'{"model_name":"m","request_id":"a","model_name":"m"}'),
+        ("free", b'{"model_name":"m","request_\\u0069d":"a"}'),
+        ("free", b'{"model_name":"m","request_id":"a\\"b"}'),
+        ("add", b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
+                b'"sequence_hashes":[1],"worker_id":2}'),
+        ("add", b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
+                b'"sequence_hashes":[1],"new_isl_tokens":NaN}'),
+    ]:  # fmt: skip
+        assert ops.get(name)(raw) == validating_call(fresh(), name, raw), raw
+    dup = b'{"model_name":"m","request_id":"a","request_id":"b"}'
+    assert ops.get("free")(dup) == (422, b'{"error":"Failed to deserialize the JSON body into '
+                                    b'the target type: duplicate field `request_id`"}')  # fmt: skip
