@@ -31,11 +31,6 @@ _DONE = b'{"status":200}'
 Result = tuple[int, bytes]
 Operation = Callable[[bytes], Result]
 
-_POTENTIAL_ROW = (
-    b'{"worker_id":%d,"dp_rank":%d,"potential_prefill_tokens":%d,'
-    b'"potential_decode_blocks":%d,"active_requests":%d}'
-)
-
 
 def hashes_u64(hashes: list[int] | None) -> list[int] | None:
     """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
@@ -225,10 +220,28 @@ class Operations:
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.PotentialLoadsBody)
-        cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        d = p.plain_object(raw, p.POTENTIAL_KEYS)
+        fields = p.potential_fields(d, p.no_bools(raw)) if d is not None else None
+        if fields is None:  # not plain: the validating path, with its messages
+            b = parse_json(raw, s.PotentialLoadsBody)
+            cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        else:
+            model, group, hashes, tokens, lora, isl = fields
+            cmd = c.PotentialLoads(model_name=model, routing_group=group, sequence_hashes=hashes,
+                                   token_ids=tokens, lora_name=lora, new_isl_tokens=isl)  # fmt: skip
         rows = self.service.potential_loads(cmd)
-        return 200, b"[" + b",".join([_POTENTIAL_ROW % row for row in rows]) + b"]"
+        return 200, orjson.dumps(
+            [
+                {
+                    "worker_id": wid,
+                    "dp_rank": rank,
+                    "potential_prefill_tokens": tokens,
+                    "potential_decode_blocks": blocks,
+                    "active_requests": requests,
+                }
+                for wid, rank, tokens, blocks, requests in rows
+            ]
+        )
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(

@@ -35,6 +35,9 @@ ADD_KEYS = REQUEST_KEYS | {
     "expected_output_tokens",
     "lora_name",
 }
+POTENTIAL_KEYS = frozenset(
+    {"model_name", "routing_group", "sequence_hashes", "token_ids", "lora_name", "new_isl_tokens"}
+)
 # in a /batch operation, ``op`` names the operation
 BATCH_REQUEST_KEYS = REQUEST_KEYS | {"op"}
 BATCH_ADD_KEYS = ADD_KEYS | {"op"}
@@ -120,18 +123,10 @@ def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
         or not 0 <= rank <= U32_MAX
     ):
         return None
-    hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
-    tokens = d.get("token_ids", _ABSENT)
-    if hashes is not _ABSENT:
-        if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
-            return None  # both forms: the validating path answers with the reference's text
-        if hashes and min(hashes) < 0:
-            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
-        tokens = None
-    elif tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
+    prompt = prompt_fields(d, no_bool)
+    if prompt is None:
         return None
-    else:
-        hashes = None
+    hashes, tokens = prompt
     isl = d.get("new_isl_tokens", 0)
     ms = d.get("expected_prefill_ms")
     track = d.get("track_prefill_tokens")
@@ -147,6 +142,42 @@ def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
     ):
         return None
     return model, group, hashes, tokens, lora, rid, wid, rank, isl, ms, track, eot
+
+
+def prompt_fields(d: dict[str, Any], no_bool: bool) -> tuple[Any, Any] | None:
+    """``(sequence_hashes, token_ids)``, exactly one of them given (hashes made unsigned)."""
+    hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
+    tokens = d.get("token_ids", _ABSENT)
+    if hashes is not _ABSENT:
+        if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
+            return None  # both forms: the validating path answers with the reference's text
+        if hashes and min(hashes) < 0:
+            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
+        return hashes, None
+    if tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
+        return None
+    return None, tokens
+
+
+def potential_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
+    """``(model_name, routing_group, sequence_hashes, token_ids, lora_name, new_isl_tokens)``
+    of a potential-loads body; the caller checked the key set."""
+    model = d.get("model_name")
+    group = d.get("routing_group", DEFAULT_GROUP)
+    isl = d.get("new_isl_tokens", 0)
+    lora = d.get("lora_name")
+    if (
+        type(model) is not str
+        or type(group) is not str
+        or type(isl) is not int
+        or not 0 <= isl <= U64_MAX
+        or (lora is not None and type(lora) is not str)
+    ):
+        return None
+    prompt = prompt_fields(d, no_bool)
+    if prompt is None:
+        return None
+    return model, group, prompt[0], prompt[1], lora, isl
 
 
 def decay_fraction(d: dict[str, Any]) -> tuple[bool, Any]:

@@ -1,4 +1,4 @@
-"""``/batch``, ``/add``, ``/free`` and ``/prefill_complete`` have two paths: plain bodies run
+"""``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two paths: plain bodies run
 straight from orjson's values (``app.http.plain``), anything else through the pydantic models,
 which alone write error messages. Both must give the same answers and leave the same state, for
 any body: these tests run every body through each path on its own fresh service and compare."""
@@ -14,8 +14,16 @@ from hypothesis import strategies as st
 from app.http import schemas as s
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, error_result
-from app.http.operations import OK, Operations, add_command, free_command, prefill_command
+from app.http.operations import (
+    OK,
+    Operations,
+    add_command,
+    free_command,
+    prefill_command,
+    prompt_fields,
+)
 from app.service import SlotTrackerService
+from app.service import commands as c
 
 REGISTER = [
     {"model_name": "m", "worker_id": w, "block_size": 2, "dp_start": 0, "dp_size": 2}
@@ -255,3 +263,32 @@ def test_single_calls_with_duplicate_or_escaped_fields_take_the_validating_path(
     dup = b'{"model_name":"m","request_id":"a","request_id":"b"}'
     assert ops.get("free")(dup) == (422, b'{"error":"Failed to deserialize the JSON body into '
                                     b'the target type: duplicate field `request_id`"}')  # fmt: skip
+
+
+def validating_potential(ops: Operations, raw: bytes) -> tuple[int, bytes]:
+    try:
+        b = parse_json(raw, s.PotentialLoadsBody)
+        rows = ops.service.potential_loads(
+            c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        )
+    except EXPECTED as e:
+        return error_result(e)
+    keys = ("worker_id", "dp_rank", "potential_prefill_tokens", "potential_decode_blocks",
+            "active_requests")  # fmt: skip
+    return 200, json.dumps([dict(zip(keys, r, strict=True)) for r in rows]).replace(
+        " ", ""
+    ).encode()
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(clean_operation(), max_size=4), operation(), st.booleans())
+def test_any_potential_loads_answers_the_same_on_both_paths(
+    setup: list[dict[str, Any]], query: dict[str, Any], odd_key: bool
+) -> None:
+    ops = fresh()
+    assert ops.batch(json.dumps({"operations": setup}).encode())[0] == 200
+    query.pop("op")
+    keep = {"model_name", "routing_group", "sequence_hashes", "token_ids", "lora_name",
+            "new_isl_tokens"} | ({"worker_id"} if odd_key else set())  # fmt: skip
+    raw = json.dumps({k: v for k, v in query.items() if k in keep}).encode()
+    assert ops.get("potential_loads")(raw) == validating_potential(ops, raw), raw
