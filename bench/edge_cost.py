@@ -2,7 +2,9 @@
 
 Runs the lean path's operations directly on request bodies like ``bench/http_bench.py``'s
 (16 workers x 4 ranks, 200 active requests; add+free of 32-block prompts sharing a 16-block
-prefix; potential loads of a 256-block prompt) and reports microseconds of CPU per call. With
+prefix; potential loads of a 256-block prompt; ``/batch`` bodies of 100 operations like
+``bench/wrk/batch.lua``'s, 50 adds and the 50 frees of an earlier batch's adds, and a mix with
+prefill completions) and reports microseconds of CPU per call (per operation for a batch). With
 ``--instructions`` it runs itself under callgrind instead and reports instructions per call,
 which do not depend on what else the machine is doing: the figure to compare two commits on a
 busy machine (``--repo`` points at a checkout of the other commit).
@@ -34,7 +36,7 @@ def build(repo: Path):
 
     app = create_app(load_settings(api_key="", redis_url=""))
     ops = Operations(app.state.service, 1_000_000)
-    return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads")}
+    return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads", "batch")}
 
 
 def bodies(n: int) -> dict[str, list[bytes]]:
@@ -65,6 +67,8 @@ def bodies(n: int) -> dict[str, list[bytes]]:
             "worker_id": i % 16, "dp_rank": i % 4, "sequence_hashes": hashes,
             "new_isl_tokens": 512}).encode())  # fmt: skip
         out["free"].append(json.dumps({"model_name": "bench", "request_id": f"r{i}"}).encode())
+    out["batch"] = batches(n, mix=False)
+    out["batch_mix"] = batches(n, mix=True)
     query = prefix + [rng.getrandbits(62) for _ in range(128)]
     out["potential"] = [
         json.dumps(
@@ -74,17 +78,55 @@ def bodies(n: int) -> dict[str, list[bytes]]:
     return out
 
 
+BATCH = 100  # operations per /batch call
+LAG = 2  # a batch frees the adds of the batch LAG calls before it
+
+
+def batches(n: int, *, mix: bool) -> list[bytes]:
+    """``n`` operations as /batch bodies of 100: half adds, half frees of earlier adds; with
+    ``mix``, a third each of adds, prefill completions of the previous batch's adds and frees."""
+    rng = random.Random(7)
+    prefix = [1000003 * i for i in range(1, 17)]
+    per = BATCH // 3 if mix else BATCH // 2
+    out = []
+    for b in range(-LAG, max(1, n // BATCH)):  # the first LAG bodies are set-up
+        ops: list[dict] = []
+        for j in range(per):
+            k = b * per + j
+            rank = k % 64
+            ops.append({"op": "add", "model_name": "bench", "request_id": f"b{k}",
+                "worker_id": rank // 4, "dp_rank": rank % 4,
+                "sequence_hashes": prefix + [rng.getrandbits(62) for _ in range(16)],
+                "new_isl_tokens": 512})  # fmt: skip
+        if mix:
+            for j in range(per):
+                k = (b - 1) * per + j
+                ops.append({"op": "prefill_complete", "model_name": "bench", "request_id": f"b{k}"})
+        for j in range(BATCH - len(ops)):
+            k = (b - LAG) * per + j
+            ops.append({"op": "free", "model_name": "bench", "request_id": f"b{k}"})
+        out.append(json.dumps({"operations": ops}).encode())
+    return out
+
+
 def run(repo: Path, what: str, n: int) -> float:
+    """CPU seconds of ``n`` calls of ``what``; ``base:WHAT`` does only the set-up of ``WHAT``."""
+    base = what.startswith("base:")
+    what = what.removeprefix("base:")
     ops = build(repo)
     b = bodies(max(n, 1))
     for raw in b["register"]:
         assert ops["register"](raw)[0] == 201
     for raw in b["active"]:
         assert ops["add"](raw)[0] == 201
+    for raw in b.get(f"{what}", [])[:LAG] if what.startswith("batch") else ():
+        assert ops["batch"](raw)[0] == 200
     gc.collect()
-    add, free, potential = ops["add"], ops["free"], ops["potential_loads"]
+    add, free, potential, batch = ops["add"], ops["free"], ops["potential_loads"], ops["batch"]
     start = time.process_time()
-    if what == "lifecycle":
+    if base:
+        pass
+    elif what == "lifecycle":
         for a, f in zip(b["add"][:n], b["free"][:n], strict=True):
             add(a)
             free(f)
@@ -92,6 +134,9 @@ def run(repo: Path, what: str, n: int) -> float:
         query = b["potential"][0]
         for _ in range(n):
             potential(query)
+    elif what in ("batch", "batch_mix"):
+        for raw in b[what][LAG:]:
+            assert batch(raw)[0] == 200
     return time.process_time() - start
 
 
@@ -106,6 +151,10 @@ def instructions(repo: Path, what: str, n: int) -> int:
     return int(re.search(r"Collected : (\d+)", res.stderr).group(1))
 
 
+def unit(what: str) -> str:
+    return "operation" if what.startswith("batch") else "call"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repo", type=Path, default=HERE.parent)
@@ -116,14 +165,14 @@ def main() -> None:
     if args.inner:
         run(args.repo, args.inner, args.n)
         return
-    for what, per in (("lifecycle", 2), ("potential", 1)):
+    for what, per in (("lifecycle", 2), ("potential", 1), ("batch", 1), ("batch_mix", 1)):
         if args.instructions:
-            base = instructions(args.repo, "none", args.n)
+            base = instructions(args.repo, f"base:{what}", args.n)
             total = instructions(args.repo, what, args.n)
-            print(f"{what}: {(total - base) / (args.n * per):,.0f} instructions per call")
+            print(f"{what}: {(total - base) / (args.n * per):,.0f} instructions per {unit(what)}")
         else:
             seconds = min(run(args.repo, what, args.n) for _ in range(3))
-            print(f"{what}: {seconds / (args.n * per) * 1e6:.2f} us CPU per call")
+            print(f"{what}: {seconds / (args.n * per) * 1e6:.2f} us CPU per {unit(what)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import _count_elements as count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from .types import (
 )
 
 log = logging.getLogger(__name__)
+
+# count_elements is Counter.update's C helper: ``mapping[h] = mapping.get(h, 0) + 1`` per element
 
 EXPIRY_DURATION_NS = 300 * NS_PER_S
 CHECK_EXPIRY_FREQUENCY_NS = 30 * NS_PER_S
@@ -111,43 +114,58 @@ class ActiveSequences:
             log.error("Request %s is already active. Ignoring duplicate add.", request_id)
             return SequenceMutationOutcome()
         outcome = self.force_expiry()
-        if started_at is None:
-            started_at = self.clock()
         prompt = list(token_sequence) if token_sequence else []
+        tokens = 0
+        duration_ns = None
+        if track_prefill_tokens and prefill_load_hint is not None:
+            tokens = prefill_load_hint.initial_effective_prefill_tokens
+            duration_ns = prefill_load_hint.expected_prefill_duration_ns
         refcount = self.blocks.refcount
-        get = refcount.get
-        first_new = -1
-        for i, h in enumerate(prompt):
-            c = get(h, 0)
-            refcount[h] = c + 1
-            if not c and first_new < 0:
-                first_new = i
+        first_new = next((i for i, h in enumerate(prompt) if h not in refcount), -1)
+        self.admit(
+            request_id,
+            prompt,
+            expected_output_tokens,
+            tokens,
+            duration_ns,
+            decay_now,
+            self.clock() if started_at is None else started_at,
+        )
         if first_new >= 0:
             parent = prompt[first_new - 1] if first_new > 0 else None
             outcome.membership_delta.stores.append(
                 PromptMembershipStore(parent, prompt[first_new:])
             )
-        if (
-            track_prefill_tokens
-            and prefill_load_hint is not None
-            and prefill_load_hint.initial_effective_prefill_tokens > 0
-        ):
-            self.prefill.add(
-                request_id,
-                prefill_load_hint.initial_effective_prefill_tokens,
-                prefill_load_hint.expected_prefill_duration_ns,
-                decay_now,
-            )
-        self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
         return outcome
+
+    def expiry_due(self, now: int) -> bool:
+        """Whether ``force_expiry`` would run its sweep now (the cheap rate check)."""
+        return self.expiry_ns is not None and now >= self.last_expiry_check + self.check_interval_ns
+
+    def admit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        expected_output_tokens: int | None,
+        prefill_tokens: int,
+        duration_ns: int | None,
+        decay_now: int,
+        started_at: int,
+    ) -> None:
+        """Add a request that is not active here, without the expiry check (the lifecycle hot
+        path; ``add_request_with_prefill_tracking`` wraps it): takes one block reference per
+        prompt position, keeps ``prompt`` (the caller gives it up) and tracks ``prefill_tokens``
+        when positive."""
+        count_elements(self.blocks.refcount, prompt)
+        if prefill_tokens > 0:
+            self.prefill.add(request_id, prefill_tokens, duration_ns, decay_now)
+        self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
 
     def free(self, request_id: str, decay_now: int) -> PromptMembershipDelta:
         """Release a request's blocks (implies prefill completion); unknown ids are a no-op."""
-        self.prefill.remove(request_id, decay_now)
-        state = self.requests.pop(request_id, None)
         delta = PromptMembershipDelta()
+        state = self._pop(request_id, decay_now)
         if state is None:
-            log.warning("Trying to free non-existent request %s", request_id)
             return delta
         refcount = self.blocks.refcount
         drop_fraction = self.blocks.drop_fraction if self.blocks.has_fractions() else None
@@ -168,11 +186,45 @@ class ActiveSequences:
                     removed.append(h)
         if removed:
             delta.removes.append(PromptMembershipRemove(removed))
+        self._release_outputs(state)
+        return delta
+
+    def release(self, request_id: str, decay_now: int) -> None:
+        """``free`` without building the membership delta (the lifecycle hot path)."""
+        state = self._pop(request_id, decay_now)
+        if state is None:
+            return
+        refcount = self.blocks.refcount
+        if self.blocks.has_fractions():
+            drop_fraction = self.blocks.drop_fraction
+            for h in state.prompt_blocks:
+                c = refcount[h] - 1
+                if c:
+                    refcount[h] = c
+                else:
+                    del refcount[h]
+                    drop_fraction(h)
+        else:
+            for h in state.prompt_blocks:
+                c = refcount[h] - 1
+                if c:
+                    refcount[h] = c
+                else:
+                    del refcount[h]
+        self._release_outputs(state)
+
+    def _pop(self, request_id: str, decay_now: int) -> RequestState | None:
+        self.prefill.remove(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
+        return state
+
+    def _release_outputs(self, state: RequestState) -> None:
         if state._outputs:
             release = self.blocks.release_and_try_remove
             for h in state._outputs:
                 release(h)
-        return delta
 
     def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
         self.prefill.remove(request_id, decay_now)

@@ -37,6 +37,7 @@ from .topology import TopologyChange, WorkerTable, validate_range
 from .types import (
     U64_MAX,
     ActiveLoad,
+    PrefillLoadHint,
     PrefillTokenDeltas,
     SequenceMutationOutcome,
     SequenceRequest,
@@ -100,6 +101,8 @@ class ActiveSequencesMultiWorker:
         self._table = WorkerTable()
         self._sorted_workers: list[WorkerWithDpRank] | None = None
         self._slots: dict[WorkerWithDpRank, ActiveSequences] = {}
+        # (worker_id, dp_rank) -> the rank's one WorkerWithDpRank, which every request shares
+        self._rank_keys: dict[tuple[int, int], WorkerWithDpRank] = {}
         self._blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
         self._trie = PromptTrie()
         self._requests = RequestIndex()
@@ -169,6 +172,7 @@ class ActiveSequencesMultiWorker:
             for w in change.removed:
                 self.publisher.observe_worker_removed(w, wt)
                 slot = self._slots.pop(w)
+                del self._rank_keys[w]
                 for st in slot.requests.values():
                     self._trie.remove(w, st.prompt_blocks)
                 del self._blocks[w]
@@ -181,6 +185,7 @@ class ActiveSequencesMultiWorker:
                 check_interval_ns=self.check_interval_ns,
             )
             self._blocks[w] = 0
+            self._rank_keys[w] = w
         return change
 
     def _ensure_worker(self, worker: WorkerWithDpRank) -> None:
@@ -272,49 +277,93 @@ class ActiveSequencesMultiWorker:
         self._add_request(req, decay_now, strict=True)
 
     def _add_request(self, req: SequenceRequest, decay_now: int, *, strict: bool) -> None:
-        worker = req.worker
-        slot = self._slots.get(worker)
-        if slot is None:
-            if strict:
-                raise WorkerNotFound(worker)
-            self._ensure_worker(worker)
-            slot = self._slots[worker]
+        if not strict and req.worker not in self._slots:
+            self._ensure_worker(req.worker)
         hint = req.prefill_load_hint
+        self.add_on_rank(
+            req.request_id,
+            req.worker.worker_id,
+            req.worker.dp_rank,
+            req.token_sequence,
+            req.track_prefill_tokens,
+            req.expected_output_tokens,
+            hint.initial_effective_prefill_tokens if hint is not None else 0,
+            hint.expected_prefill_duration_ns if hint is not None else None,
+            req.lora_name,
+            decay_now,
+            hint,
+        )
+
+    def add_on_rank(
+        self,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        token_sequence: list[int] | None,
+        track_prefill_tokens: bool,
+        expected_output_tokens: int | None,
+        prefill_tokens: int,
+        expected_prefill_duration_ns: int | None,
+        lora_name: str | None,
+        decay_now: int,
+        hint: PrefillLoadHint | None = None,
+    ) -> None:
+        """``add_request_if_registered`` from the request's fields (the lifecycle hot path: no
+        request object). The prefill hint is ``prefill_tokens`` with its duration, none when
+        ``prefill_tokens`` is 0; ``hint``, when given, is the same hint as sent (it replicates)."""
+        worker = self._rank_keys.get((worker_id, dp_rank))
+        if worker is None:
+            raise WorkerNotFound(WorkerWithDpRank(worker_id, dp_rank))
+        slot = self._slots[worker]
         if (
-            req.track_prefill_tokens
-            and hint is not None
-            and slot.prefill.full_sum + hint.initial_effective_prefill_tokens > U64_MAX
+            track_prefill_tokens
+            and prefill_tokens > 0
+            and slot.prefill.full_sum + prefill_tokens > U64_MAX
         ):
             raise PrefillTokensOverflow(worker)
-        existing = self._requests.worker(req.request_id)
+        requests = self._requests
+        existing = requests.workers.get(request_id)
         if existing is not None:
-            raise DuplicateRequest(req.request_id, existing)
-        self._requests.set(req.request_id, worker, req.lora_name)
-        self._add_to_slot(
-            slot,
-            worker,
-            req.request_id,
-            req.token_sequence,
-            req.expected_output_tokens,
-            req.track_prefill_tokens,
-            req.prefill_load_hint,
-            decay_now,
-            None,
-        )
-        self._publish_worker_load(worker, slot, decay_now)
+            raise DuplicateRequest(request_id, existing)
+        requests.set(request_id, worker, lora_name)
+        if request_id in slot.requests:  # the slot logs and ignores it; keep the index as is
+            slot.add_request_with_prefill_tracking(
+                request_id, token_sequence, expected_output_tokens, False, None, decay_now
+            )
+        else:
+            now = self.clock()
+            if slot.expiry_due(now):
+                self._after_expiry(worker, slot.force_expiry())
+            prompt = list(token_sequence) if token_sequence else []
+            slot.admit(
+                request_id,
+                prompt,
+                expected_output_tokens,
+                prefill_tokens if track_prefill_tokens else 0,
+                expected_prefill_duration_ns,
+                decay_now,
+                now,
+            )
+            if prompt:
+                self._trie.add(worker, prompt)
+            self._blocks[worker] = slot.active_blocks()
+        if self._loads_wanted:
+            self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
+            if hint is None and prefill_tokens > 0:
+                hint = PrefillLoadHint(prefill_tokens, expected_prefill_duration_ns)
             self._enqueue(
                 ActiveSequenceEvent(
-                    req.request_id,
+                    request_id,
                     worker,
                     AddRequest(
-                        list(req.token_sequence) if req.token_sequence is not None else None,
-                        req.track_prefill_tokens,
-                        req.expected_output_tokens,
-                        req.prefill_load_hint,
+                        list(token_sequence) if token_sequence is not None else None,
+                        track_prefill_tokens,
+                        expected_output_tokens,
+                        hint,
                     ),
                     self.router_id,
-                    req.lora_name,
+                    lora_name,
                 )
             )
 
@@ -339,17 +388,19 @@ class ActiveSequencesMultiWorker:
 
     def free(self, request_id: str, decay_now: int) -> bool:
         """Free a request; unknown or already freed ids are a silent no-op (False)."""
-        worker = self._requests.worker(request_id)
+        requests = self._requests
+        worker = requests.workers.get(request_id)
         if worker is None:
             return False
-        lora = self._requests.lora(request_id)
+        lora = requests.loras.get(request_id)
         slot = self._slots.get(worker)
         if slot is None:
-            self._requests.remove(request_id)
+            requests.remove(request_id)
             return True
         self._free_in_slot(slot, worker, request_id, decay_now)
-        self._requests.remove(request_id)
-        self._publish_worker_load(worker, slot, decay_now)
+        requests.remove(request_id)
+        if self._loads_wanted:
+            self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
             self._enqueue(ActiveSequenceEvent(request_id, worker, FREE, self.router_id, lora))
         return True
@@ -358,7 +409,7 @@ class ActiveSequencesMultiWorker:
         st = slot.requests.get(request_id)
         if st is not None and st.prompt_blocks:
             self._trie.remove(worker, st.prompt_blocks)
-        slot.free(request_id, decay_now)
+        slot.release(request_id, decay_now)
         self._blocks[worker] = slot.active_blocks()
 
     def _resolve(self, request_id: str) -> tuple[WorkerWithDpRank, ActiveSequences]:

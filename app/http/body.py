@@ -119,7 +119,7 @@ def shape_error(exc: ValidationError) -> HttpError:
 
 
 # Every quoted string followed by a colon: the keys of all objects in the body (one C scan).
-_KEYS = re.compile(rb'"([^"\\]*)"\s*:')
+KEYS = re.compile(rb'"([^"\\]*)"\s*:')
 
 
 def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
@@ -128,7 +128,7 @@ def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
     One regex scan gates the (rare) full check: when no key string repeats anywhere in the body,
     no field can be duplicated, so ordinary bodies pay a few microseconds whatever their size.
     """
-    keys = _KEYS.findall(raw)
+    keys = KEYS.findall(raw)
     if len(keys) == len(set(keys)):
         return None
     found: list[str] = []

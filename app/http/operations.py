@@ -17,6 +17,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from app.core.types import U64_MAX
+from app.http import plain as p
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
@@ -29,11 +30,6 @@ _DONE = b'{"status":200}'
 
 Result = tuple[int, bytes]
 Operation = Callable[[bytes], Result]
-
-_POTENTIAL_ROW = (
-    b'{"worker_id":%d,"dp_rank":%d,"potential_prefill_tokens":%d,'
-    b'"potential_decode_blocks":%d,"active_requests":%d}'
-)
 
 
 def hashes_u64(hashes: list[int] | None) -> list[int] | None:
@@ -188,16 +184,34 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        self.service.add(add_command(parse_json(raw, s.AddBody)))
+        d = p.plain_object(raw, p.ADD_KEYS)
+        fields = p.add_fields(d, p.no_bools(raw)) if d is not None else None
+        if fields is None:  # not plain: the validating path, with its messages
+            self.service.add(add_command(parse_json(raw, s.AddBody)))
+        else:
+            self.service.add_fields(*fields)
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
+        fields = self._plain_request(raw)
+        if fields is None:
+            self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
+        else:
+            self.service.prefill_complete_fields(*fields)
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        self.service.free(free_command(parse_json(raw, s.RequestBody)))
+        fields = self._plain_request(raw)
+        if fields is None:
+            self.service.free(free_command(parse_json(raw, s.RequestBody)))
+        else:
+            self.service.free_fields(*fields)
         return 200, OK
+
+    @staticmethod
+    def _plain_request(raw: bytes) -> p.Fields | None:
+        d = p.plain_object(raw, p.REQUEST_KEYS)
+        return p.request_fields(d) if d is not None else None
 
     def output_block(self, raw: bytes) -> Result:
         self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))
@@ -206,10 +220,28 @@ class Operations:
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.PotentialLoadsBody)
-        cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        d = p.plain_object(raw, p.POTENTIAL_KEYS)
+        fields = p.potential_fields(d, p.no_bools(raw)) if d is not None else None
+        if fields is None:  # not plain: the validating path, with its messages
+            b = parse_json(raw, s.PotentialLoadsBody)
+            cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
+        else:
+            model, group, hashes, tokens, lora, isl = fields
+            cmd = c.PotentialLoads(model_name=model, routing_group=group, sequence_hashes=hashes,
+                                   token_ids=tokens, lora_name=lora, new_isl_tokens=isl)  # fmt: skip
         rows = self.service.potential_loads(cmd)
-        return 200, b"[" + b",".join([_POTENTIAL_ROW % row for row in rows]) + b"]"
+        return 200, orjson.dumps(
+            [
+                {
+                    "worker_id": wid,
+                    "dp_rank": rank,
+                    "potential_prefill_tokens": tokens,
+                    "potential_decode_blocks": blocks,
+                    "active_requests": requests,
+                }
+                for wid, rank, tokens, blocks, requests in rows
+            ]
+        )
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(
@@ -254,7 +286,66 @@ class Operations:
             return _batch_error(e)
 
     def batch(self, raw: bytes) -> Result:
-        return self._run_batch(self._batch_ops(raw))
+        calls = self._plain_batch(raw)
+        if calls is None:  # not plain: the validating path, with its messages
+            return self._run_batch(self._batch_ops(raw))
+        self._check_size(len(calls))
+        results = []
+        append = results.append
+        for call, fields, ok in calls:
+            try:
+                call(*fields)
+            except EXPECTED as e:
+                append(_batch_error(e))
+            else:
+                append(ok)
+        return 200, b'{"results":[' + b",".join(results) + b"]}"
+
+    def _plain_batch(self, raw: bytes) -> list[tuple[Callable[..., Any], p.Fields, bytes]] | None:
+        """A plain batch (``app.http.plain``; what ``StrictBatchBody`` accepts) as ``(service
+        method, its fields, success result)`` per operation; None for any other body."""
+        body = p.decode(raw)
+        if type(body) is not dict or len(body) != 1:
+            return None
+        ops = body.get("operations")
+        if type(ops) is not list:
+            return None
+        no_bool = p.no_bools(raw)
+        service = self.service
+        calls: list[tuple[Callable[..., Any], p.Fields, bytes]] = []
+        append = calls.append
+        fields: p.Fields | None
+        for d in ops:
+            if type(d) is not dict:
+                return None
+            name = d.get("op")
+            if name == "add":
+                if not d.keys() <= p.BATCH_ADD_KEYS:
+                    return None
+                fields = p.add_fields(d, no_bool)
+                call, ok = service.add_fields, _CREATED
+            elif name == "free" or name == "prefill_complete":
+                if not d.keys() <= p.BATCH_REQUEST_KEYS:
+                    return None
+                fields = p.request_fields(d)
+                call = service.free_fields if name == "free" else service.prefill_complete_fields
+                ok = _DONE
+            elif name == "output_block":
+                if not d.keys() <= p.BATCH_OUTPUT_KEYS:
+                    return None
+                fields = p.request_fields(d)
+                plain, frac = p.decay_fraction(d)
+                if fields is None or not plain:
+                    return None
+                fields = (c.OutputBlock(model_name=fields[0], routing_group=fields[1],
+                                        request_id=fields[2], decay_fraction=frac),)  # fmt: skip
+                call, ok = service.output_block, _DONE
+            else:
+                return None
+            if fields is None:
+                return None
+            append((call, fields, ok))
+        return calls
 
     def _batch_ops(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)

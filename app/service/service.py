@@ -19,8 +19,6 @@ from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
 from app.core.types import (
     NS_PER_MS,
     NS_PER_S,
-    PrefillLoadHint,
-    SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -192,44 +190,98 @@ class SlotTrackerService:
     def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
         """The tracker of the command's key and its prompt as block hashes."""
         t = self.registry.get((cmd.model_name, cmd.routing_group))
-        if cmd.token_ids is not None:
-            hashes = sequence_hashes_for_tokens(cmd.token_ids, t.block_size, cmd.lora_name)
-        elif cmd.sequence_hashes is not None:
-            hashes = cmd.sequence_hashes
+        return t, self._hashes(t, cmd.sequence_hashes, cmd.token_ids, cmd.lora_name)
+
+    def _hashes(
+        self,
+        t: ActiveSequencesMultiWorker,
+        sequence_hashes: list[int] | None,
+        token_ids: list[int] | None,
+        lora_name: str | None,
+    ) -> list[int]:
+        if token_ids is not None:
+            hashes = sequence_hashes_for_tokens(token_ids, t.block_size, lora_name)
+        elif sequence_hashes is not None:
+            hashes = sequence_hashes
         else:
             raise ValueError("a prompt needs sequence_hashes or token_ids")
         if len(hashes) > self.max_hashes:
             raise TooManyHashes(len(hashes), self.max_hashes)
-        return t, hashes
+        return hashes
+
+    # The lifecycle operations also come as plain positional fields, in the commands' order:
+    # ``add_fields``, ``free_fields``, ``prefill_complete_fields``. The HTTP edge's hot paths
+    # call these with values it validated, so a call builds no command object.
 
     def add(self, cmd: c.Add) -> None:
-        t, hashes = self.prompt_hashes(cmd)
-        tokens = cmd.new_isl_tokens
-        track = tokens > 0 if cmd.track_prefill_tokens is None else cmd.track_prefill_tokens
+        self.add_fields(
+            cmd.model_name,
+            cmd.routing_group,
+            cmd.sequence_hashes,
+            cmd.token_ids,
+            cmd.lora_name,
+            cmd.request_id,
+            cmd.worker_id,
+            cmd.dp_rank,
+            cmd.new_isl_tokens,
+            cmd.expected_prefill_ms,
+            cmd.track_prefill_tokens,
+            cmd.expected_output_tokens,
+        )
+
+    def add_fields(
+        self,
+        model_name: str,
+        routing_group: str,
+        sequence_hashes: list[int] | None,
+        token_ids: list[int] | None,
+        lora_name: str | None,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        new_isl_tokens: int = 0,
+        expected_prefill_ms: float | None = None,
+        track_prefill_tokens: bool | None = None,
+        expected_output_tokens: int | None = None,
+    ) -> None:
+        """``add`` of a ``c.Add`` with these fields."""
+        key = (model_name, routing_group)
+        t = self.registry.get(key)
+        hashes = self._hashes(t, sequence_hashes, token_ids, lora_name)
+        tokens = new_isl_tokens
+        track = tokens > 0 if track_prefill_tokens is None else track_prefill_tokens
         duration_ns = None
-        if cmd.expected_prefill_ms is not None:
-            duration_ns = round(cmd.expected_prefill_ms * NS_PER_MS)
-        t.add_request_if_registered(
-            SequenceRequest(
-                cmd.request_id,
-                WorkerWithDpRank(cmd.worker_id, cmd.dp_rank),
-                hashes,
-                track,
-                cmd.expected_output_tokens,
-                PrefillLoadHint(tokens, duration_ns) if tokens > 0 else None,
-                cmd.lora_name,
-            ),
+        if tokens > 0 and expected_prefill_ms is not None:
+            duration_ns = round(expected_prefill_ms * NS_PER_MS)
+        t.add_on_rank(
+            request_id,
+            worker_id,
+            dp_rank,
+            hashes,
+            track,
+            expected_output_tokens,
+            tokens,
+            duration_ns,
+            lora_name,
             self.clock(),
         )
-        self.registry.counters[(cmd.model_name, cmd.routing_group)].added += 1
+        self.registry.counters[key].added += 1
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
-        t = self.registry.get((cmd.model_name, cmd.routing_group))
-        t.mark_prefill_completed(cmd.request_id, self.clock())
+        self.prefill_complete_fields(cmd.model_name, cmd.routing_group, cmd.request_id)
+
+    def prefill_complete_fields(self, model_name: str, routing_group: str, request_id: str) -> None:
+        """``prefill_complete`` of a ``c.PrefillComplete`` with these fields."""
+        t = self.registry.get((model_name, routing_group))
+        t.mark_prefill_completed(request_id, self.clock())
 
     def free(self, cmd: c.Free) -> None:
-        key = (cmd.model_name, cmd.routing_group)
-        if self.registry.get(key).free(cmd.request_id, self.clock()):
+        self.free_fields(cmd.model_name, cmd.routing_group, cmd.request_id)
+
+    def free_fields(self, model_name: str, routing_group: str, request_id: str) -> None:
+        """``free`` of a ``c.Free`` with these fields."""
+        key = (model_name, routing_group)
+        if self.registry.get(key).free(request_id, self.clock()):
             self.registry.counters[key].freed += 1
 
     def output_block(self, cmd: c.OutputBlock) -> None:

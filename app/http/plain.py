@@ -1,0 +1,186 @@
+"""Plain lifecycle bodies, checked on orjson's decoded values instead of through the models.
+
+Almost every ``/add``, ``/free``, ``/prefill_complete`` and ``/batch`` body a router sends is
+*plain*: valid JSON, no backslash escape, only the operation's own fields, each of exactly its
+schema type and range. For those, building pydantic models and command objects costs more than
+the tracker work. The functions here accept exactly the values the models accept (strict types:
+no bool for an int, no float for an int, no null for a field with a default) and return the
+operation's fields as a tuple in the order of the service's ``*_fields`` methods.
+
+Anything else returns None and takes the validating path (``app.http.body`` and the models),
+which alone writes error messages: this module never has to reproduce one.
+``tests/api/test_batch_paths.py`` runs generated bodies through both paths and compares.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import orjson
+
+from app.core.types import U32_MAX, U64_MAX
+from app.http.body import KEYS
+
+DEFAULT_GROUP = "default"
+REQUEST_KEYS = frozenset({"model_name", "routing_group", "request_id"})
+ADD_KEYS = REQUEST_KEYS | {
+    "worker_id",
+    "dp_rank",
+    "sequence_hashes",
+    "token_ids",
+    "new_isl_tokens",
+    "expected_prefill_ms",
+    "track_prefill_tokens",
+    "expected_output_tokens",
+    "lora_name",
+}
+POTENTIAL_KEYS = frozenset(
+    {"model_name", "routing_group", "sequence_hashes", "token_ids", "lora_name", "new_isl_tokens"}
+)
+# in a /batch operation, ``op`` names the operation
+BATCH_REQUEST_KEYS = REQUEST_KEYS | {"op"}
+BATCH_ADD_KEYS = ADD_KEYS | {"op"}
+BATCH_OUTPUT_KEYS = BATCH_REQUEST_KEYS | {"decay_fraction"}
+
+_NUMBER = (int, float)
+_ABSENT: Any = object()
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_MAX_PREFILL_MS = 1e12
+
+Fields = tuple[Any, ...]
+
+
+def decode(raw: bytes) -> Any:
+    """The decoded body when it may be plain, else None (NaN/Infinity literals, which orjson
+    rejects but the models' parser takes, and escapes are left to the validating path)."""
+    if b"\\" in raw or b"NaN" in raw or b"Infinity" in raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def plain_object(raw: bytes, keys: frozenset[str]) -> dict[str, Any] | None:
+    """A single call's body: a JSON object with only ``keys``, none given twice (the models'
+    path answers a duplicate field 422; orjson keeps the last one)."""
+    d = decode(raw)
+    if type(d) is not dict or not d.keys() <= keys:
+        return None
+    # without escapes, and with only known keys, every '"key":' in the text is one of its keys
+    if len(KEYS.findall(raw)) != len(d):
+        return None
+    return d
+
+
+def no_bools(raw: bytes) -> bool:
+    """Whether the body has no JSON boolean (then ``array`` checks int lists in C)."""
+    return b"true" not in raw and b"false" not in raw
+
+
+def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:
+    """Whether ``values`` is a list of ints (no bools) in ``low..high`` (``code``: the array
+    type of exactly that range)."""
+    if type(values) is not list:
+        return False
+    if not values:
+        return True
+    if no_bool:
+        try:
+            array(code, values)
+        except (TypeError, OverflowError):
+            return False
+        return True
+    return set(map(type, values)) == {int} and min(values) >= low and max(values) <= high
+
+
+def request_fields(d: dict[str, Any]) -> Fields | None:
+    """``(model_name, routing_group, request_id)``; the caller checked the key set."""
+    model = d.get("model_name")
+    group = d.get("routing_group", DEFAULT_GROUP)
+    rid = d.get("request_id")
+    if type(model) is not str or type(group) is not str or type(rid) is not str:
+        return None
+    return model, group, rid
+
+
+def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
+    """An add's fields in ``SlotTrackerService.add_fields`` order, hashes already unsigned;
+    the caller checked the key set."""
+    model = d.get("model_name")
+    group = d.get("routing_group", DEFAULT_GROUP)
+    rid = d.get("request_id")
+    wid = d.get("worker_id")
+    rank = d.get("dp_rank")
+    if (
+        type(model) is not str
+        or type(group) is not str
+        or type(rid) is not str
+        or type(wid) is not int
+        or not 0 <= wid <= U64_MAX
+        or type(rank) is not int
+        or not 0 <= rank <= U32_MAX
+    ):
+        return None
+    prompt = prompt_fields(d, no_bool)
+    if prompt is None:
+        return None
+    hashes, tokens = prompt
+    isl = d.get("new_isl_tokens", 0)
+    ms = d.get("expected_prefill_ms")
+    track = d.get("track_prefill_tokens")
+    eot = d.get("expected_output_tokens")
+    lora = d.get("lora_name")
+    if (
+        type(isl) is not int
+        or not 0 <= isl <= U64_MAX
+        or (ms is not None and not (type(ms) in _NUMBER and 0 <= ms <= _MAX_PREFILL_MS))
+        or (track is not None and type(track) is not bool)
+        or (eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX))
+        or (lora is not None and type(lora) is not str)
+    ):
+        return None
+    return model, group, hashes, tokens, lora, rid, wid, rank, isl, ms, track, eot
+
+
+def prompt_fields(d: dict[str, Any], no_bool: bool) -> tuple[Any, Any] | None:
+    """``(sequence_hashes, token_ids)``, exactly one of them given (hashes made unsigned)."""
+    hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
+    tokens = d.get("token_ids", _ABSENT)
+    if hashes is not _ABSENT:
+        if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
+            return None  # both forms: the validating path answers with the reference's text
+        if hashes and min(hashes) < 0:
+            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
+        return hashes, None
+    if tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
+        return None
+    return None, tokens
+
+
+def potential_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
+    """``(model_name, routing_group, sequence_hashes, token_ids, lora_name, new_isl_tokens)``
+    of a potential-loads body; the caller checked the key set."""
+    model = d.get("model_name")
+    group = d.get("routing_group", DEFAULT_GROUP)
+    isl = d.get("new_isl_tokens", 0)
+    lora = d.get("lora_name")
+    if (
+        type(model) is not str
+        or type(group) is not str
+        or type(isl) is not int
+        or not 0 <= isl <= U64_MAX
+        or (lora is not None and type(lora) is not str)
+    ):
+        return None
+    prompt = prompt_fields(d, no_bool)
+    if prompt is None:
+        return None
+    return model, group, prompt[0], prompt[1], lora, isl
+
+
+def decay_fraction(d: dict[str, Any]) -> tuple[bool, Any]:
+    """``(plain, value)`` of an output block's optional ``decay_fraction`` (a number in 0..1)."""
+    frac = d.get("decay_fraction")
+    return frac is None or (type(frac) in _NUMBER and 0 <= frac <= 1), frac
