@@ -38,8 +38,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from app.service import AddCall, SlotTrackerService  # noqa: E402
+from app.service import SlotTrackerService  # noqa: E402
 from bench.http_bench import post, rss_mb, setup_active, setup_topology, started, wrk  # noqa: E402
+from tests.calls import AddCall  # noqa: E402
 
 WORKERS, RANKS_PER_WORKER = 16, 4
 RANKS = WORKERS * RANKS_PER_WORKER

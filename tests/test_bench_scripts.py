@@ -1,0 +1,40 @@
+"""Every benchmark script still imports against the code it measures (a renamed or moved name
+breaks a script silently otherwise: benchmarks are not run by the suite)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+# imports every module (their ``main`` stays behind ``if __name__ == "__main__"``) in one process
+_IMPORT = """
+import importlib.util, sys
+for path in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("bench_" + path.rsplit("/", 1)[-1][:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert callable(getattr(module, "main", None)), f"{path} has no main()"
+"""
+
+
+def test_there_are_scripts() -> None:
+    assert {"http_bench.py", "scaling_bench.py", "consistency_bench.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_imports(name: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT, str(BENCH / name)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
