@@ -57,6 +57,32 @@ async def finish_waiting(pending: Awaitable[Result]) -> Result:
         return error_result(e)
 
 
+def run_replicated(
+    gate: ReadinessGate, acks: DurableAcks | None, op: Callable[..., Any], raw: bytes, *args: Any
+) -> Any:
+    """One call on a replicated instance: the readiness gate, then (``acks``: a mutating call
+    with durable acknowledgements) the write refusal, the operation with expected errors
+    mapped, and the acknowledgement. An operation that had to wait returns a coroutine, which
+    the dispatchers (``app.http.lean``, the FastAPI endpoints) await."""
+    if gate.closed:
+        refused = gate.refusal()
+        if refused is not None:
+            return error_result(refused)
+    before = 0
+    if acks is not None:
+        refused_writes = acks.refusal()
+        if refused_writes is not None:
+            return refused_writes
+        before = acks.mark()
+    try:
+        result = op(raw, *args)
+    except EXPECTED as e:
+        return error_result(e)
+    if acks is not None:
+        return acks.finish(result, before)
+    return result if type(result) is tuple else finish_waiting(result)
+
+
 class DurableAcks:
     """``replication_ack = "redis"``: refuse a mutating call while Redis is known unreachable,
     and answer one that queued records only once they are in the stream (see the module
@@ -121,42 +147,9 @@ class ReplicatedOperations(Operations):
 
     def get(self, name: str) -> Callable[[bytes], Any]:
         op = getattr(self, name)
-        if self.acks is not None and name in MUTATING:
-            return lambda raw: self.run_durable(op, raw)
-        return lambda raw: self.run(op, raw)
-
-    def run_durable(self, op: Callable[[bytes], Any], raw: bytes) -> Any:
-        """``run`` with a durable acknowledgement (see the module docstring)."""
         gate = self.gate
-        if gate.closed:
-            refused = gate.refusal()
-            if refused is not None:
-                return error_result(refused)
-        acks = self.acks
-        assert acks is not None
-        refused_writes = acks.refusal()
-        if refused_writes is not None:
-            return refused_writes
-        before = acks.mark()
-        try:
-            result = op(raw)
-        except EXPECTED as e:
-            return error_result(e)
-        return acks.finish(result, before)
-
-    def run(self, op: Callable[[bytes], Any], raw: bytes) -> Any:  # type: ignore[override]
-        gate = self.gate
-        if gate.closed:
-            refused = gate.refusal()
-            if refused is not None:
-                return error_result(refused)
-        try:
-            result = op(raw)
-        except EXPECTED as e:
-            return error_result(e)
-        if type(result) is tuple:
-            return result
-        return finish_waiting(result)
+        acks = self.acks if name in MUTATING else None
+        return lambda raw: run_replicated(gate, acks, op, raw)
 
     # -- lifecycle calls that may wait for their add --------------------------------------
 

@@ -22,7 +22,6 @@ sharing state needs, as ``app.http.replicated`` does for the slot-tracker routes
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +32,8 @@ from app.core.selection.errors import (
     ReservationNotFound,
     SchedulableWorkerNotFound,
 )
-from app.http.errors import EXPECTED, error_result
 from app.http.gate import ReadinessGate
-from app.http.replicated import DurableAcks, finish_waiting
+from app.http.replicated import DurableAcks, run_replicated
 from app.http.selection_operations import Result, SelectionOperations
 from app.service.consistency import Consistency
 from app.service.selection import SelectionService
@@ -66,48 +64,36 @@ class ReplicatedSelectionOperations(SelectionOperations):
 
     def get(self, name: str) -> Callable[..., Any]:
         op = getattr(self, name)
-        gate = self.gate
-        acks = self.acks
+        gate, acks = self.gate, self.acks
 
-        def run(raw: bytes, *args: Any) -> Any:
-            if gate.closed:
-                refused = gate.refusal()
-                if refused is not None:
-                    return error_result(refused)
-            before = 0
-            if acks is not None:
-                refused_writes = acks.refusal()
-                if refused_writes is not None:
-                    return refused_writes
-                before = acks.mark()
+        def call(raw: bytes, *args: Any) -> Any:
             try:
-                result: Any = op(raw, *args)
+                return op(raw, *args)
             except NOT_YET_KNOWN:
-                result = finish_waiting(self._after_wait(name, op, raw, args))
-            except EXPECTED as e:
-                return error_result(e)
-            return result if acks is None else acks.finish(result, before)
+                return self._after_wait(name, op, raw, args)
 
-        return run
+        return lambda raw, *args: run_replicated(gate, acks, call, raw, *args)
 
     async def _after_wait(
         self, name: str, op: Callable[..., Result], raw: bytes, args: tuple
     ) -> Result:
         """Run ``op`` again once the peers' records that may concern it were applied."""
         consistency = self.consistency
-        consistency.counters.barrier_waits += 1
-        wait_s = consistency.wait_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        if wait_s > 0 and not await consistency.replication.caught_up(wait_s):
-            consistency.counters.barrier_timeouts += 1
-        while True:
+        done: list[Result] = []
+
+        def arrived() -> bool:
             try:
-                return op(raw, *args)
+                done.append(op(raw, *args))
             except NOT_YET_KNOWN:
-                remaining = deadline - loop.time()
-                if consistency.durable_acks or remaining <= 0:
-                    if name == "delete_reservation" and not consistency.durable_acks:
-                        consistency.release_unknown(args[0], sorted(self.service.partitions))
-                    raise
-            await consistency.next_batch(remaining)
+                return False
+            return True
+
+        await consistency.settle_until(arrived)
+        if done:
+            return done[0]
+        try:
+            return op(raw, *args)
+        except NOT_YET_KNOWN:
+            if name == "delete_reservation" and not consistency.durable_acks:
+                consistency.release_unknown(args[0], sorted(self.service.partitions))
+            raise

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.replication.port import Replication
@@ -89,6 +90,12 @@ class Consistency:
         Returns True when an id still unknown afterwards is certainly unknown: the barrier
         was confirmed and acknowledged adds are durable (``replication_ack = "redis"``).
         """
+        known = self.known
+        return await self.settle_until(lambda: all(known(key, rid) for key, rid in ids))
+
+    async def settle_until(self, arrived: Callable[[], bool]) -> bool:
+        """``settle`` for whatever ``arrived`` tells: the read barrier, then with local
+        acknowledgements the peers' next batches until ``arrived()`` or the bound."""
         self.counters.barrier_waits += 1
         if self.wait_s <= 0:
             return False
@@ -99,8 +106,7 @@ class Consistency:
             self.counters.barrier_timeouts += 1
         if self.durable_acks:
             return confirmed
-        known = self.known
-        while not all(known(key, rid) for key, rid in ids):
+        while not arrived():
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
