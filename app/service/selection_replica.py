@@ -93,7 +93,6 @@ class SelectionReplicaMixin:
     def export_selection(self: SelectionService, wall_offset: int) -> dict[str, Any]:
         """The selection state; ``wall_offset``: wall-clock time minus this clock's instant."""
         now = self.clock()
-        shift = wall_offset
         return {
             "format": SELECTION_FORMAT,
             "catalog": [
@@ -106,23 +105,23 @@ class SelectionReplicaMixin:
                     key[1],
                     part.block_size,
                     list(part.workers),
-                    [[*row[:5], row[5] + shift] for row in part.cache.export(now)],
+                    [[*row[:5], row[5] + wall_offset] for row in part.cache.export(now)],
                 ]
                 for key, part in self.partitions.items()
-            ],  # fmt: skip
+            ],
             "reservations": [
                 [
                     sid,
                     r.key[0],
                     r.key[1],
                     w.worker_to_wire(r.worker),
-                    r.created_at + shift,
+                    r.created_at + wall_offset,
                     r.lingering,
                 ]
                 for sid, r in self.reservations.items()
-            ],  # fmt: skip
+            ],
             "pending": [
-                [sid, expires + shift, w.pending_to_wire(entry)]
+                [sid, expires + wall_offset, w.pending_to_wire(entry)]
                 for sid, expires, entry in self.pending.entries()
             ],
         }
@@ -165,10 +164,10 @@ def _decoded(
         catalog[s.worker_id] = WorkerRecord(s, lifecycle, tuple(reasons))
     partitions: dict[tuple[str, str], Partition] = {}
     for model, group, block_size, worker_ids, rows in data["partitions"]:
-        key = (w._str(model, "model_name"), w._str(group, "routing_group"))
+        key = (w.as_str(model, "model_name"), w.as_str(group, "routing_group"))
         cache = ApproximateCache(service.config.router_ttl_ns)
         cache.restore(rows, shift)
-        part = Partition(key, w._uint(block_size, "block_size"), cache)
+        part = Partition(key, w.as_uint(block_size, "block_size"), cache)
         for wid in worker_ids:
             part.workers[wid] = catalog[wid].spec
         partitions[key] = part
@@ -176,14 +175,14 @@ def _decoded(
     for sid, model, group, worker, created, lingering in data["reservations"]:
         if type(lingering) is not bool:
             raise ValueError("bad lingering flag")
-        reservations[w._str(sid, "id")] = Reservation(
-            (w._str(model, "model_name"), w._str(group, "routing_group")),
+        reservations[w.as_str(sid, "id")] = Reservation(
+            (w.as_str(model, "model_name"), w.as_str(group, "routing_group")),
             w.worker_from_wire(worker),
             min(_int(created, "created_at") + shift, now),  # never in this clock's future
             lingering,
         )
     pending = [
-        (w._str(sid, "id"), _int(expires, "expires") + shift, w.pending_from_wire(entry))
+        (w.as_str(sid, "id"), _int(expires, "expires") + shift, w.pending_from_wire(entry))
         for sid, expires, entry in data["pending"]
     ]
     return catalog, partitions, reservations, pending

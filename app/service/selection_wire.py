@@ -29,24 +29,24 @@ def _fail(what: str, value: Any) -> ValueError:
     return ValueError(f"malformed selection record: {what} = {value!r}")
 
 
-def _uint(v: Any, what: str, bound: int = U64) -> int:
+def as_uint(v: Any, what: str, bound: int = U64) -> int:
     if type(v) is not int or not 0 <= v < bound:
         raise _fail(what, v)
     return v
 
 
 def _opt_uint(v: Any, what: str, bound: int = U64) -> int | None:
-    return None if v is None else _uint(v, what, bound)
+    return None if v is None else as_uint(v, what, bound)
 
 
-def _str(v: Any, what: str) -> str:
+def as_str(v: Any, what: str) -> str:
     if type(v) is not str:
         raise _fail(what, v)
     return v
 
 
 def _opt_str(v: Any, what: str) -> str | None:
-    return None if v is None else _str(v, what)
+    return None if v is None else as_str(v, what)
 
 
 def _hashes(v: Any, what: str) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def worker_to_wire(w: WorkerWithDpRank) -> list[int]:
 def worker_from_wire(v: Any) -> WorkerWithDpRank:
     if type(v) is not list or len(v) != 2:
         raise _fail("worker", v)
-    return WorkerWithDpRank(_uint(v[0], "worker_id"), _uint(v[1], "dp_rank", U32))
+    return WorkerWithDpRank(as_uint(v[0], "worker_id"), as_uint(v[1], "dp_rank", U32))
 
 
 # -- worker specs ----------------------------------------------------------------------------
@@ -106,9 +106,9 @@ def _taints(v: Any, what: str) -> tuple[str, ...]:
 
 
 _SPEC_FIELDS: dict[str, Any] = {
-    "worker_id": _uint,
-    "model_name": _str,
-    "routing_group": _str,
+    "worker_id": as_uint,
+    "model_name": as_str,
+    "routing_group": as_str,
     "endpoint": _opt_str,
     "kv_events_endpoint": _opt_str,
     "kv_events_endpoints": _str_map,
@@ -168,13 +168,13 @@ def pending_from_wire(v: Any) -> PendingSelection:
         if type(track) is not bool or type(tok) is not bool:
             raise _fail("pending flags", (track, tok))
         return PendingSelection(
-            model_name=_str(v["m"], "model_name"),
-            routing_group=_str(v["g"], "routing_group"),
+            model_name=as_str(v["m"], "model_name"),
+            routing_group=as_str(v["g"], "routing_group"),
             worker=worker_from_wire(v["w"]),
             sequence_hashes=_hashes(v["sh"], "sequence_hashes"),
             block_hashes=_opt_hashes(v["bh"], "block_hashes"),
-            isl_tokens=_uint(v["isl"], "isl_tokens"),
-            effective_prefill_tokens=_uint(v["ept"], "effective_prefill_tokens"),
+            isl_tokens=as_uint(v["isl"], "isl_tokens"),
+            effective_prefill_tokens=as_uint(v["ept"], "effective_prefill_tokens"),
             track_prefill_tokens=track,
             expected_output_tokens=_opt_uint(v["eot"], "expected_output_tokens"),
             lora_name=_opt_str(v["lora"], "lora_name"),
@@ -230,9 +230,9 @@ def mutation_from_wire(v: Any) -> Replicated:
             if chain is not None and (block_hashes is None or len(chain) != len(block_hashes)):
                 raise _fail("cache_chain", "length")
             return m.Book(
-                selection_id=_str(v["id"], "id"),
-                model_name=_str(v["m"], "model_name"),
-                routing_group=_str(v["g"], "routing_group"),
+                selection_id=as_str(v["id"], "id"),
+                model_name=as_str(v["m"], "model_name"),
+                routing_group=as_str(v["g"], "routing_group"),
                 worker=worker_from_wire(v["w"]),
                 sequence_hashes=(),
                 block_hashes=block_hashes,
@@ -242,13 +242,13 @@ def mutation_from_wire(v: Any) -> Replicated:
                 consumes_pending=consumes,
             )
         if op == "release":
-            return m.Release(_str(v["id"], "id"))
+            return m.Release(as_str(v["id"], "id"))
         if op == "pending":
-            return m.CacheSelection(_str(v["id"], "id"), pending_from_wire(v["entry"]))
+            return m.CacheSelection(as_str(v["id"], "id"), pending_from_wire(v["entry"]))
         if op == "put_worker":
             return m.PutWorker(spec_from_wire(v["spec"]))
         if op == "remove_worker":
-            return m.RemoveWorker(_uint(v["worker_id"], "worker_id"))
+            return m.RemoveWorker(as_uint(v["worker_id"], "worker_id"))
     except KeyError as e:
         raise _fail("field", str(e)) from None
     raise _fail("op", op)
