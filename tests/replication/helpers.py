@@ -8,12 +8,13 @@ replication machinery itself runs on real time, since it talks to a real server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,3 +238,14 @@ class TcpProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def proxied(redis_url: str) -> AsyncIterator[TcpProxy]:
+    """A started ``TcpProxy`` to the Redis server of ``redis_url``, closed afterwards."""
+    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.close()

@@ -15,7 +15,7 @@ import redis
 from app.replication.redis.stream import NamespaceKeys
 from app.settings import Settings
 from tests.replication.apps import register, running_apps, until
-from tests.replication.helpers import TcpProxy
+from tests.replication.helpers import proxied
 
 pytestmark = pytest.mark.redis
 
@@ -65,51 +65,49 @@ async def test_an_acknowledged_call_is_in_the_stream(redis_url: str, namespace: 
 async def test_while_redis_is_unreachable_calls_answer_503_and_change_nothing(
     redis_url: str, namespace: str
 ) -> None:
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
+    async with (
+        proxied(redis_url) as proxy,
+        running_apps(
             settings(
                 proxy.url(), namespace, replication_ack="redis", replication_ack_timeout_ms=300
             ),  # fmt: skip
             settings(redis_url, namespace, replication_ack="redis"),
-        ) as (a, b):
-            await register(a, [b])
-            assert await a.add("before") == 201
-            proxy.cut()
-            # not known yet to be unreachable: applied here, then not acknowledged in time
-            answer = await a.add("x")
-            assert answer == 503
-            body = (await a.call("free", "before")).json()
-            assert body["error"].startswith("not accepted: Redis"), body
-            loads = await a.loads()
-            depth = a.replication.status().outbox_depth
-            free = {"model_name": "m", "request_id": "before"}
-            for path, body in (
-                ("/add", {"model_name": "m", "request_id": "y", "worker_id": 1, "dp_rank": 0,
-                          "sequence_hashes": [1]}),
-                ("/free", free),
-                ("/prefill_complete", free),
-                ("/register", {"model_name": "m", "worker_id": 2, "block_size": 16}),
-                ("/batch", {"operations": [{"op": "free", **free}]}),
-            ):  # fmt: skip
-                r = await a.post(path, body)
-                assert r.status_code == 503 and r.json()["error"].startswith("not accepted")
-            assert await a.loads() == loads  # nothing changed
-            assert a.replication.status().outbox_depth == depth
-            assert a.metric("consistency_ack_refused_total") == 6
-            assert a.metric("consistency_ack_timeouts_total") == 1
-            # reads go on from local state
-            assert (await a.client.get("/loads")).status_code == 200
-            proxy.restore()
-            # the call that timed out was applied here: it reaches b when Redis answers again
-            await until(lambda: a.outbox_empty(), what="a's outbox to drain")
+        ) as (a, b),
+    ):
+        await register(a, [b])
+        assert await a.add("before") == 201
+        proxy.cut()
+        # not known yet to be unreachable: applied here, then not acknowledged in time
+        answer = await a.add("x")
+        assert answer == 503
+        body = (await a.call("free", "before")).json()
+        assert body["error"].startswith("not accepted: Redis"), body
+        loads = await a.loads()
+        depth = a.replication.status().outbox_depth
+        free = {"model_name": "m", "request_id": "before"}
+        for path, body in (
+            ("/add", {"model_name": "m", "request_id": "y", "worker_id": 1, "dp_rank": 0,
+                      "sequence_hashes": [1]}),
+            ("/free", free),
+            ("/prefill_complete", free),
+            ("/register", {"model_name": "m", "worker_id": 2, "block_size": 16}),
+            ("/batch", {"operations": [{"op": "free", **free}]}),
+        ):  # fmt: skip
+            r = await a.post(path, body)
+            assert r.status_code == 503 and r.json()["error"].startswith("not accepted")
+        assert await a.loads() == loads  # nothing changed
+        assert a.replication.status().outbox_depth == depth
+        assert a.metric("consistency_ack_refused_total") == 6
+        assert a.metric("consistency_ack_timeouts_total") == 1
+        # reads go on from local state
+        assert (await a.client.get("/loads")).status_code == 200
+        proxy.restore()
+        # the call that timed out was applied here: it reaches b when Redis answers again
+        await until(lambda: a.outbox_empty(), what="a's outbox to drain")
 
-            async def b_has_x() -> bool:
-                rows = await b.loads()
-                return sum(r["active_requests"] for r in rows) == 2
+        async def b_has_x() -> bool:
+            rows = await b.loads()
+            return sum(r["active_requests"] for r in rows) == 2
 
-            await until(b_has_x, what="x on b")
-            assert await a.add("z") == 201
-    finally:
-        await proxy.close()
+        await until(b_has_x, what="x on b")
+        assert await a.add("z") == 201

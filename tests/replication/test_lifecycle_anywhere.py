@@ -12,7 +12,7 @@ import pytest
 
 from app.settings import Settings
 from tests.replication.apps import App, register, running_apps, until
-from tests.replication.helpers import TcpProxy
+from tests.replication.helpers import proxied
 
 pytestmark = pytest.mark.redis
 
@@ -78,75 +78,71 @@ async def test_calls_for_a_request_added_on_a_peer_wait_for_its_record(
 async def test_an_add_held_up_longer_than_the_wait_is_cancelled_everywhere(
     redis_url: str, namespace: str
 ) -> None:
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
+    async with (
+        proxied(redis_url) as proxy,
+        running_apps(
             settings(proxy.url(), namespace),
             settings(redis_url, namespace, consistency_wait_ms=100),
             settings(redis_url, namespace),
-        ) as (a, b, c):
-            await register(a, [b, c])
-            proxy.cut()  # a's records stay in its outbox
-            assert await a.add("x") == 201
-            assert await a.add("y", rank=1, tokens=40) == 201
-            assert (await b.call("free", "x")).status_code == 200
-            assert (await b.call("prefill_complete", "y")).status_code == 200
-            assert b.metric("consistency_tombstones_created_total") == 1
-            assert b.metric("consistency_marks_created_total") == 1
-            await until(lambda: c.metric("consistency_early_calls") == 2, what="c to keep both")
-            proxy.restore()  # a's adds arrive after the tombstone and the mark
-            await until(lambda: converged([a, b, c]), what="convergence")
-            rows = await same_loads([a, b, c])
-            assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
-                (0, 0),  # x: freed on a, cancelled on b and c
-                (1, 0),  # y: its prefill completed everywhere
-            ]
-            assert a.metric("consistency_tombstones_applied_total") == 1  # freed its copy
-            assert b.metric("consistency_tombstones_applied_total") == 1  # cancelled the add
-            assert c.metric("consistency_tombstones_applied_total") == 1
-            for app in (a, b, c):
-                assert app.metric("consistency_marks_applied_total") == 1
-            # the id used again later is a new request: the tombstone does not cancel it
-            assert await c.add("x", rank=1) == 201
-            await until(lambda: converged([a, b, c]), what="convergence after the re-add")
-            rows = await same_loads([a, b, c])
-            assert [r["active_requests"] for r in rows] == [0, 2]
-    finally:
-        await proxy.close()
+        ) as (a, b, c),
+    ):
+        await register(a, [b, c])
+        proxy.cut()  # a's records stay in its outbox
+        assert await a.add("x") == 201
+        assert await a.add("y", rank=1, tokens=40) == 201
+        assert (await b.call("free", "x")).status_code == 200
+        assert (await b.call("prefill_complete", "y")).status_code == 200
+        assert b.metric("consistency_tombstones_created_total") == 1
+        assert b.metric("consistency_marks_created_total") == 1
+        await until(lambda: c.metric("consistency_early_calls") == 2, what="c to keep both")
+        proxy.restore()  # a's adds arrive after the tombstone and the mark
+        await until(lambda: converged([a, b, c]), what="convergence")
+        rows = await same_loads([a, b, c])
+        assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
+            (0, 0),  # x: freed on a, cancelled on b and c
+            (1, 0),  # y: its prefill completed everywhere
+        ]
+        assert a.metric("consistency_tombstones_applied_total") == 1  # freed its copy
+        assert b.metric("consistency_tombstones_applied_total") == 1  # cancelled the add
+        assert c.metric("consistency_tombstones_applied_total") == 1
+        for app in (a, b, c):
+            assert app.metric("consistency_marks_applied_total") == 1
+        # the id used again later is a new request: the tombstone does not cancel it
+        assert await c.add("x", rank=1) == 201
+        await until(lambda: converged([a, b, c]), what="convergence after the re-add")
+        rows = await same_loads([a, b, c])
+        assert [r["active_requests"] for r in rows] == [0, 2]
 
 
 async def test_tombstones_and_marks_survive_snapshots(redis_url: str, namespace: str) -> None:
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
+    async with (
+        proxied(redis_url) as proxy,
+        running_apps(
             settings(proxy.url(), namespace),
             settings(redis_url, namespace, consistency_wait_ms=50),
-        ) as (a, b):
-            await register(a, [b])
-            proxy.cut()
-            assert await a.add("x") == 201
-            assert await a.add("y", rank=1) == 201
-            assert (await b.call("free", "x")).status_code == 200
-            assert (await b.call("prefill_complete", "y")).status_code == 200
-            assert await b.replication.write_snapshot()
-            # an instance started now knows both from the snapshot alone
-            async with running_apps(settings(redis_url, namespace)) as (d,):
-                assert d.replication.status().bootstraps == 1
-                assert d.replication.status().applied == 0
-                assert d.metric("consistency_early_calls") == 2
-                proxy.restore()
-                await until(lambda: converged([a, b, d]), what="convergence")
-                rows = await same_loads([a, b, d])
-                assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
-                    (0, 0),
-                    (1, 0),
-                ]
-                assert d.metric("consistency_tombstones_applied_total") == 1
-                assert d.metric("consistency_marks_applied_total") == 1
-    finally:
-        await proxy.close()
+        ) as (a, b),
+    ):
+        await register(a, [b])
+        proxy.cut()
+        assert await a.add("x") == 201
+        assert await a.add("y", rank=1) == 201
+        assert (await b.call("free", "x")).status_code == 200
+        assert (await b.call("prefill_complete", "y")).status_code == 200
+        assert await b.replication.write_snapshot()
+        # an instance started now knows both from the snapshot alone
+        async with running_apps(settings(redis_url, namespace)) as (d,):
+            assert d.replication.status().bootstraps == 1
+            assert d.replication.status().applied == 0
+            assert d.metric("consistency_early_calls") == 2
+            proxy.restore()
+            await until(lambda: converged([a, b, d]), what="convergence")
+            rows = await same_loads([a, b, d])
+            assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
+                (0, 0),
+                (1, 0),
+            ]
+            assert d.metric("consistency_tombstones_applied_total") == 1
+            assert d.metric("consistency_marks_applied_total") == 1
 
 
 async def test_the_same_id_added_on_two_instances_keeps_the_first_in_stream_order(
@@ -155,31 +151,29 @@ async def test_the_same_id_added_on_two_instances_keeps_the_first_in_stream_orde
     """a and b both accept an add of x (ranks 0 and 1) before either hears of the other's: b's
     record reaches the stream first, so b's copy wins everywhere; a drops its own copy when b's
     add arrives before its own record came back, c ignores the second add."""
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
+    async with (
+        proxied(redis_url) as proxy,
+        running_apps(
             settings(proxy.url(), namespace),
             settings(redis_url, namespace),
             settings(redis_url, namespace),
-        ) as (a, b, c):
-            await register(a, [b, c])
-            proxy.cut()  # a's add stays in its outbox until b's is in the stream
-            assert await a.add("x", rank=0, tokens=10) == 201
-            assert await b.add("x", rank=1, tokens=20) == 201
-            await until(lambda: b.outbox_empty(), what="b's add in the stream")
-            proxy.restore()
-            await until(lambda: converged([a, b, c]), what="convergence")
-            rows = await same_loads([a, b, c])
-            assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
-                (0, 0),
-                (1, 20),  # b's copy
-            ]
-            for app in (a, b, c):
-                assert app.metric("consistency_duplicate_adds_total") == 1
-            assert (await a.call("free", "x")).status_code == 200
-            await until(lambda: converged([a, b, c]), what="convergence after the free")
-            rows = await same_loads([a, b, c])
-            assert [r["active_requests"] for r in rows] == [0, 0]
-    finally:
-        await proxy.close()
+        ) as (a, b, c),
+    ):
+        await register(a, [b, c])
+        proxy.cut()  # a's add stays in its outbox until b's is in the stream
+        assert await a.add("x", rank=0, tokens=10) == 201
+        assert await b.add("x", rank=1, tokens=20) == 201
+        await until(lambda: b.outbox_empty(), what="b's add in the stream")
+        proxy.restore()
+        await until(lambda: converged([a, b, c]), what="convergence")
+        rows = await same_loads([a, b, c])
+        assert [(r["active_requests"], r["active_prefill_tokens"]) for r in rows] == [
+            (0, 0),
+            (1, 20),  # b's copy
+        ]
+        for app in (a, b, c):
+            assert app.metric("consistency_duplicate_adds_total") == 1
+        assert (await a.call("free", "x")).status_code == 200
+        await until(lambda: converged([a, b, c]), what="convergence after the free")
+        rows = await same_loads([a, b, c])
+        assert [r["active_requests"] for r in rows] == [0, 0]

@@ -13,7 +13,7 @@ import pytest
 
 from app.settings import Settings
 from tests.replication.apps import App, running_apps, until
-from tests.replication.helpers import TcpProxy
+from tests.replication.helpers import proxied
 
 pytestmark = pytest.mark.redis
 
@@ -126,72 +126,65 @@ async def test_a_worker_made_on_a_peer_is_patched_here_and_a_late_instance_resto
 async def test_durable_acknowledgements_cover_the_selection_routes(
     redis_url: str, namespace: str
 ) -> None:
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
-            settings(proxy.url(), namespace, replication_ack="redis",
-                     replication_ack_timeout_ms=300, replication_batch_ms=200),
-            settings(redis_url, namespace, replication_ack="redis"),
-        ) as (a, b):  # fmt: skip
-            await upsert(a, 1)
-            # acknowledged: already in the stream, so b finds it after its read barrier alone
-            r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], selection_id="d1"))
-            assert r.status_code == 200, r.text
-            assert (await b.post(SEL + "/reservations/d1/prefill_complete", {})).status_code == 200
-            # a read or a plain selection queues nothing: answered without waiting for Redis
-            before = a.metric("replication_group_commit_calls_sum")
-            assert (await a.post(SEL + "/select", prompt([3]))).status_code == 200
-            assert a.metric("replication_group_commit_calls_sum") == before
+    async with proxied(redis_url) as proxy, running_apps(
+        settings(proxy.url(), namespace, replication_ack="redis",
+                 replication_ack_timeout_ms=300, replication_batch_ms=200),
+        settings(redis_url, namespace, replication_ack="redis"),
+    ) as (a, b):  # fmt: skip
+        await upsert(a, 1)
+        # acknowledged: already in the stream, so b finds it after its read barrier alone
+        r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], selection_id="d1"))
+        assert r.status_code == 200, r.text
+        assert (await b.post(SEL + "/reservations/d1/prefill_complete", {})).status_code == 200
+        # a read or a plain selection queues nothing: answered without waiting for Redis
+        before = a.metric("replication_group_commit_calls_sum")
+        assert (await a.post(SEL + "/select", prompt([3]))).status_code == 200
+        assert a.metric("replication_group_commit_calls_sum") == before
 
-            proxy.cut()
-            # not known yet to be unreachable: applied here, then not acknowledged in time
-            r = await a.post(SEL + "/select_and_reserve", prompt([5], selection_id="d2"))
-            assert r.status_code == 503 and r.json()["error"].startswith("not acknowledged")
-            state = await view(a)
-            for method, path, body in (
-                ("POST", "/workers", {"worker_id": 2, "model_name": "m", "endpoint": "http://w",
-                                      "block_size": 4}),
-                ("POST", "/select_and_reserve", prompt([6], selection_id="d3")),
-                ("POST", "/reservations/d1/prefill_complete", {}),
-                ("DELETE", "/reservations/d1", None),
-                ("DELETE", "/workers/1", None),
-            ):  # fmt: skip
-                r = await a.client.request(method, SEL + path, json=body)
-                assert r.status_code == 503, (path, r.text)
-                assert r.json()["error"].startswith("not accepted"), r.text
-            assert await view(a) == state  # nothing changed
-            proxy.restore()
-            await until(lambda: converged([a, b]), what="a's state on b once Redis answers")
-            assert (await b.client.delete(SEL + "/reservations/d2")).status_code == 200
-    finally:
-        await proxy.close()
+        proxy.cut()
+        # not known yet to be unreachable: applied here, then not acknowledged in time
+        r = await a.post(SEL + "/select_and_reserve", prompt([5], selection_id="d2"))
+        assert r.status_code == 503 and r.json()["error"].startswith("not acknowledged")
+        state = await view(a)
+        for method, path, body in (
+            ("POST", "/workers", {"worker_id": 2, "model_name": "m", "endpoint": "http://w",
+                                  "block_size": 4}),
+            ("POST", "/select_and_reserve", prompt([6], selection_id="d3")),
+            ("POST", "/reservations/d1/prefill_complete", {}),
+            ("DELETE", "/reservations/d1", None),
+            ("DELETE", "/workers/1", None),
+        ):  # fmt: skip
+            r = await a.client.request(method, SEL + path, json=body)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"].startswith("not accepted"), r.text
+        assert await view(a) == state  # nothing changed
+        proxy.restore()
+        await until(lambda: converged([a, b]), what="a's state on b once Redis answers")
+        assert (await b.client.delete(SEL + "/reservations/d2")).status_code == 200
 
 
 async def test_a_reservation_released_before_its_records_arrive_is_cancelled_everywhere(
     redis_url: str, namespace: str
 ) -> None:
-    proxy = TcpProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
-    await proxy.start()
-    try:
-        async with running_apps(
+    async with (
+        proxied(redis_url) as proxy,
+        running_apps(
             settings(proxy.url(), namespace),
             settings(redis_url, namespace, consistency_wait_ms=300),
-        ) as (a, b):
-            await upsert(a, 1)
-            await until(lambda: converged([a, b]), what="the worker on b")
-            proxy.cut()  # a's records wait in its outbox
-            r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], selection_id="gone"))
-            assert r.status_code == 200, r.text
-            # b cannot know it yet: 404 after the bounded wait, and a tombstone for the id
-            r = await b.client.delete(SEL + "/reservations/gone")
-            assert r.status_code == 404, r.text
-            assert b.metric("consistency_tombstones_created_total") == 1
-            proxy.restore()
-            # the reservation's request reaches b and is cancelled there; a frees its copy
-            await until(lambda: converged([a, b]), what="the same state on both")
-            for app in (a, b):
-                assert all(row["active_requests"] == 0 for row in await app.loads())
-            assert (await a.client.delete(SEL + "/reservations/gone")).status_code == 404
-    finally:
-        await proxy.close()
+        ) as (a, b),
+    ):
+        await upsert(a, 1)
+        await until(lambda: converged([a, b]), what="the worker on b")
+        proxy.cut()  # a's records wait in its outbox
+        r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], selection_id="gone"))
+        assert r.status_code == 200, r.text
+        # b cannot know it yet: 404 after the bounded wait, and a tombstone for the id
+        r = await b.client.delete(SEL + "/reservations/gone")
+        assert r.status_code == 404, r.text
+        assert b.metric("consistency_tombstones_created_total") == 1
+        proxy.restore()
+        # the reservation's request reaches b and is cancelled there; a frees its copy
+        await until(lambda: converged([a, b]), what="the same state on both")
+        for app in (a, b):
+            assert all(row["active_requests"] == 0 for row in await app.loads())
+        assert (await a.client.delete(SEL + "/reservations/gone")).status_code == 404
