@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from app import __version__
 from app.gc_tuning import tune_gc
+from app.http.direct import direct_protocol
 from app.main import create_app
 from app.settings import load_settings
 
@@ -46,12 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = create_app(settings)
     tune_gc()
+    direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=direct or "httptools",
         log_level=settings.log_level,
         access_log=False,
     )

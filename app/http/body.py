@@ -30,14 +30,11 @@ def is_json_content_type(value: str | None) -> bool:
     return mime.startswith("application/") and mime.endswith("+json")
 
 
-async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, after the content-type (415) and size (413) checks.
-
-    Works on the raw ASGI scope and receive channel, so the FastAPI routes and the lean path
-    (``app.http.lean``) read bodies the same way.
-    """
+def check_body_headers(headers: list[tuple[bytes, bytes]], limit: int) -> None:
+    """The checks made before a body is read: a JSON content type (415) and a declared length
+    within ``limit`` (413)."""
     content_type = declared = None
-    for key, value in scope["headers"]:
+    for key, value in headers:
         if key == b"content-type" and content_type is None:
             content_type = value
         elif key == b"content-length" and declared is None:
@@ -46,6 +43,15 @@ async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         raise HttpError(415, CONTENT_TYPE)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, TOO_LARGE)
+
+
+async def read_asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, after the content-type (415) and size (413) checks.
+
+    Works on the raw ASGI scope and receive channel, so the FastAPI routes and the lean path
+    (``app.http.lean``) read bodies the same way.
+    """
+    check_body_headers(scope["headers"], limit)
     message = await receive()
     body = message.get("body", b"")
     while message.get("more_body"):

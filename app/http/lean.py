@@ -70,6 +70,8 @@ class LeanDispatcher:
         observe: Observe,
         max_body: int,
         api_key: str = "",
+        *,
+        synchronous: bool = True,
     ) -> None:
         self.exact: dict[str, dict[str, LeanRoute]] = {}  # method -> path -> route
         # method -> segment count -> [(segments, route)]
@@ -83,6 +85,9 @@ class LeanDispatcher:
         self.observe = observe
         self.max_body = max_body
         self.token = api_key.encode() if api_key else None
+        # every operation answers at once, never waiting (no replication): the direct HTTP
+        # protocol (``app.http.direct``) may serve the routes inside the connection's callbacks
+        self.synchronous = synchronous
 
     def route_for(self, scope: Scope) -> tuple[LeanRoute, list[str]] | None:
         """The lean route serving this request with its raw path parameters, or None for the
@@ -122,29 +127,42 @@ class LeanDispatcher:
             for segs, _ in by_count.get(len(parts), ())
         )
 
+    def answer(self, route: LeanRoute, args: list[Any], body: bytes) -> Any:
+        """The route's answer to its parsed path parameters and a body already read:
+        ``(status, JSON bytes)``, or (replicated mode, when it must wait) an awaitable of it.
+        Never raises."""
+        try:
+            return route.op(body, *args)
+        except Exception:  # a bug, never client input: answer 500 and keep serving
+            log.exception("unexpected error serving %s %s", route.method, route.path)
+            return 500, _INTERNAL
+
     async def serve(
         self, found: tuple[LeanRoute, list[str]], scope: Scope, receive: Receive, send: Send
     ) -> None:
         route, values = found
         start = perf_counter()
         try:
-            try:
-                args = [parse(v) for parse, v in zip(route.params, values, strict=True)]
-                body = (
-                    await read_asgi_body(scope, receive, self.max_body) if route.reads_body else b""
-                )
-            except HttpError as e:
-                status, payload = error_result(e)
-            else:
-                result = route.op(body, *args)
-                if type(result) is not tuple:  # it waits for replication (app.http.replicated)
-                    result = await result
-                status, payload = result
-        except Exception:  # a bug, never client input: answer 500 and keep serving
+            args = parse_params(route, values)
+            body = await read_asgi_body(scope, receive, self.max_body) if route.reads_body else b""
+        except HttpError as e:
+            result: Any = error_result(e)
+        else:
+            result = self.answer(route, args, body)
+        try:
+            if type(result) is not tuple:  # it waits for replication (app.http.replicated)
+                result = await result
+        except Exception:
             log.exception("unexpected error serving %s", scope["path"])
-            status, payload = 500, _INTERNAL
+            result = 500, _INTERNAL
+        status, payload = result
         await send_json(send, status, payload)
         self.observe(route.method, route.path, status, perf_counter() - start)
+
+
+def parse_params(route: LeanRoute, values: list[str]) -> list[Any]:
+    """The route's path parameters, parsed (HttpError for a bad one)."""
+    return [parse(v) for parse, v in zip(route.params, values, strict=True)]
 
 
 def _raw_parts(scope: Scope) -> list[bytes]:

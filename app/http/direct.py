@@ -1,0 +1,155 @@
+"""The direct path: lean routes answered inside uvicorn's connection callbacks.
+
+For a hot route, uvicorn's own per-request work (a scope, an ASGI task, an event, two ASGI send
+messages with header checks, two socket writes, a keep-alive timer) costs more than the tracker's.
+When every lean operation answers at once (``LeanDispatcher.synchronous``: a standalone
+instance, no replication to wait for), ``direct_protocol`` gives uvicorn a subclass of its
+httptools protocol that serves a lean request as soon as the parser has its body: the same
+route matching, authorization, header checks, operation and metrics as the lean ASGI path, and
+the whole response in one write. Measured on the lifecycle benchmark: about 1.5x the requests
+per second of the ASGI path on the same core (``bench/RESULTS.md``).
+
+Everything else is uvicorn's unchanged path, and a request also takes it whenever the direct
+path could answer differently from it: a request pipelined behind one still being served (answers
+keep their order), ``Expect: 100-continue``, a paused write buffer (uvicorn waits for the client
+to read), an upgrade, a root path, a route the lean dispatcher does not serve (including a 401).
+The subclass uses uvicorn's protocol attributes, so ``pyproject.toml`` bounds uvicorn's version
+and ``tests/api/test_direct_http.py`` drives both paths over real sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from time import perf_counter
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from app.http.body import check_body_headers
+from app.http.errors import TOO_LARGE, HttpError, error_result
+from app.http.lean import LeanDispatcher, LeanRoute, parse_params
+
+log = logging.getLogger(__name__)
+
+_INTERNAL = (500, b'{"error":"internal error"}')
+_JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
+_CLOSE = b"connection: close\r\n"
+
+
+class DirectHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering the lean routes itself (module notes)."""
+
+    lean: LeanDispatcher  # set on the subclass ``direct_protocol`` makes
+
+    # the request being served directly: its route, parsed parameters, body so far, and the
+    # error to answer instead of running it (a bad parameter, content type or size)
+    _route: LeanRoute | None = None
+    _args: list[Any]
+    _body: bytes
+    _error: HttpError | None
+    _start: float
+    # uvicorn's default headers (date, server) as bytes, for the list they were made from
+    _head_source: object = None
+    _head: bytes = b""
+
+    def on_headers_complete(self) -> None:
+        self._route = None
+        cycle = self.cycle
+        if (
+            (cycle is None or cycle.response_complete)
+            and not self.pipeline
+            and not self.expect_100_continue
+            and not self.flow.write_paused
+            and not self.root_path
+            and not self.parser.should_upgrade()
+        ):
+            url = httptools.parse_url(self.url)
+            raw_path = url.path
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            scope = self.scope
+            scope["method"] = self.parser.get_method().decode("ascii")
+            scope["path"] = path
+            scope["raw_path"] = raw_path
+            found = self.lean.route_for(scope)
+            if found is not None:
+                self._start = perf_counter()
+                route, values = found
+                self._route, self._body, self._error = route, b"", None
+                try:
+                    self._args = parse_params(route, values)
+                    if route.reads_body:
+                        check_body_headers(self.headers, self.lean.max_body)
+                except HttpError as e:
+                    self._error = e
+                return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._route is None:
+            super().on_body(body)
+        elif self._error is None:
+            self._body += body
+            if len(self._body) > self.lean.max_body:
+                self._error, self._body = HttpError(413, TOO_LARGE), b""
+
+    def on_message_complete(self) -> None:
+        route = self._route
+        if route is None:
+            super().on_message_complete()
+            return
+        self._route = None
+        if self._error is not None:
+            result = error_result(self._error)
+        else:
+            result = self.lean.answer(route, self._args, self._body if route.reads_body else b"")
+            if type(result) is not tuple:  # only a replicated instance waits, and it is not direct
+                log.error("%s %s did not answer at once", route.method, route.path)
+                getattr(result, "close", lambda: None)()
+                result = _INTERNAL
+        self._body = b""
+        status, payload = result
+        self._respond(status, payload)
+        self.lean.observe(route.method, route.path, status, perf_counter() - self._start)
+
+    def _respond(self, status: int, payload: bytes) -> None:
+        """What uvicorn's send and ``on_response_complete`` do for a complete JSON response."""
+        transport = self.transport
+        self.server_state.total_requests += 1
+        if transport.is_closing():
+            return
+        defaults = self.server_state.default_headers
+        if defaults is not self._head_source:  # uvicorn renews the list (the date) every second
+            self._head = b"".join(name + b": " + value + b"\r\n" for name, value in defaults)
+            self._head_source = defaults
+        keep_alive = self.parser.should_keep_alive()
+        transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[status],
+                    self._head,
+                    _JSON_HEAD,
+                    str(len(payload)).encode(),
+                    b"\r\n" if keep_alive else b"\r\n" + _CLOSE,
+                    b"\r\n",
+                    payload,
+                )
+            )
+        )
+        if not keep_alive:
+            transport.close()
+        elif self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+
+def direct_protocol(lean: LeanDispatcher) -> type[HttpToolsProtocol] | None:
+    """The protocol class to give uvicorn (``http=``), or None when an operation may wait (the
+    lean ASGI path then serves the hot routes)."""
+    if not lean.synchronous:
+        return None
+    return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), {"lean": lean})
