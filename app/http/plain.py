@@ -52,9 +52,10 @@ Fields = tuple[Any, ...]
 
 
 def decode(raw: bytes) -> Any:
-    """The decoded body when it may be plain, else None (NaN/Infinity literals, which orjson
-    rejects but the models' parser takes, and escapes are left to the validating path)."""
-    if b"\\" in raw or b"NaN" in raw or b"Infinity" in raw:
+    """The decoded body when it may be plain, else None: escapes, and what orjson rejects
+    (NaN and Infinity literals among it, which the models' parser takes), are left to the
+    validating path."""
+    if b"\\" in raw:
         return None
     try:
         return orjson.loads(raw)

@@ -188,7 +188,10 @@ def test_plain_batches_take_the_plain_path_and_answer_the_same() -> None:
 def test_bodies_that_are_not_plain_take_the_validating_path() -> None:
     ops = fresh()
     for raw in [
-        b'{"operations":[{"op":"free","model_name":"m","request_id":"NaN"}]}',
+        b'{"operations":[{"op":"add","model_name":"m","request_id":"a","worker_id":NaN,'
+        b'"dp_rank":0,"sequence_hashes":[1]}]}',
+        b'{"operations":[{"op":"add","model_name":"m","request_id":"a","worker_id":1,'
+        b'"dp_rank":0,"sequence_hashes":[1],"expected_prefill_ms":Infinity}]}',
         b'{"operations":[],"extra":1}',
         b'{"operations":[{"op":"free","model_name":"m","request_id":"a","x":1}]}',
         b'{"operations":[{"op":"add","model_name":"m","request_id":"a","worker_id":1,'
@@ -204,6 +207,12 @@ def test_bodies_that_are_not_plain_take_the_validating_path() -> None:
     ]:
         assert ops._plain_batch(raw) is None, raw
         assert_same(raw)
+
+
+def test_a_string_that_spells_a_literal_stays_plain() -> None:
+    raw = b'{"operations":[{"op":"free","model_name":"m","request_id":"NaN"}]}'
+    assert fresh()._plain_batch(raw) is not None
+    assert_same(raw)
 
 
 def test_duplicate_keys_answer_the_same() -> None:
