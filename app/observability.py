@@ -5,12 +5,18 @@ all, and the series of a removed rank disappear with it).
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from app.core.selection.catalog import INCOMPLETE, SCHEDULABLE, UNSCHEDULABLE
 from app.service import SlotTrackerService
@@ -244,38 +250,88 @@ def watch_selection(registry: CollectorRegistry, service: SelectionService) -> N
 
 class HttpMetrics:
     """HTTP request counts and latencies, shared by the FastAPI routes (through the
-    instrumentator) and the lean ASGI path, so every request lands in the same series."""
+    instrumentator) and the lean paths, so every request lands in the same series.
+
+    Every request is observed, so an observation is two list updates (``bisect`` finds the
+    bucket in C) with no locks: the event loop is the only writer. The Prometheus families
+    (``http_requests_total`` by status class, ``http_request_duration_seconds``) are built from
+    these cells when scraped, in O(method x route x status seen).
+    """
 
     BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "http_requests_total",
-            "HTTP requests by method, route and status class",
-            ["method", "handler", "status"],
-            registry=registry,
-        )
-        self.latency = Histogram(
-            "http_request_duration_seconds",
-            "HTTP request latency by method and route",
-            ["method", "handler"],
-            buckets=self.BUCKETS,
-            registry=registry,
-        )
-        self._children: dict[tuple[str, str, int], tuple] = {}
+        # (method, handler, status) -> [count per bucket..., count above the last, seconds]
+        self._cells: dict[tuple[str, str, int], list[Any]] = {}
+        self._created: dict[tuple[str, str, int], float] = {}
+        registry.register(_HttpCollector(self))
 
     def observe(self, method: str, handler: str, status: int, seconds: float) -> None:
         key = (method, handler, status)
-        children = self._children.get(key)
-        if children is None:
-            children = self._children[key] = (
-                self.requests.labels(method, handler, f"{status // 100}xx"),
-                self.latency.labels(method, handler),
-            )
-        children[0].inc()
-        children[1].observe(seconds)
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = [0] * (len(self.BUCKETS) + 1) + [0.0]
+            self._created[key] = time.time()
+        cell[bisect_left(self.BUCKETS, seconds)] += 1
+        cell[-1] += seconds
 
     def instrumentation(self, info) -> None:
         """A prometheus-fastapi-instrumentator instrumentation function."""
         status = info.response.status_code if info.response is not None else 500
         self.observe(info.method, info.modified_handler, status, info.modified_duration)
+
+
+class _HttpCollector(Collector):
+    def __init__(self, metrics: HttpMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        cells, created = self.metrics._cells, self.metrics._created
+        requests: dict[tuple[str, str, str], list[float]] = {}  # [count, first created]
+        latency: dict[tuple[str, str], list[Any]] = {}  # [bucket counts..., seconds, created]
+        for key, cell in list(cells.items()):
+            method, handler, status = key
+            n = sum(cell[:-1])
+            row = requests.setdefault((method, handler, f"{status // 100}xx"), [0, created[key]])
+            row[0] += n
+            row[1] = min(row[1], created[key])
+            hist = latency.get((method, handler))
+            if hist is None:
+                latency[(method, handler)] = [*cell, created[key]]
+            else:
+                for i, v in enumerate(cell):
+                    hist[i] += v
+                hist[-1] = min(hist[-1], created[key])
+        total = CounterMetricFamily(
+            "http_requests_total",
+            "HTTP requests by method, route and status class",
+            labels=["method", "handler", "status"],
+        )
+        for labels, (n, since) in requests.items():
+            total.add_metric(list(labels), n, created=since)
+        yield total
+        hist_family = HistogramMetricFamily(
+            "http_request_duration_seconds",
+            "HTTP request latency by method and route",
+            labels=["method", "handler"],
+        )
+        bounds = [*(floatToGoString(b) for b in HttpMetrics.BUCKETS), "+Inf"]
+        for labels, hist in latency.items():
+            counts, seconds = hist[: len(bounds)], hist[len(bounds)]
+            cumulative, running = [], 0
+            for bound, count in zip(bounds, counts, strict=True):
+                running += count
+                cumulative.append((bound, running))
+            hist_family.add_metric(list(labels), cumulative, seconds)
+            method, handler = labels
+            hist_family.samples.append(
+                Sample(
+                    "http_request_duration_seconds_created",
+                    {"method": method, "handler": handler},
+                    hist[-1],
+                )
+            )
+        yield hist_family

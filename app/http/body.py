@@ -39,7 +39,9 @@ def check_body_headers(headers: list[tuple[bytes, bytes]], limit: int) -> None:
             content_type = value
         elif key == b"content-length" and declared is None:
             declared = value
-    if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
+    if content_type != b"application/json" and (
+        content_type is None or not is_json_content_type(content_type.decode("latin-1"))
+    ):
         raise HttpError(415, CONTENT_TYPE)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, TOO_LARGE)

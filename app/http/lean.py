@@ -162,6 +162,8 @@ class LeanDispatcher:
 
 def parse_params(route: LeanRoute, values: list[str]) -> list[Any]:
     """The route's path parameters, parsed (HttpError for a bad one)."""
+    if not values:
+        return values
     return [parse(v) for parse, v in zip(route.params, values, strict=True)]
 
 

@@ -240,3 +240,36 @@ async def test_two_apps_have_their_own_registries(make_client) -> None:
         create_app(load_settings(api_key="", redis_url=""))
     global_names = {m.name for m in prometheus_client.REGISTRY.collect()}
     assert not {n for n in global_names if n.startswith(("kv_slot_tracker", "http_request"))}
+
+
+def test_http_latency_buckets_count_each_observation_at_or_below_their_bound() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from app.observability import HttpMetrics
+
+    registry = CollectorRegistry()
+    http = HttpMetrics(registry)
+    for seconds in (0.0005, 0.0006, 0.001, 2.5, 3.0):  # two on a bound, one above the last
+        http.observe("POST", "/add", 201, seconds)
+    http.observe("POST", "/add", 404, 0.0001)
+    http.observe("GET", "/loads", 200, 0.02)
+    m = Scrape(generate_latest(registry).decode())
+
+    def bucket(le: str) -> float | None:
+        return m.value("http_request_duration_seconds_bucket", handler="/add", method="POST", le=le)
+
+    assert [bucket(le) for le in ("0.0005", "0.001", "0.0025", "1.0", "2.5", "+Inf")] == [
+        2.0,  # 0.0001 and 0.0005
+        4.0,
+        4.0,
+        4.0,
+        5.0,
+        6.0,
+    ]
+    assert m.value("http_request_duration_seconds_count", handler="/add", method="POST") == 6
+    total = m.value("http_request_duration_seconds_sum", handler="/add", method="POST")
+    assert abs(total - (0.0005 + 0.0006 + 0.001 + 2.5 + 3.0 + 0.0001)) < 1e-9
+    assert m.value("http_requests_total", handler="/add", method="POST", status="2xx") == 5
+    assert m.value("http_requests_total", handler="/add", method="POST", status="4xx") == 1
+    assert m.value("http_requests_total", handler="/loads", method="GET", status="2xx") == 1
+    assert m.value("http_request_duration_seconds_created", handler="/loads", method="GET") > 0
