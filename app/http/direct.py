@@ -54,6 +54,27 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
     _head_source: object = None
     _head: bytes = b""
 
+    def on_message_begin(self) -> None:
+        """uvicorn's, without the ASGI parts of the scope; ``_asgi_scope`` adds them for a
+        request that takes uvicorn's path."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {"type": "http", "headers": self.headers}  # type: ignore[typeddict-item]
+
+    def _asgi_scope(self) -> None:
+        self.scope.update(
+            {
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,
+                "root_path": self.root_path,
+                "state": self.app_state.copy(),
+            }
+        )
+
     def on_headers_complete(self) -> None:
         self._route = None
         cycle = self.cycle
@@ -86,6 +107,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
                 except HttpError as e:
                     self._error = e
                 return
+        self._asgi_scope()
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
