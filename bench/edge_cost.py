@@ -4,12 +4,15 @@ Runs the lean path's operations directly on request bodies like ``bench/http_ben
 (16 workers x 4 ranks, 200 active requests; add+free of 32-block prompts sharing a 16-block
 prefix; potential loads of a 256-block prompt; ``/batch`` bodies of 100 operations like
 ``bench/wrk/batch.lua``'s, 50 adds and the 50 frees of an earlier batch's adds, and a mix with
-prefill completions) and reports microseconds of CPU per call (per operation for a batch). With
+prefill completions) and reports microseconds of CPU per call (per operation for a batch).
+``direct`` feeds the same /add and /free calls as raw HTTP requests through the direct protocol
+(``app.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
+adds, without sockets. With
 ``--instructions`` it runs itself under callgrind instead and reports instructions per call,
 which do not depend on what else the machine is doing: the figure to compare two commits on a
 busy machine (``--repo`` points at a checkout of the other commit).
 
-    .venv/bin/python bench/edge_cost.py [--instructions] [--repo PATH]
+    .venv/bin/python bench/edge_cost.py [--instructions] [--repo PATH] [--only lifecycle,direct,...]
 """
 
 from __future__ import annotations
@@ -37,6 +40,72 @@ def build(repo: Path):
     app = create_app(load_settings(api_key="", redis_url=""))
     ops = Operations(app.state.service, 1_000_000)
     return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads", "batch")}
+
+
+class _Transport:
+    """What the protocol writes to: counts the responses and the failed ones, drops the bytes."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.failed = 0  # answers that are not 2xx
+
+    def write(self, data: bytes) -> None:
+        if data.startswith(b"HTTP/"):  # uvicorn's own path writes the body separately
+            self.writes += 1
+            if data[9:10] != b"2":  # b"HTTP/1.1 201 ..."
+                self.failed += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default=None):
+        return {"sockname": ("127.0.0.1", 8091), "peername": ("127.0.0.1", 50000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_direct(repo: Path):
+    """A direct HTTP protocol connection (``app.http.direct``) on a fake transport: requests
+    go in as bytes through ``data_received``, the answers are written at once. None for a
+    checkout without the direct path."""
+    import asyncio
+
+    sys.path.insert(0, str(repo))
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from app.main import create_app
+    from app.settings import load_settings
+
+    try:
+        from app.http.direct import direct_protocol
+    except ImportError:
+        return None
+    app = create_app(load_settings(api_key="", redis_url=""))
+    import uvloop
+
+    loop = uvloop.new_event_loop()  # the server's loop (``python -m app``)
+    asyncio.set_event_loop(loop)
+    protocol = direct_protocol(app.lean)
+    config = uvicorn.Config(app, http=protocol, log_level="warning")
+    config.load()
+    conn = protocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    transport = _Transport()
+    conn.connection_made(transport)
+    return conn, transport
+
+
+def http_request(path: str, body: bytes) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:8091\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def bodies(n: int) -> dict[str, list[bytes]]:
@@ -113,6 +182,8 @@ def run(repo: Path, what: str, n: int) -> float:
     """CPU seconds of ``n`` calls of ``what``; ``base:WHAT`` does only the set-up of ``WHAT``."""
     base = what.startswith("base:")
     what = what.removeprefix("base:")
+    if what == "direct":
+        return run_direct(repo, n, base)
     ops = build(repo)
     b = bodies(max(n, 1))
     for raw in b["register"]:
@@ -140,6 +211,38 @@ def run(repo: Path, what: str, n: int) -> float:
     return time.process_time() - start
 
 
+def run_direct(repo: Path, n: int, base: bool) -> float:
+    """CPU seconds of ``n`` /add + /free pairs fed through the direct protocol as bytes."""
+    import asyncio
+
+    made = build_direct(repo)
+    if made is None:
+        return float("nan")
+    conn, transport = made
+    b = bodies(max(n, 1))
+    feed = conn.data_received
+    for raw in b["register"]:
+        feed(http_request("/register", raw))  # FastAPI's path: answered by tasks, in turn
+    while transport.writes < len(b["register"]):
+        conn.loop.run_until_complete(asyncio.sleep(0.01))
+    for raw in b["active"]:
+        feed(http_request("/add", raw))
+    calls = [
+        http_request(path, raw)
+        for a, f in zip(b["add"][:n], b["free"][:n], strict=True)
+        for path, raw in (("/add", a), ("/free", f))
+    ]
+    gc.collect()
+    before = transport.writes
+    start = time.process_time()
+    if not base:
+        for raw in calls:
+            feed(raw)
+        assert transport.writes - before == len(calls), "a request was not answered directly"
+    assert transport.failed == 0, f"{transport.failed} answers were not 2xx"
+    return time.process_time() - start
+
+
 def instructions(repo: Path, what: str, n: int) -> int:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"edge_cost.{os.getpid()}.{what}.cg"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
@@ -160,12 +263,20 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=HERE.parent)
     ap.add_argument("--n", type=int, default=2000, help="calls (add+free pairs, or queries)")
     ap.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
+    ap.add_argument(
+        "--only",
+        default="lifecycle,direct,potential,batch,batch_mix",
+        help="workloads, comma-separated",
+    )
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
         run(args.repo, args.inner, args.n)
         return
-    for what, per in (("lifecycle", 2), ("potential", 1), ("batch", 1), ("batch_mix", 1)):
+    work = (("lifecycle", 2), ("direct", 2), ("potential", 1), ("batch", 1), ("batch_mix", 1))
+    for what, per in work:
+        if what not in args.only.split(","):
+            continue
         if args.instructions:
             base = instructions(args.repo, f"base:{what}", args.n)
             total = instructions(args.repo, what, args.n)

@@ -38,3 +38,23 @@ def test_script_imports(name: str) -> None:
         cwd=BENCH.parent,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_edge_cost_runs_every_workload() -> None:
+    """edge_cost's workloads (the in-process figures of bench/RESULTS.md) run on this code:
+    ``direct`` asserts every call was answered by the direct protocol."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "edge_cost.py"), "--n", "200"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
+        "lifecycle",
+        "direct",
+        "potential",
+        "batch",
+        "batch_mix",
+    ]
