@@ -78,8 +78,8 @@ class Settings(BaseSettings):
     log_level: LogLevel = "info"
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
-    # Serve the hot routes inside uvicorn's connection callbacks when no call has to wait for
-    # replication (app.http.direct); false keeps every request on the ASGI path.
+    # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
+    # every request on the ASGI path.
     http_direct: bool = True
 
     # Active request expiry

@@ -147,13 +147,7 @@ def build_http_app(
     ).add(http_metrics.instrumentation).instrument(app).expose(
         app, include_in_schema=True, should_gzip=False
     )
-    app.lean = LeanDispatcher(
-        lean_routes,
-        http_metrics.observe,
-        settings.max_body_bytes,
-        api_key,
-        synchronous=consistency is None,
-    )
+    app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
 
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)

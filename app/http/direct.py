@@ -2,12 +2,13 @@
 
 For a hot route, uvicorn's own per-request work (a scope, an ASGI task, an event, two ASGI send
 messages with header checks, two socket writes, a keep-alive timer) costs more than the tracker's.
-When every lean operation answers at once (``LeanDispatcher.synchronous``: a standalone
-instance, no replication to wait for), ``direct_protocol`` gives uvicorn a subclass of its
-httptools protocol that serves a lean request as soon as the parser has its body: the same
-route matching, authorization, header checks, operation and metrics as the lean ASGI path, and
-the whole response in one write. Measured on the lifecycle benchmark: about 1.5x the requests
-per second of the ASGI path on the same core (``bench/RESULTS.md``).
+``direct_protocol`` gives uvicorn a subclass of its httptools protocol that serves a lean request
+as soon as the parser has its body: the same route matching, authorization, header checks,
+operation and metrics as the lean ASGI path, and the whole response in one write. Measured on
+the lifecycle benchmark: about 1.5x the requests per second of the ASGI path on the same core
+(``bench/RESULTS.md``). A call that has to wait (a replicated instance waiting for Redis or for
+a record, ``app.http.replicated``) is handed to uvicorn's request cycle and answered from a task,
+as on the ASGI path.
 
 Everything else is uvicorn's unchanged path, and a request also takes it whenever the direct
 path could answer differently from it: a request pipelined behind one still being served (answers
@@ -19,17 +20,25 @@ and ``tests/api/test_direct_http.py`` drives both paths over real sockets.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import urllib.parse
+from collections.abc import Awaitable
 from time import perf_counter
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from app.http.body import check_body_headers
 from app.http.errors import TOO_LARGE, HttpError, error_result
 from app.http.lean import LeanDispatcher, LeanRoute, parse_params
+from app.http.responses import send_json
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +75,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
         self.scope.update(
             {
                 "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-                "http_version": "1.1",
+                "http_version": self.parser.get_http_version(),
                 "server": self.server,
                 "client": self.client,
                 "scheme": self.scheme,
@@ -95,6 +104,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             scope["method"] = self.parser.get_method().decode("ascii")
             scope["path"] = path
             scope["raw_path"] = raw_path
+            scope["query_string"] = url.query or b""
             found = self.lean.route_for(scope)
             if found is not None:
                 self._start = perf_counter()
@@ -128,14 +138,46 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             result = error_result(self._error)
         else:
             result = self.lean.answer(route, self._args, self._body if route.reads_body else b"")
-            if type(result) is not tuple:  # only a replicated instance waits, and it is not direct
-                log.error("%s %s did not answer at once", route.method, route.path)
-                getattr(result, "close", lambda: None)()
-                result = _INTERNAL
+            if type(result) is not tuple:  # it waits for replication (app.http.replicated)
+                self._body = b""
+                self._answer_later(route, result)
+                return
         self._body = b""
         status, payload = result
         self._respond(status, payload)
         self.lean.observe(route.method, route.path, status, perf_counter() - self._start)
+
+    def _answer_later(self, route: LeanRoute, pending: Awaitable[tuple[int, bytes]]) -> None:
+        """Hand a call that waits to uvicorn's request cycle, as if it had taken uvicorn's
+        path from the start: requests pipelined behind it queue until it is answered, and
+        uvicorn writes the answer, keeps the connection alive and serves the queue."""
+        self._asgi_scope()
+        self.cycle = cycle = RequestResponseCycle(
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=False,
+            keep_alive=self.scope["http_version"] != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        cycle.more_body = False
+        lean, start = self.lean, self._start
+
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                status, payload = await pending
+            except Exception:
+                log.exception("unexpected error serving %s %s", route.method, route.path)
+                status, payload = _INTERNAL
+            await send_json(send, status, payload)
+            lean.observe(route.method, route.path, status, perf_counter() - start)
+
+        self._start_asgi_task(cycle, answer)
 
     def _respond(self, status: int, payload: bytes) -> None:
         """What uvicorn's send and ``on_response_complete`` do for a complete JSON response."""
@@ -169,9 +211,6 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             )
 
 
-def direct_protocol(lean: LeanDispatcher) -> type[HttpToolsProtocol] | None:
-    """The protocol class to give uvicorn (``http=``), or None when an operation may wait (the
-    lean ASGI path then serves the hot routes)."""
-    if not lean.synchronous:
-        return None
+def direct_protocol(lean: LeanDispatcher) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (``http=``) for ``lean``'s routes."""
     return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), {"lean": lean})

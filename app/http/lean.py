@@ -70,8 +70,6 @@ class LeanDispatcher:
         observe: Observe,
         max_body: int,
         api_key: str = "",
-        *,
-        synchronous: bool = True,
     ) -> None:
         self.exact: dict[str, dict[str, LeanRoute]] = {}  # method -> path -> route
         # method -> segment count -> [(segments, route)]
@@ -85,9 +83,6 @@ class LeanDispatcher:
         self.observe = observe
         self.max_body = max_body
         self.token = api_key.encode() if api_key else None
-        # every operation answers at once, never waiting (no replication): the direct HTTP
-        # protocol (``app.http.direct``) may serve the routes inside the connection's callbacks
-        self.synchronous = synchronous
 
     def route_for(self, scope: Scope) -> tuple[LeanRoute, list[str]] | None:
         """The lean route serving this request with its raw path parameters, or None for the

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 
 from app.http.direct import DirectHttpToolsProtocol, direct_protocol
+from app.http.lean import LeanRoute
 from app.main import create_app
 from app.settings import load_settings
 from tests.fakes import FakeClock
@@ -99,9 +100,13 @@ def request(method: str, path: str, body: Any = None, **headers: str) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def serve(direct: bool, **overrides: Any) -> AsyncIterator[Served]:
+async def serve(
+    direct: bool, patch: Callable[[Any], None] | None = None, **overrides: Any
+) -> AsyncIterator[Served]:
     settings = load_settings(**{"api_key": "", "redis_url": "", **overrides})
     app = create_app(settings, clock=FakeClock().now)
+    if patch is not None:
+        patch(app)
     served = Served(0)
 
     async def counting(scope: dict, receive: Any, send: Any) -> None:
@@ -110,7 +115,6 @@ async def serve(direct: bool, **overrides: Any) -> AsyncIterator[Served]:
         await app(scope, receive, send)
 
     protocol = direct_protocol(app.lean) if direct else "httptools"
-    assert protocol is not None
     config = uvicorn.Config(
         counting, host="127.0.0.1", port=0, http=protocol, log_level="warning", lifespan="on"
     )
@@ -312,12 +316,67 @@ async def test_direct_requests_are_counted_in_the_http_metrics() -> None:
     assert 'http_request_duration_seconds_count{handler="/add",method="POST"} 4.0' in text
 
 
-def test_an_instance_that_may_wait_for_replication_is_not_direct() -> None:
-    app = create_app(load_settings(api_key="", redis_url=""), clock=FakeClock().now)
-    made = direct_protocol(app.lean)
-    assert made is not None and issubclass(made, DirectHttpToolsProtocol)
-    app.lean.synchronous = False
-    assert direct_protocol(app.lean) is None
+def waiting(path: str, until: asyncio.Event, fail: bool = False) -> Callable[[Any], None]:
+    """A patch making the lean route ``POST path`` wait for ``until`` before it answers, the
+    way a replicated instance's call waits for Redis (``app.http.replicated``)."""
+
+    def patch(app: Any) -> None:
+        route = app.lean.exact["POST"][path]
+
+        def op(body: bytes, *args: Any) -> Any:
+            result = route.op(body, *args)
+
+            async def later() -> tuple[int, bytes]:
+                await until.wait()
+                if fail:
+                    raise RuntimeError("a bug while waiting")
+                return result
+
+            return later()
+
+        app.lean.exact["POST"][path] = LeanRoute(
+            route.method, route.path, op, route.reads_body, route.params
+        )
+
+    return patch
+
+
+async def test_a_call_that_waits_is_answered_in_turn() -> None:
+    """The waiting call goes to uvicorn's request cycle; a request pipelined behind it waits."""
+    released = asyncio.Event()
+    async with serve(True, patch=waiting("/free", released)) as direct:
+        await direct.one(register(1))
+        await direct.one(add("w"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", direct.port)
+        try:
+            writer.write(free("w") + POTENTIAL + free("w"))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.2)
+            released.set()
+            answers = [await read_answer(reader) for _ in range(3)]
+        finally:
+            writer.close()
+        assert [a.status for a in answers] == [200, 200, 200]
+        assert answers[0].json() == answers[2].json() == {"status": "ok"}
+        assert answers[1].json()[1]["potential_decode_blocks"] == 3  # w was freed first
+        # what was pipelined behind the waiting call took uvicorn's path; the waiting call
+        # itself never entered the ASGI app
+        assert direct.asgi_calls == ["/register", "/potential_loads", "/free"]
+        text = (await direct.one(request("GET", "/metrics"))).body.decode()
+        assert 'http_requests_total{handler="/free",method="POST",status="2xx"} 2.0' in text
+
+
+async def test_a_call_that_fails_while_waiting_answers_500_and_the_connection_goes_on() -> None:
+    released = asyncio.Event()
+    released.set()
+    async with serve(True, patch=waiting("/free", released, fail=True)) as direct:
+        await direct.one(register(1))
+        answers, closed = await direct.exchange(free("x") + add("y"), 2)
+        assert [(a.status, a.body) for a in answers] == [
+            (500, b'{"error":"internal error"}'),
+            (201, b'{"status":"ok"}'),
+        ]
+        assert not closed
 
 
 @pytest.mark.parametrize("http_direct", [True, False])
