@@ -21,7 +21,6 @@ and ``tests/api/test_direct_http.py`` drives both paths over real sockets.
 from __future__ import annotations
 
 import asyncio
-import logging
 import urllib.parse
 from collections.abc import Awaitable
 from time import perf_counter
@@ -38,11 +37,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from app.http.body import check_body_headers
 from app.http.errors import TOO_LARGE, HttpError, error_result
 from app.http.lean import LeanDispatcher, LeanRoute, parse_params
-from app.http.responses import send_json
 
-log = logging.getLogger(__name__)
-
-_INTERNAL = (500, b'{"error":"internal error"}')
 _JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 
@@ -134,15 +129,14 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         self._route = None
+        body, self._body = self._body, b""
         if self._error is not None:
             result = error_result(self._error)
         else:
-            result = self.lean.answer(route, self._args, self._body if route.reads_body else b"")
+            result = self.lean.answer(route, self._args, body if route.reads_body else b"")
             if type(result) is not tuple:  # it waits for replication (app.http.replicated)
-                self._body = b""
                 self._answer_later(route, result)
                 return
-        self._body = b""
         status, payload = result
         self._respond(status, payload)
         self.lean.observe(route.method, route.path, status, perf_counter() - self._start)
@@ -169,13 +163,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
         lean, start = self.lean, self._start
 
         async def answer(scope: Scope, receive: Receive, send: Send) -> None:
-            try:
-                status, payload = await pending
-            except Exception:
-                log.exception("unexpected error serving %s %s", route.method, route.path)
-                status, payload = _INTERNAL
-            await send_json(send, status, payload)
-            lean.observe(route.method, route.path, status, perf_counter() - start)
+            await lean.reply(route, pending, send, start)
 
         self._start_asgi_task(cycle, answer)
 

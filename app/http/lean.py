@@ -144,11 +144,16 @@ class LeanDispatcher:
             result: Any = error_result(e)
         else:
             result = self.answer(route, args, body)
+        await self.reply(route, result, send, start)
+
+    async def reply(self, route: LeanRoute, result: Any, send: Send, start: float) -> None:
+        """Send ``result`` (awaited first when the call waits for replication,
+        ``app.http.replicated``) and count the request, timed from ``start``."""
         try:
-            if type(result) is not tuple:  # it waits for replication (app.http.replicated)
+            if type(result) is not tuple:
                 result = await result
         except Exception:
-            log.exception("unexpected error serving %s", scope["path"])
+            log.exception("unexpected error serving %s %s", route.method, route.path)
             result = 500, _INTERNAL
         status, payload = result
         await send_json(send, status, payload)
