@@ -1,7 +1,9 @@
-"""The one place that writes raw ASGI responses, and the JSON ``Response`` of FastAPI routes."""
+"""The one place that writes raw ASGI responses, the JSON ``Response`` of FastAPI routes, and
+the JSON form of rank load rows (the slot and the selection APIs answer the same rows)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -37,3 +39,20 @@ def json_response(payload: Any, status: int = 200) -> Response:
 
 def raw_response(body: bytes, status: int = 200) -> Response:
     return Response(body, status_code=status, media_type=JSON)
+
+
+def load_rows_json(
+    rows: Iterable[tuple[int, int, int, int, int]],
+) -> list[dict[str, int]]:
+    """``(worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks,
+    active_requests)`` rows as the JSON objects both APIs answer."""
+    return [
+        {
+            "worker_id": wid,
+            "dp_rank": rank,
+            "potential_prefill_tokens": tokens,
+            "potential_decode_blocks": blocks,
+            "active_requests": requests,
+        }
+        for wid, rank, tokens, blocks, requests in rows
+    ]

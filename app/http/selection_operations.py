@@ -24,7 +24,7 @@ from app.core.types import U32_MAX, WorkerWithDpRank
 from app.http import selection_schemas as ss
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
-from app.http.responses import json_response
+from app.http.responses import json_response, load_rows_json
 from app.http.routes import _single
 from app.service import selection_commands as sc
 from app.service.selection import OverlapScores, SelectionService, SelectOutcome
@@ -293,6 +293,7 @@ class SelectionOperations:
     def potential_loads(self, raw: bytes) -> Result:
         b = parse_json(raw, ss.PromptBody)
         rows = self.service.potential_loads(sc.PotentialLoads(**_prompt_fields(b)))
+        # formatted, not orjson: a rank's prefill tokens plus the prompt's may pass 2^64 - 1
         return 200, b"[" + b",".join([_LOAD_ROW % row for row in rows]) + b"]"
 
     def overlap_scores(self, raw: bytes) -> Result:
@@ -373,16 +374,7 @@ class SelectionQueries:
                 {
                     "model_name": key[0],
                     "routing_group": key[1],
-                    "loads": [
-                        {
-                            "worker_id": wid,
-                            "dp_rank": rank,
-                            "potential_prefill_tokens": tokens,
-                            "potential_decode_blocks": blocks,
-                            "active_requests": requests,
-                        }
-                        for wid, rank, tokens, blocks, requests in rows
-                    ],
+                    "loads": load_rows_json(rows),
                     "pending_count": 0,
                     "pending_isl_tokens": 0,
                 }
