@@ -24,6 +24,7 @@ def assert_consistent(t: ActiveSequencesMultiWorker) -> None:
             if st.prompt_blocks:
                 fresh.add(w, st.prompt_blocks)
     assert fresh.expanded() == t.trie.expanded(), "overlap index out of sync"
+    t.columns.assert_fresh(slots, blocks)
     for rid, w in t.request_worker.items():
         if w in slots:
             assert rid in slots[w].requests, f"{rid} mapped to {w} but not active there"

@@ -1,15 +1,15 @@
-"""Per-rank load rows: what the HTTP edge and metrics read, computed in one pass per call.
+"""Per-rank loads: what the HTTP edge, selection and metrics read.
 
-Rows are plain tuples, sorted by rank: the potential-loads row answers every routing decision
-and the edge encodes it directly, so no per-row object is built. The functions take the
-tracker's state explicitly (ranks, their sequences and active-block counts).
+Potential loads come as parallel columns in rank order (``LoadColumns``, kept between queries
+and refreshed only where a rank changed), which the edge encodes directly; current loads as
+plain tuples, one pass per call. No per-rank object is built.
 """
 
 from __future__ import annotations
 
 from .errors import MissingExpectedDuration
 from .sequences import ActiveSequences
-from .types import U64_MAX, PrefillTokenDeltas, WorkerWithDpRank
+from .types import WorkerWithDpRank
 
 # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
 PotentialLoadRow = tuple[int, int, int, int, int]
@@ -18,41 +18,6 @@ PotentialLoadRow = tuple[int, int, int, int, int]
 RankLoadRow = tuple[int, int, int, int, int, int | None]
 
 Slots = dict[WorkerWithDpRank, ActiveSequences]
-
-
-def potential_rows(
-    workers: list[WorkerWithDpRank],
-    slots: Slots,
-    blocks: dict[WorkerWithDpRank, int],
-    overlaps: dict[WorkerWithDpRank, int],
-    q_len: int,
-    deltas: PrefillTokenDeltas | int | None,
-    now: int,
-) -> list[PotentialLoadRow]:
-    """Each rank's prefill tokens and KV blocks if a prompt of ``q_len`` blocks, sharing
-    ``overlaps[rank]`` of them with the rank's active prompts, went there. Prefill tokens
-    saturate at 2^64-1. ``deltas``: the prompt's tokens per rank, or one count for every rank."""
-    if deltas is None or type(deltas) is int:
-        by_worker, default = None, deltas or 0
-    else:
-        by_worker, default = deltas.by_worker, deltas.default_tokens
-    rows = []
-    append = rows.append
-    for w in workers:
-        s = slots[w]
-        tokens = s.prefill.active_tokens(now) + (
-            by_worker.get(w, default) if by_worker else default
-        )
-        append(
-            (
-                w[0],
-                w[1],
-                tokens if tokens <= U64_MAX else U64_MAX,
-                blocks[w] + q_len - overlaps.get(w, 0),
-                len(s.requests),
-            )
-        )
-    return rows
 
 
 def rank_rows(
@@ -78,20 +43,72 @@ def rank_rows(
     return rows
 
 
-def load_columns(
-    workers: list[WorkerWithDpRank],
-    slots: Slots,
-    blocks: dict[WorkerWithDpRank, int],
-    overlaps: dict[WorkerWithDpRank, int],
-    q_len: int,
-    now: int,
-) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
-    """``potential_rows`` without deltas as parallel lists, for a selection over all ranks: the
-    sorted ranks, their prefill tokens, their active blocks plus the prompt's blocks not active
-    there (prefix rule), and their active requests. No row object is built."""
-    get = overlaps.get
-    states = [slots[w] for w in workers]
-    prefill = [s.prefill.active_tokens(now) for s in states]
-    decode = [blocks[w] + q_len - get(w, 0) for w in workers]
-    requests = [len(s.requests) for s in states]
-    return workers, prefill, decode, requests
+class LoadColumns:
+    """Every rank's load as parallel columns in rank order, kept between queries.
+
+    A potential-loads query reads every rank; recomputing each rank's values per query costs
+    more than the rest of the query. The columns keep, per rank, its active blocks, active
+    requests and prefill tokens, and the tracker marks a rank ``changed`` whenever one of them
+    may have moved: a query refreshes only the changed ranks, so it costs O(ranks + ranks
+    changed since the last query) plus the prompt's overlap, and a lifecycle call one set
+    insertion. Prefill tokens that decay with time (a modeled anchor) are read at query time.
+    ``assert_fresh`` checks every unchanged rank against its sequences.
+    """
+
+    __slots__ = ("workers", "index", "tokens", "blocks", "requests", "decaying", "changed")
+
+    def __init__(self, workers: list[WorkerWithDpRank]) -> None:
+        self.workers = workers
+        self.index = {w: i for i, w in enumerate(workers)}
+        n = len(workers)
+        self.tokens = [0] * n  # the static prefill tokens; 0 where they decay
+        self.blocks = [0] * n
+        self.requests = [0] * n
+        self.decaying: dict[int, ActiveSequences] = {}  # rank index -> its sequences
+        self.changed: set[WorkerWithDpRank] = set(workers)
+
+    def refresh(self, slots: Slots, blocks: dict[WorkerWithDpRank, int]) -> None:
+        """Bring the changed ranks up to date."""
+        index, decaying = self.index, self.decaying
+        for w in self.changed:
+            i = index[w]
+            s = slots[w]
+            self.blocks[i] = blocks[w]
+            self.requests[i] = len(s.requests)
+            tokens = s.prefill.static_tokens()
+            if tokens is None:
+                decaying[i] = s
+                self.tokens[i] = 0
+            else:
+                decaying.pop(i, None)
+                self.tokens[i] = tokens
+        self.changed.clear()
+
+    def columns(
+        self, overlaps: dict[WorkerWithDpRank, int], q_len: int, extra_tokens: int, now: int
+    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+        """The sorted ranks, their prefill tokens plus ``extra_tokens``, their active blocks
+        plus the prompt's blocks not active there (prefix rule: ``q_len - overlaps[rank]``),
+        and their active requests (call ``refresh`` first)."""
+        prefill = [t + extra_tokens for t in self.tokens] if extra_tokens else self.tokens[:]
+        for i, s in self.decaying.items():
+            prefill[i] = s.prefill.active_tokens(now) + extra_tokens
+        decode = [b + q_len for b in self.blocks] if q_len else self.blocks[:]
+        index = self.index
+        for w, k in overlaps.items():
+            decode[index[w]] -= k
+        return self.workers, prefill, decode, self.requests[:]
+
+    def assert_fresh(self, slots: Slots, blocks: dict[WorkerWithDpRank, int]) -> None:
+        """Every rank not marked changed holds its current values (a missed mark fails here)."""
+        assert self.workers == sorted(slots), "columns kept after a topology change"
+        for w, i in self.index.items():
+            if w in self.changed:
+                continue
+            s = slots[w]
+            assert self.blocks[i] == blocks[w], f"stale block count of {w} in the columns"
+            assert self.requests[i] == len(s.requests), f"stale request count of {w}"
+            static = s.prefill.static_tokens()
+            assert (i in self.decaying) == (static is None), f"stale decay state of {w}"
+            if static is not None:
+                assert self.tokens[i] == static, f"stale prefill tokens of {w}"

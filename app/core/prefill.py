@@ -272,6 +272,20 @@ class PrefillLoadTracker:
             now,
         )
 
+    def static_tokens(self) -> int | None:
+        """``active_tokens`` when it does not depend on the time (no anchor, an unmodeled
+        anchor, or one modeled to take no time), else None: the load columns keep such a rank's
+        value until the rank changes."""
+        rid = self.anchor_rid
+        if rid is None:
+            return 0
+        st = self._entries[rid]
+        if type(st) is int:
+            return self.full_sum
+        if st.duration_ns == 0:  # type: ignore[union-attr]
+            return self.active_tokens(self.anchor_since)
+        return None
+
     def modeled_remaining_prefill_time_ms(self, now: int) -> int:
         return self.snapshot().modeled_remaining_prefill_time_ms(now)
 

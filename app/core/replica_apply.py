@@ -82,6 +82,7 @@ class ReplicaApplyMixin:
         if slot is None:
             return False
         slot.mark_prefill_completed(rid, decay_now)
+        self._rank_changed(worker, slot)
         effects.record(worker, False)
         effects.wake = True
         return True

@@ -21,7 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
-from .loads import PotentialLoadRow, RankLoadRow, load_columns, potential_rows, rank_rows
+from .loads import LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     ModeledPrefillTimeLoad,
@@ -105,6 +105,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         # (worker_id, dp_rank) -> the rank's one WorkerWithDpRank, which every request shares
         self._rank_keys: dict[tuple[int, int], WorkerWithDpRank] = {}
         self._blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
+        self._columns = LoadColumns([])  # read model: every rank's load, for queries
         self._trie = PromptTrie()
         self._requests = RequestIndex()
         self.remote_state_update_count = 0
@@ -187,6 +188,8 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             )
             self._blocks[w] = 0
             self._rank_keys[w] = w
+        if not change.is_empty():
+            self._columns = LoadColumns(self.workers())
         return change
 
     def _ensure_worker(self, worker: WorkerWithDpRank) -> None:
@@ -252,7 +255,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             if indexed:
                 self._requests.set(rid, worker, lora)
         slot.prefill.restore(prefills, anchor_since)
-        self._blocks[worker] = slot.active_blocks()
+        self._rank_changed(worker, slot)
 
     # -- inspection (tests and invariant checks read these; nothing may write them) ---------
 
@@ -260,6 +263,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
     blocks = property(lambda self: self._blocks, doc="dict[WorkerWithDpRank, int]")
     table = property(lambda self: self._table, doc="WorkerTable")
     trie = property(lambda self: self._trie, doc="PromptTrie")
+    columns = property(lambda self: self._columns, doc="LoadColumns")
     request_index = property(lambda self: self._requests, doc="RequestIndex")
     request_worker = property(
         lambda self: self._requests.workers, doc="dict[str, WorkerWithDpRank]"
@@ -347,7 +351,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             )
             if prompt:
                 self._trie.add(worker, prompt)
-            self._blocks[worker] = slot.active_blocks()
+            self._rank_changed(worker, slot)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
@@ -378,7 +382,13 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             prompt = slot.requests[rid].prompt_blocks
             if prompt:
                 self._trie.add(worker, prompt)
+        self._rank_changed(worker, slot)
+
+    def _rank_changed(self, worker: WorkerWithDpRank, slot: ActiveSequences) -> None:
+        """The one step after any change to a rank's requests, blocks or prefills: its
+        active-block count and its load columns follow."""
         self._blocks[worker] = slot.active_blocks()
+        self._columns.changed.add(worker)
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
         for rid, prompt in outcome.expired_prompts.items():
@@ -411,7 +421,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         if st is not None and st.prompt_blocks:
             self._trie.remove(worker, st.prompt_blocks)
         slot.release(request_id, decay_now)
-        self._blocks[worker] = slot.active_blocks()
+        self._rank_changed(worker, slot)
 
     def _resolve(self, request_id: str) -> tuple[WorkerWithDpRank, ActiveSequences]:
         worker = self._requests.worker(request_id)
@@ -427,6 +437,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         worker, slot = self._resolve(request_id)
         lora = self._requests.lora(request_id)
         slot.mark_prefill_completed(request_id, decay_now)
+        self._rank_changed(worker, slot)
         self._publish_worker_load(worker, slot, decay_now)
         if self.replica_sync:
             self._enqueue(
@@ -441,7 +452,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         h = slot.add_output_block(request_id, decay_fraction)
         if h is None:
             raise RequestNotFound(request_id)
-        self._blocks[worker] = slot.active_blocks()
+        self._rank_changed(worker, slot)
         self._publish_worker_load(worker, slot, self.clock())
         return h
 
@@ -454,7 +465,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             if not outcome.expired_request_ids:
                 continue
             self._after_expiry(worker, outcome)
-            self._blocks[worker] = slot.active_blocks()
+            self._rank_changed(worker, slot)
             self._publish_worker_load(worker, slot, now)
             expired.extend(outcome.expired_request_ids)
         return expired
@@ -530,26 +541,64 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         requests = {WorkerWithDpRank(r[0], r[1]): r[4] for r in rows}
         return blocks, tokens, requests if include_active_requests else None
 
+    def potential_columns(
+        self,
+        token_sequence: list[int] | None,
+        deltas: PrefillTokenDeltas | int | None,
+        decay_now: int,
+    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+        """Per rank, sorted, as parallel lists: the ranks, and each one's prefill tokens,
+        KV blocks and active requests if a prompt of ``token_sequence`` went there (its blocks
+        not already active there by the prefix rule are added; prefill tokens saturate at
+        2^64-1). ``deltas``: the prompt's tokens per rank, or one count for every rank."""
+        if deltas is None or type(deltas) is int:
+            by_worker, default = None, deltas or 0
+        else:
+            by_worker, default = deltas.by_worker, deltas.default_tokens
+        q_len = len(token_sequence) if token_sequence else 0
+        over = self.overlaps(token_sequence)
+        columns = self._fresh_columns()
+        workers, prefill, decode, requests = columns.columns(over, q_len, default, decay_now)
+        if by_worker:
+            index = columns.index
+            for w, tokens in by_worker.items():
+                i = index.get(w)
+                if i is not None:
+                    prefill[i] += tokens - default
+        if prefill and max(prefill) > U64_MAX:
+            prefill = [t if t <= U64_MAX else U64_MAX for t in prefill]
+        return workers, prefill, decode, requests
+
     def potential_loads(
         self,
         token_sequence: list[int] | None,
         deltas: PrefillTokenDeltas | int | None,
         decay_now: int,
     ) -> list[PotentialLoadRow]:
-        """Per rank, sorted: its load if this prompt went there (``loads.potential_rows``)."""
-        q_len = len(token_sequence) if token_sequence else 0
-        over = self.overlaps(token_sequence)
-        return potential_rows(
-            self.workers(), self._slots, self._blocks, over, q_len, deltas, decay_now
+        """``potential_columns`` as rows ``(worker_id, dp_rank, potential_prefill_tokens,
+        potential_decode_blocks, active_requests)``."""
+        workers, prefill, decode, requests = self.potential_columns(
+            token_sequence, deltas, decay_now
         )
+        return [
+            (w[0], w[1], p, d, r)
+            for w, p, d, r in zip(workers, prefill, decode, requests, strict=True)
+        ]
 
     def load_columns(
         self, token_sequence: list[int] | None, decay_now: int
     ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
-        """``potential_loads`` as parallel lists (``loads.load_columns``)."""
+        """``potential_columns`` without the prompt's prefill tokens, for a selection over all
+        ranks (``loads.LoadColumns``)."""
         q_len = len(token_sequence) if token_sequence else 0
         over = self.overlaps(token_sequence)
-        return load_columns(self.workers(), self._slots, self._blocks, over, q_len, decay_now)
+        return self._fresh_columns().columns(over, q_len, 0, decay_now)
+
+    def _fresh_columns(self) -> LoadColumns:
+        columns = self._columns
+        if columns.changed:
+            columns.refresh(self._slots, self._blocks)
+        return columns
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""

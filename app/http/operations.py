@@ -21,7 +21,7 @@ from app.http import plain as p
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
 from app.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
-from app.http.responses import load_rows_json
+from app.http.responses import load_columns_json
 from app.service import SlotTrackerService
 from app.service import commands as c
 
@@ -220,7 +220,7 @@ class Operations:
             model, group, hashes, tokens, lora, isl = fields
             cmd = c.PotentialLoads(model_name=model, routing_group=group, sequence_hashes=hashes,
                                    token_ids=tokens, lora_name=lora, new_isl_tokens=isl)  # fmt: skip
-        return 200, orjson.dumps(load_rows_json(self.service.potential_loads(cmd)))
+        return 200, load_columns_json(*self.service.potential_loads(cmd))
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(

@@ -33,10 +33,6 @@ Result = tuple[int, bytes]
 
 OK = b'{"status":"ok"}'
 _SHARED_CACHE_OFF = {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None}
-_LOAD_ROW = (
-    b'{"worker_id":%d,"dp_rank":%d,"potential_prefill_tokens":%d,'
-    b'"potential_decode_blocks":%d,"active_requests":%d}'
-)
 _ENFORCEMENTS = ("required", "preferred")
 _U32_KEY = re.compile(r"\+?[0-9]+")
 _F32 = struct.Struct("<f")
@@ -293,8 +289,7 @@ class SelectionOperations:
     def potential_loads(self, raw: bytes) -> Result:
         b = parse_json(raw, ss.PromptBody)
         rows = self.service.potential_loads(sc.PotentialLoads(**_prompt_fields(b)))
-        # formatted, not orjson: a rank's prefill tokens plus the prompt's may pass 2^64 - 1
-        return 200, b"[" + b",".join([_LOAD_ROW % row for row in rows]) + b"]"
+        return 200, load_rows_json(rows)
 
     def overlap_scores(self, raw: bytes) -> Result:
         b = parse_json(raw, ss.PromptBody)
@@ -374,7 +369,7 @@ class SelectionQueries:
                 {
                     "model_name": key[0],
                     "routing_group": key[1],
-                    "loads": load_rows_json(rows),
+                    "loads": orjson.Fragment(load_rows_json(rows)),
                     "pending_count": 0,
                     "pending_isl_tokens": 0,
                 }

@@ -327,11 +327,13 @@ class SlotTrackerService:
             for wid, rank, tokens, blocks, requests, modeled in rows
         ]
 
-    def potential_loads(self, cmd: c.PotentialLoads) -> list[tuple[int, int, int, int, int]]:
-        """Per rank, sorted: ``(worker_id, dp_rank, potential_prefill_tokens,
-        potential_decode_blocks, active_requests)`` (``tracker.potential_loads``)."""
+    def potential_loads(
+        self, cmd: c.PotentialLoads
+    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+        """Per rank, sorted, as parallel lists: the ranks and their potential prefill tokens,
+        potential decode blocks and active requests (``tracker.potential_columns``)."""
         t, hashes = self.prompt_hashes(cmd)
-        return t.potential_loads(hashes, cmd.new_isl_tokens, self.clock())
+        return t.potential_columns(hashes, cmd.new_isl_tokens, self.clock())
 
     def project_loads(self, cmd: c.ProjectLoads) -> list[dict[str, Any]]:
         t, hashes = self.prompt_hashes(cmd)

@@ -277,9 +277,10 @@ def test_single_calls_with_duplicate_or_escaped_fields_take_the_validating_path(
 def validating_potential(ops: Operations, raw: bytes) -> tuple[int, bytes]:
     try:
         b = parse_json(raw, s.PotentialLoadsBody)
-        rows = ops.service.potential_loads(
+        ranks, *columns = ops.service.potential_loads(
             c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
         )
+        rows = [(w.worker_id, w.dp_rank, *row) for w, *row in zip(ranks, *columns, strict=True)]
     except EXPECTED as e:
         return error_result(e)
     keys = ("worker_id", "dp_rank", "potential_prefill_tokens", "potential_decode_blocks",

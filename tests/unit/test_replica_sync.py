@@ -310,6 +310,21 @@ async def test_replica_sync_add_and_free_keep_block_membership_consistent() -> N
     tracker.assert_consistent()
 
 
+async def test_replica_prefill_completion_reaches_the_potential_loads() -> None:
+    """A peer's prefill completion changes the rank's potential prefill tokens at once, also
+    after a query has read the rank (the load columns are kept between queries)."""
+    clock = FakeClock()
+    tracker = make_noop_tracker({1: (0, 1)}, clock)
+
+    await replica(tracker, replica_add("req-1", W1, [1, 2, 3]))
+    assert tracker.potential_loads([1, 2], 5, clock.now()) == [(1, 0, 12 + 5, 3 + 2 - 2, 1)]
+    tracker.assert_consistent()
+
+    await replica(tracker, replica_mark("req-1", W1))
+    tracker.assert_consistent()
+    assert tracker.potential_loads([1, 2], 5, clock.now()) == [(1, 0, 5, 3, 1)]
+
+
 async def test_replica_sync_modeled_remaining_prefill_time_uses_receive_time_and_clears() -> None:
     clock = FakeClock()
     tracker = make_noop_tracker({1: (0, 1)}, clock)

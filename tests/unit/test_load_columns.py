@@ -1,0 +1,77 @@
+"""The load columns a potential-loads query reads (``app.core.loads.LoadColumns``): kept between
+queries, refreshed only for the ranks that changed, with decaying prefill tokens read at query
+time. Every answer here is also what a fresh computation from the sequences gives."""
+
+from __future__ import annotations
+
+from app.core.tracker import ActiveSequencesMultiWorker
+from app.core.types import U64_MAX, PrefillTokenDeltas, WorkerDpRange, WorkerWithDpRank
+from tests.fakes import FakeClock
+
+W0, W1, W2 = WorkerWithDpRank(0, 0), WorkerWithDpRank(0, 1), WorkerWithDpRank(1, 0)
+
+
+def tracker() -> tuple[ActiveSequencesMultiWorker, FakeClock]:
+    clock = FakeClock()
+    return ActiveSequencesMultiWorker(None, 4, {0: (0, 2), 1: (0, 1)}, clock=clock.now), clock
+
+
+def add(t: ActiveSequencesMultiWorker, rid: str, w: WorkerWithDpRank, hashes, tokens=0, ms=None):
+    duration = None if ms is None else ms * 1_000_000
+    t.add_on_rank(rid, w.worker_id, w.dp_rank, hashes, tokens > 0, None, tokens, duration, None,
+                  t.clock())  # fmt: skip
+
+
+def test_a_query_refreshes_only_the_ranks_changed_since_the_last_one() -> None:
+    t, clock = tracker()
+    t.potential_loads(None, 0, clock.now())
+    assert t.columns.changed == set()
+    add(t, "a", W1, [1, 2, 3], tokens=30)
+    assert t.columns.changed == {W1}  # one insertion per lifecycle call, nothing else
+    assert t.potential_loads([1, 2, 9], 7, clock.now()) == [
+        (0, 0, 7, 3, 0),
+        (0, 1, 30 + 7, 3 + 3 - 2, 1),
+        (1, 0, 7, 3, 0),
+    ]
+    assert t.columns.changed == set()
+    t.mark_prefill_completed("a", clock.now())
+    t.free("missing", clock.now())  # an unknown id changes nothing
+    assert t.columns.changed == {W1}
+    assert t.potential_loads([1, 2, 9], 7, clock.now())[1] == (0, 1, 7, 4, 1)
+    t.free("a", clock.now())
+    assert t.potential_loads([1, 2, 9], 7, clock.now())[1] == (0, 1, 7, 3, 0)
+    t.assert_consistent()
+
+
+def test_decaying_prefill_tokens_are_read_at_query_time() -> None:
+    t, clock = tracker()
+    add(t, "a", W0, [1], tokens=100, ms=10_000)  # modeled: decays over 10 s
+    add(t, "b", W2, [2], tokens=40)  # unmodeled: counts in full until completed
+    assert [r[2] for r in t.potential_loads(None, 0, clock.now())] == [100, 0, 40]
+    clock.advance(5)  # no lifecycle call in between
+    assert [r[2] for r in t.potential_loads(None, 0, clock.now())] == [50, 0, 40]
+    clock.advance(20)
+    assert [r[2] for r in t.potential_loads(None, 0, clock.now())] == [0, 0, 40]
+    t.assert_consistent()
+
+
+def test_a_topology_change_gives_new_columns() -> None:
+    t, clock = tracker()
+    add(t, "a", W2, [5, 6], tokens=8)
+    before = t.potential_loads([5], 1, clock.now())
+    t.register_worker(WorkerDpRange(2, 0, 1))
+    after = t.potential_loads([5], 1, clock.now())
+    assert after == [*before, (2, 0, 1, 1, 0)]
+    t.unregister_worker(1)
+    assert t.potential_loads([5], 1, clock.now()) == [before[0], before[1], (2, 0, 1, 1, 0)]
+    t.assert_consistent()
+
+
+def test_per_rank_deltas_and_saturation() -> None:
+    t, clock = tracker()
+    add(t, "a", W0, [1], tokens=U64_MAX - 5)
+    deltas = PrefillTokenDeltas(10, {W1: 3, WorkerWithDpRank(9, 9): 4})
+    assert [r[2] for r in t.potential_loads(None, deltas, clock.now())] == [U64_MAX, 3, 10]
+    workers, prefill, decode, requests = t.potential_columns([1, 2], 6, clock.now())
+    assert (workers, prefill, decode, requests) == ([W0, W1, W2], [U64_MAX, 6, 6], [2, 2, 2],
+                                                     [1, 0, 0])  # fmt: skip
