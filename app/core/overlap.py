@@ -4,8 +4,8 @@ Each node carries an edge label (a run of hashes) and, per rank, how many active
 prompts pass through it; every prompt ends on a node boundary, so all positions of one edge are
 held by the same ranks. A rank present at a node is present at every ancestor, so one walk of a
 query finds every rank's overlap: a rank "drops out" at the first node that no longer holds it.
-A query costs O(overlap length + ranks that drop out), never O(ranks x prompt length), and a
-prompt's unique tail is one node, however long.
+A query costs O(overlap length + the holders of each node where ranks drop out), never
+O(ranks x prompt length), and a prompt's unique tail is one node, however long.
 
 This is the prefix rule of SPEC §4.9 (a hash present elsewhere but off the query's path does not
 count), which also holds for inputs whose hashes are not chained.
@@ -178,9 +178,12 @@ class PromptTrie:
         """Overlap depth per rank, for ranks with a non-zero overlap."""
         if type(query) is not tuple:
             query = tuple(query)
-        result: dict[WorkerWithDpRank, int] = {}
         node = self.root
-        holders: dict[WorkerWithDpRank, int] | None = None
+        # the matched path as (holders, depth reached), one entry per run of nodes with the
+        # same holders: a node's holders are a subset of its parent's, so equal sizes mean
+        # equal sets, and only a smaller set starts a new entry (some rank dropped out)
+        path: list[tuple[Holders, int]] = []
+        size_held = -1
         depth, n = 0, len(query)
         while depth < n:
             children = node.children
@@ -188,24 +191,25 @@ class PromptTrie:
             if child is None:
                 break
             workers = child.workers
-            if holders is not None and len(workers) != len(holders):
-                for w in holders:
-                    if w not in workers:
-                        result[w] = depth
-            holders = workers
             edge = child.edge
             if type(edge) is not tuple:
                 edge = _ints(child)
             size = len(edge)
-            if query[depth : depth + size] == edge:
-                depth += size
-                node = child
-                continue
-            depth += _common(edge, query, depth)
-            break
-        if holders:
-            for w in holders:
-                result[w] = depth
+            full = query[depth : depth + size] == edge
+            depth += size if full else _common(edge, query, depth)
+            if len(workers) == size_held:
+                path[-1] = (workers, depth)
+            else:
+                path.append((workers, depth))
+                size_held = len(workers)
+            if not full:
+                break
+            node = child
+        # each entry's ranks hold every entry above it, so a deeper entry overwrites the depth
+        # of the ranks that go on and the others keep where they dropped out (all in C)
+        result: dict[WorkerWithDpRank, int] = {}
+        for workers, reached in path:
+            result.update(dict.fromkeys(workers, reached))
         return result
 
     def expanded(self) -> dict[tuple[int, ...], dict[WorkerWithDpRank, int]]:
