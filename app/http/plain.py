@@ -63,21 +63,49 @@ def decode(raw: bytes) -> Any:
         return None
 
 
-def plain_object(raw: bytes, keys: frozenset[str]) -> dict[str, Any] | None:
+def plain_object(
+    raw: bytes, keys: frozenset[str], span: tuple[int, int] | None = None
+) -> dict[str, Any] | None:
     """A single call's body: a JSON object with only ``keys``, none given twice (the models'
-    path answers a duplicate field 422; orjson keeps the last one)."""
+    path answers a duplicate field 422; orjson keeps the last one). ``span``: the body's
+    ``number_span``, if the caller has it."""
     d = decode(raw)
     if type(d) is not dict or not d.keys() <= keys:
         return None
     # without escapes, and with only known keys, every '"key":' in the text is one of its keys
-    if len(KEYS.findall(raw)) != len(d):
+    # (none inside a span of numbers)
+    lo, hi = number_span(raw) if span is None else span
+    if len(KEYS.findall(raw, 0, lo)) + len(KEYS.findall(raw, hi)) != len(d):
         return None
     return d
 
 
-def no_bools(raw: bytes) -> bool:
+def number_span(raw: bytes) -> tuple[int, int]:
+    """``(lo, hi)``: from the first ``[`` to the last ``]`` when that text holds no quote, ``t``
+    or ``f``, so only numbers and punctuation: no key, string or boolean. ``(0, 0)``
+    otherwise. A prompt's hashes are most of a body; the scans for keys and booleans skip them
+    (single-byte searches cost a tenth of a word search)."""
+    lo = raw.find(b"[")
+    if lo < 0:
+        return 0, 0
+    hi = raw.rfind(b"]")
+    if raw.find(b'"', lo, hi) >= 0 or raw.find(b"t", lo, hi) >= 0 or raw.find(b"f", lo, hi) >= 0:
+        return 0, 0
+    return lo, hi
+
+
+def no_bools(raw: bytes, span: tuple[int, int] | None = None) -> bool:
     """Whether the body has no JSON boolean (then ``array`` checks int lists in C)."""
-    return b"true" not in raw and b"false" not in raw
+    lo, hi = number_span(raw) if span is None else span
+    if lo == hi:
+        return b"true" not in raw and b"false" not in raw
+    head, tail = raw[:lo], raw[hi:]
+    return (
+        b"true" not in head
+        and b"false" not in head
+        and b"true" not in tail
+        and (b"false" not in tail)
+    )
 
 
 def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:

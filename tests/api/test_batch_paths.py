@@ -11,6 +11,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.http import plain as plain_body
 from app.http import schemas as s
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, error_result
@@ -302,3 +303,30 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
             "new_isl_tokens"} | ({"worker_id"} if odd_key else set())  # fmt: skip
     raw = json.dumps({k: v for k, v in query.items() if k in keep}).encode()
     assert ops.get("potential_loads")(raw) == validating_potential(ops, raw), raw
+
+
+def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
+    """The key and boolean scans skip a span of bare numbers (``plain_body.number_span``): a
+    boolean or a repeated key anywhere else, or a boolean among the numbers, still leaves the
+    plain path."""
+    add = b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,"sequence_hashes":%s%s}'
+    cases = {
+        add % (b"[1,2,3]", b""): (True, True),
+        add % (b"[1,true,3]", b""): (False, True),  # inside: not a span of numbers
+        add % (b"[1, false]", b""): (False, True),
+        add % (b"[1,2]", b',"track_prefill_tokens":true'): (False, True),
+        add % (b"[1,2]", b',"track_prefill_tokens":false,"lora_name":"[x]"'): (False, True),
+        add % (b"[1,2]", b',"request_id":"b"'): (True, False),  # a key given twice
+        add % (b"[1,2]", b',"lora_name":"t\\"f"'): (True, True),
+    }
+    for raw, (no_bool, unique_keys) in cases.items():
+        assert plain_body.no_bools(raw) is no_bool, raw
+        assert plain_body.no_bools(raw, plain_body.number_span(raw)) is no_bool, raw
+        if b"\\" not in raw:
+            assert (plain_body.plain_object(raw, plain_body.ADD_KEYS) is not None) is unique_keys, (
+                raw
+            )
+        assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
+    potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
+    assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
+    assert fresh().get("potential_loads")(potential)[0] == 422
