@@ -47,6 +47,7 @@ _NUMBER = (int, float)
 _ABSENT: Any = object()
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _MAX_PREFILL_MS = 1e12
+SPAN_WORTH = 1024  # bytes of numbers below which number_span gives no span
 
 Fields = tuple[Any, ...]
 
@@ -75,7 +76,8 @@ def plain_object(
     # without escapes, and with only known keys, every '"key":' in the text is one of its keys
     # (none inside a span of numbers)
     lo, hi = number_span(raw) if span is None else span
-    if len(KEYS.findall(raw, 0, lo)) + len(KEYS.findall(raw, hi)) != len(d):
+    keys_found = KEYS.findall(raw, 0, lo) + KEYS.findall(raw, hi) if hi else KEYS.findall(raw)
+    if len(keys_found) != len(d):
         return None
     return d
 
@@ -83,12 +85,15 @@ def plain_object(
 def number_span(raw: bytes) -> tuple[int, int]:
     """``(lo, hi)``: from the first ``[`` to the last ``]`` when that text holds no quote, ``t``
     or ``f``, so only numbers and punctuation: no key, string or boolean. ``(0, 0)``
-    otherwise. A prompt's hashes are most of a body; the scans for keys and booleans skip them
-    (single-byte searches cost a tenth of a word search)."""
+    otherwise. A long prompt's hashes are most of a body; the scans for keys and booleans skip
+    them (single-byte searches cost a tenth of a word search). Spans shorter than
+    ``SPAN_WORTH`` bytes are not used: splitting a scan costs more than they save."""
     lo = raw.find(b"[")
     if lo < 0:
         return 0, 0
     hi = raw.rfind(b"]")
+    if hi - lo < SPAN_WORTH:
+        return 0, 0
     if raw.find(b'"', lo, hi) >= 0 or raw.find(b"t", lo, hi) >= 0 or raw.find(b"f", lo, hi) >= 0:
         return 0, 0
     return lo, hi
@@ -97,7 +102,7 @@ def number_span(raw: bytes) -> tuple[int, int]:
 def no_bools(raw: bytes, span: tuple[int, int] | None = None) -> bool:
     """Whether the body has no JSON boolean (then ``array`` checks int lists in C)."""
     lo, hi = number_span(raw) if span is None else span
-    if lo == hi:
+    if not hi:
         return b"true" not in raw and b"false" not in raw
     head, tail = raw[:lo], raw[hi:]
     return (

@@ -306,19 +306,25 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
 
 
 def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
-    """The key and boolean scans skip a span of bare numbers (``plain_body.number_span``): a
+    """The key and boolean scans skip a long span of bare numbers (``plain.number_span``): a
     boolean or a repeated key anywhere else, or a boolean among the numbers, still leaves the
     plain path."""
     add = b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,"sequence_hashes":%s%s}'
+    many = b",".join(b"%d" % (10**17 + i) for i in range(64))  # a span worth skipping
+    assert len(many) > plain_body.SPAN_WORTH
     cases = {
-        add % (b"[1,2,3]", b""): (True, True),
-        add % (b"[1,true,3]", b""): (False, True),  # inside: not a span of numbers
-        add % (b"[1, false]", b""): (False, True),
-        add % (b"[1,2]", b',"track_prefill_tokens":true'): (False, True),
-        add % (b"[1,2]", b',"track_prefill_tokens":false,"lora_name":"[x]"'): (False, True),
-        add % (b"[1,2]", b',"request_id":"b"'): (True, False),  # a key given twice
-        add % (b"[1,2]", b',"lora_name":"t\\"f"'): (True, True),
+        add % (b"[%s]" % many, b""): (True, True),
+        add % (b"[%s,true,3]" % many, b""): (False, True),  # inside: not a span of numbers
+        add % (b"[1, false,%s]" % many, b""): (False, True),
+        add % (b"[%s]" % many, b',"track_prefill_tokens":true'): (False, True),
+        add % (b"[%s]" % many, b',"track_prefill_tokens":false,"lora_name":"[x]"'): (False, True),
+        add % (b"[%s]" % many, b',"request_id":"b"'): (True, False),  # a key given twice
+        add % (b"[1,2]", b',"request_id":"b"'): (True, False),  # no span
+        add % (b"[1,true]", b""): (False, True),
+        add % (b"[%s]" % many, b',"lora_name":"t\\"f"'): (True, True),
     }
+    spans = [plain_body.number_span(raw) for raw in cases]
+    assert sum(1 for lo, hi in spans if hi) == 4  # the others are scanned whole
     for raw, (no_bool, unique_keys) in cases.items():
         assert plain_body.no_bools(raw) is no_bool, raw
         assert plain_body.no_bools(raw, plain_body.number_span(raw)) is no_bool, raw
