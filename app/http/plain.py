@@ -88,6 +88,8 @@ def number_span(raw: bytes) -> tuple[int, int]:
     otherwise. A long prompt's hashes are most of a body; the scans for keys and booleans skip
     them (single-byte searches cost a tenth of a word search). Spans shorter than
     ``SPAN_WORTH`` bytes are not used: splitting a scan costs more than they save."""
+    if len(raw) < SPAN_WORTH:
+        return 0, 0
     lo = raw.find(b"[")
     if lo < 0:
         return 0, 0
