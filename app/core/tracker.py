@@ -385,9 +385,13 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         self._rank_changed(worker, slot)
 
     def _rank_changed(self, worker: WorkerWithDpRank, slot: ActiveSequences) -> None:
-        """The one step after any change to a rank's requests, blocks or prefills: its
-        active-block count and its load columns follow."""
+        """The one step after any change to a rank's requests or blocks: its active-block
+        count and its load columns follow."""
         self._blocks[worker] = slot.active_blocks()
+        self._columns.changed.add(worker)
+
+    def _prefill_changed(self, worker: WorkerWithDpRank) -> None:
+        """The one step after a change to a rank's prefills alone (its blocks stay)."""
         self._columns.changed.add(worker)
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
@@ -437,7 +441,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         worker, slot = self._resolve(request_id)
         lora = self._requests.lora(request_id)
         slot.mark_prefill_completed(request_id, decay_now)
-        self._rank_changed(worker, slot)
+        self._prefill_changed(worker)
         self._publish_worker_load(worker, slot, decay_now)
         if self.replica_sync:
             self._enqueue(
