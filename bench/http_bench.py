@@ -228,9 +228,11 @@ def main() -> int:
                 )
     for workload, by_kind in results.items():
         ref, ours = statistics.median(by_kind["ref"]), statistics.median(by_kind["ours"])
+        rounds = zip(by_kind["ref"], by_kind["ours"], strict=True)
+        pairs = ", ".join(f"{o / r:.3f}" for r, o in rounds)
         print(
             f"SUMMARY {workload}: ref {ref:.0f} req/s, ours {ours:.0f} req/s, "
-            f"ratio {ours / ref:.3f}"
+            f"ratio {ours / ref:.3f} (each round's: {pairs})"
         )
     if "batch" in only:
         # interleaved with reference lifecycle runs: the ratio compares the same minutes
