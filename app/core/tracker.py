@@ -559,12 +559,9 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             by_worker, default = None, deltas or 0
         else:
             by_worker, default = deltas.by_worker, deltas.default_tokens
-        q_len = len(token_sequence) if token_sequence else 0
-        over = self.overlaps(token_sequence)
-        columns = self._fresh_columns()
-        workers, prefill, decode, requests = columns.columns(over, q_len, default, decay_now)
+        workers, prefill, decode, requests = self.load_columns(token_sequence, decay_now, default)
         if by_worker:
-            index = columns.index
+            index = self._columns.index
             for w, tokens in by_worker.items():
                 i = index.get(w)
                 if i is not None:
@@ -590,19 +587,18 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         ]
 
     def load_columns(
-        self, token_sequence: list[int] | None, decay_now: int
+        self, token_sequence: list[int] | None, decay_now: int, extra_tokens: int = 0
     ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
-        """``potential_columns`` without the prompt's prefill tokens, for a selection over all
-        ranks (``loads.LoadColumns``)."""
+        """The sorted ranks and, as parallel lists, each one's prefill tokens plus
+        ``extra_tokens`` (not saturated), its KV blocks with the prompt's blocks not active
+        there (prefix rule) and its active requests (``loads.LoadColumns``): what a selection
+        over all ranks reads, and the base of ``potential_columns``."""
         q_len = len(token_sequence) if token_sequence else 0
         over = self.overlaps(token_sequence)
-        return self._fresh_columns().columns(over, q_len, 0, decay_now)
-
-    def _fresh_columns(self) -> LoadColumns:
         columns = self._columns
         if columns.changed:
             columns.refresh(self._slots, self._blocks)
-        return columns
+        return columns.columns(over, q_len, extra_tokens, decay_now)
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""

@@ -106,13 +106,8 @@ def no_bools(raw: bytes, span: tuple[int, int] | None = None) -> bool:
     lo, hi = number_span(raw) if span is None else span
     if not hi:
         return b"true" not in raw and b"false" not in raw
-    head, tail = raw[:lo], raw[hi:]
-    return (
-        b"true" not in head
-        and b"false" not in head
-        and b"true" not in tail
-        and (b"false" not in tail)
-    )
+    rest = raw[:lo] + raw[hi:]  # the span holds no 't' or 'f'
+    return b"true" not in rest and b"false" not in rest
 
 
 def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:
