@@ -101,7 +101,10 @@ def request(method: str, path: str, body: Any = None, **headers: str) -> bytes:
 
 @contextlib.asynccontextmanager
 async def serve(
-    direct: bool, patch: Callable[[Any], None] | None = None, **overrides: Any
+    direct: bool,
+    patch: Callable[[Any], None] | None = None,
+    keep_alive: float = 5,
+    **overrides: Any,
 ) -> AsyncIterator[Served]:
     settings = load_settings(**{"api_key": "", "redis_url": "", **overrides})
     app = create_app(settings, clock=FakeClock().now)
@@ -116,7 +119,13 @@ async def serve(
 
     protocol = direct_protocol(app.lean) if direct else "httptools"
     config = uvicorn.Config(
-        counting, host="127.0.0.1", port=0, http=protocol, log_level="warning", lifespan="on"
+        counting,
+        host="127.0.0.1",
+        port=0,
+        http=protocol,
+        log_level="warning",
+        lifespan="on",
+        timeout_keep_alive=keep_alive,
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -263,6 +272,38 @@ async def test_keep_alive_and_close_are_those_of_http() -> None:
             (want,), want_closed = await asgi.exchange(raw, 1)
             assert got.same_as() == want.same_as()
             assert got.headers["connection"] == "close" and got_closed and want_closed
+        assert direct.asgi_calls == ["/register"]
+
+
+async def test_an_idle_connection_closes_after_the_keep_alive_timeout_a_busy_one_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_later = loop.call_later
+
+    def counting(delay: float, *args: Any) -> asyncio.TimerHandle:
+        armed.append(delay)
+        return call_later(delay, *args)
+
+    async with serve(True, keep_alive=0.3) as direct:
+        await direct.one(register(1))
+        reader, writer = await asyncio.open_connection("127.0.0.1", direct.port)
+        try:
+            monkeypatch.setattr(loop, "call_later", counting)
+            for i in range(20):  # back to back: one timer for the connection, not one per call
+                writer.write(add(f"a{i}"))
+                assert (await read_answer(reader)).status == 201
+            assert armed.count(0.3) == 1  # (the client's own waits use other delays)
+            for i in range(8):  # a call every 0.1 s for 0.8 s: busy, so it stays open
+                await asyncio.sleep(0.1)
+                writer.write(free(f"a{i}"))
+                assert (await read_answer(reader)).status == 200
+            idle_from = loop.time()
+            assert await asyncio.wait_for(reader.read(1), 3) == b""  # then idle: closed
+            assert loop.time() - idle_from >= 0.25
+        finally:
+            writer.close()
         assert direct.asgi_calls == ["/register"]
 
 
