@@ -175,9 +175,8 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        span = p.number_span(raw)
-        d = p.plain_object(raw, p.ADD_KEYS, span)
-        fields = p.add_fields(d, p.no_bools(raw, span)) if d is not None else None
+        d = p.plain_object(raw, p.ADD_KEYS)
+        fields = p.add_fields(d, p.no_bools(raw)) if d is not None else None
         if fields is None:  # not plain: the validating path, with its messages
             self.service.add(add_command(parse_json(raw, s.AddBody)))
         else:

@@ -305,10 +305,42 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
     assert ops.get("potential_loads")(raw) == validating_potential(ops, raw), raw
 
 
+def test_a_key_given_twice_is_found_however_it_is_written() -> None:
+    """Quotes are counted against the decoded object (``plain.plain_object``): a repeated key
+    leaves the plain path whatever its value and spacing, and strings that hold colons,
+    brackets or braces do not."""
+    ops = fresh()
+    start = b'{"model_name":"m","request_id":"a"'
+    for tail in [
+        b',"request_id":"b"}',
+        b',"request_id" :"b"}',  # a space before the colon
+        b',\n"request_id"\t:\r"b"}',
+        b',"model_name":7}',  # a value of another type
+        b',"model_name":["x"]}',
+        b',"request_id":null}',
+        b',"routing_group":"g","routing_group":"g"}',
+    ]:
+        raw = start + tail
+        assert plain_body.plain_object(raw, plain_body.REQUEST_KEYS) is None, raw
+        assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
+    for raw in [
+        b'{"model_name":":m","request_id":"a:"}',
+        b'{"model_name" : "m" , "request_id" : ":"}',
+        b'{"model_name":"{a:1}","request_id":"]["}',
+        b'{"request_id":"x","routing_group":"g:","model_name":"true, false"}',
+    ]:
+        assert plain_body.plain_object(raw, plain_body.REQUEST_KEYS) is not None, raw
+        assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
+    add = (b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
+           b'"sequence_hashes":[1,2],"lora_name":"x","sequence_hashes":[3]}')  # fmt: skip
+    assert plain_body.plain_object(add, plain_body.ADD_KEYS) is None
+    assert ops.get("add")(add) == validating_call(fresh(), "add", add)
+
+
 def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
-    """The key and boolean scans skip a long span of bare numbers (``plain.number_span``): a
-    boolean or a repeated key anywhere else, or a boolean among the numbers, still leaves the
-    plain path."""
+    """The quote count and the boolean search skip a long span of bare numbers
+    (``plain.number_span``): a boolean or a repeated key anywhere else, or a boolean among the
+    numbers, still leaves the plain path."""
     add = b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,"sequence_hashes":%s%s}'
     many = b",".join(b"%d" % (10**17 + i) for i in range(64))  # a span worth skipping
     assert len(many) > plain_body.SPAN_WORTH
@@ -329,9 +361,9 @@ def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
         assert plain_body.no_bools(raw) is no_bool, raw
         assert plain_body.no_bools(raw, plain_body.number_span(raw)) is no_bool, raw
         if b"\\" not in raw:
-            assert (plain_body.plain_object(raw, plain_body.ADD_KEYS) is not None) is unique_keys, (
-                raw
-            )
+            for span in ((0, 0), plain_body.number_span(raw)):
+                d = plain_body.plain_object(raw, plain_body.ADD_KEYS, span)
+                assert (d is not None) is unique_keys, raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
     potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
     assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
