@@ -59,17 +59,15 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
     _head_source: object = None
     _head: bytes = b""
     # keep-alive of the direct path: uvicorn cancels its timer when data arrives and arms a new
-    # one after each response (a timer handle made and cancelled per request, about 2 us);
-    # here one timer per idle period checks when the connection last went idle
+    # one after each response (a timer handle made and cancelled per request); here one timer
+    # per idle period checks when the connection last went idle
     _idle_since: float | None = None  # None while a request is being received or served
     _idle_timer: asyncio.TimerHandle | None = None
 
     def _unset_keepalive_if_required(self) -> None:
-        """uvicorn's (data arrived, or its own path answered), and the connection is busy."""
+        """uvicorn's (data arrived, or its own path answered); the connection is busy."""
         self._idle_since = None
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
+        super()._unset_keepalive_if_required()
 
     def _idle_check(self) -> None:
         """The idle timer: close the connection once it has been idle for the keep-alive

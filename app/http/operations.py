@@ -175,8 +175,8 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        d = p.plain_object(raw, p.ADD_KEYS)
-        fields = p.add_fields(d, p.no_bools(raw)) if d is not None else None
+        found = p.prompt_object(raw, p.ADD_KEYS)
+        fields = p.add_fields(*found) if found is not None else None
         if fields is None:  # not plain: the validating path, with its messages
             self.service.add(add_command(parse_json(raw, s.AddBody)))
         else:
@@ -211,9 +211,8 @@ class Operations:
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
-        span = p.number_span(raw)
-        d = p.plain_object(raw, p.POTENTIAL_KEYS, span)
-        fields = p.potential_fields(d, p.no_bools(raw, span)) if d is not None else None
+        found = p.prompt_object(raw, p.POTENTIAL_KEYS)
+        fields = p.potential_fields(*found) if found is not None else None
         if fields is None:  # not plain: the validating path, with its messages
             b = parse_json(raw, s.PotentialLoadsBody)
             cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)

@@ -114,6 +114,14 @@ def no_bools(raw: bytes, span: tuple[int, int] | None = None) -> bool:
     return b"true" not in rest and b"false" not in rest
 
 
+def prompt_object(raw: bytes, keys: frozenset[str]) -> tuple[dict[str, Any], bool] | None:
+    """``plain_object`` of a body that carries a prompt, and ``no_bools`` of it, with the span
+    of its numbers found once for both."""
+    span = number_span(raw)
+    d = plain_object(raw, keys, span)
+    return None if d is None else (d, no_bools(raw, span))
+
+
 def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:
     """Whether ``values`` is a list of ints (no bools) in ``low..high`` (``code``: the array
     type of exactly that range)."""

@@ -359,11 +359,12 @@ def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
     assert sum(1 for lo, hi in spans if hi) == 4  # the others are scanned whole
     for raw, (no_bool, unique_keys) in cases.items():
         assert plain_body.no_bools(raw) is no_bool, raw
-        assert plain_body.no_bools(raw, plain_body.number_span(raw)) is no_bool, raw
         if b"\\" not in raw:
             for span in ((0, 0), plain_body.number_span(raw)):
                 d = plain_body.plain_object(raw, plain_body.ADD_KEYS, span)
                 assert (d is not None) is unique_keys, raw
+            found = plain_body.prompt_object(raw, plain_body.ADD_KEYS)
+            assert found == (None if not unique_keys else (json.loads(raw), no_bool)), raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
     potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
     assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
