@@ -142,6 +142,12 @@ def rss_mb(pid: int) -> float:
     return total / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children(pid: int) -> list[int]:
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
@@ -167,7 +173,11 @@ def bench_throughput(kind: str, workload: str, duration: int, round_no: int) -> 
         if workload == "potential":
             setup_active(s.url)
         wrk(s.url, script, 2, {"WRK_TAG": f"warm{round_no}"})  # warm-up
-        return wrk(s.url, script, duration, {"WRK_TAG": f"r{round_no}"})
+        before = cpu_seconds(s.pid)
+        res = wrk(s.url, script, duration, {"WRK_TAG": f"r{round_no}"})
+        # the server's CPU time per call answered (wrk's rate over the run's duration)
+        res["cpu_us"] = (cpu_seconds(s.pid) - before) / (res["rps"] * duration) * 1e6
+        return res
 
 
 def bench_p99(kind: str, duration: int) -> dict:
@@ -239,11 +249,13 @@ def main() -> int:
         pairs = []
         for r in range(args.rounds):
             ref = bench_throughput("ref", "lifecycle", args.duration, r)["rps"]
-            ops = bench_throughput("ours", "batch", args.duration, r)["rps"] * 100
+            ours = bench_throughput("ours", "batch", args.duration, r)
+            ops = ours["rps"] * 100
             pairs.append((ref, ops))
             print(
                 f"batch      round {r} ref single calls {ref:10.0f} req/s, ours "
-                f"{ops:10.0f} ops/s, ratio {ops / ref:.2f}",
+                f"{ops:10.0f} ops/s, ratio {ops / ref:.2f}, server CPU "
+                f"{ours['cpu_us'] / 100:.1f} us per operation",
                 flush=True,
             )
         ops = statistics.median(o for _, o in pairs)

@@ -56,14 +56,15 @@ class _Connection(asyncio.Protocol):
         self.buf = b""
         self.scheduled = 0.0  # the scheduled send time of the request in flight
         self.transport: asyncio.Transport | None = None
-        self.lost = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(exc)
+        """Before every answer is in, a lost connection ends the run with an error (its
+        request would never be answered)."""
+        if not self.gen.done.done():
+            self.gen.done.set_exception(ConnectionError(f"a connection was lost: {exc}"))
 
     def send(self, request: bytes, scheduled: float) -> None:
         self.scheduled = scheduled
@@ -96,7 +97,9 @@ class _Generator:
     def __init__(self, requests: list[bytes], rate: float) -> None:
         self.requests = requests
         self.rate = rate
-        self.idle: list[_Connection] = []
+        # idle connections, longest idle first: every connection is used in turn, so none
+        # sits idle long enough for the server's keep-alive timeout to close it
+        self.idle: collections.deque[_Connection] = collections.deque()
         self.waiting: collections.deque[tuple[int, float]] = collections.deque()
         self.latencies: list[float] = []
         self.errors = 0
@@ -126,7 +129,7 @@ class _Generator:
             while i < total and start + i / rate <= now:
                 scheduled = start + i / rate
                 if idle:
-                    idle.pop().send(requests[i], scheduled)
+                    idle.popleft().send(requests[i], scheduled)
                 else:
                     waiting.append((i, scheduled))
                 i += 1
