@@ -265,66 +265,41 @@ class Operations:
             return _batch_error(e)
 
     def batch(self, raw: bytes) -> Result:
-        calls = self._plain_batch(raw)
-        if calls is None:  # not plain: the validating path, with its messages
+        ops = self._plain_batch(raw)
+        if ops is None:  # not plain: the validating path, with its messages
             return self._run_batch(self._batch_ops(raw))
-        self._check_size(len(calls))
+        self._check_size(len(ops))
+        service = self.service
+        add, free = service.add_fields, service.free_fields
         results = []
         append = results.append
-        for call, fields, ok in calls:
+        for o in ops:
+            kind = type(o)
             try:
-                call(*fields)
+                if kind is p.BatchFree:
+                    free(o.model_name, o.routing_group, o.request_id)
+                    append(_DONE)
+                elif kind is p.BatchAdd:
+                    add(o.model_name, o.routing_group, o.sequence_hashes, o.token_ids,
+                        o.lora_name, o.request_id, o.worker_id, o.dp_rank, o.new_isl_tokens,
+                        o.expected_prefill_ms, o.track_prefill_tokens,
+                        o.expected_output_tokens)  # fmt: skip
+                    append(_CREATED)
+                elif kind is p.BatchPrefillComplete:
+                    service.prefill_complete_fields(o.model_name, o.routing_group, o.request_id)
+                    append(_DONE)
+                else:
+                    service.output_block(output_block_command(o))
+                    append(_DONE)
             except EXPECTED as e:
                 append(_batch_error(e))
-            else:
-                append(ok)
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
-    def _plain_batch(self, raw: bytes) -> list[tuple[Callable[..., Any], p.Fields, bytes]] | None:
-        """A plain batch (``app.http.plain``; what ``StrictBatchBody`` accepts) as ``(service
-        method, its fields, success result)`` per operation; None for any other body."""
-        body = p.decode(raw)
-        if type(body) is not dict or len(body) != 1:
-            return None
-        ops = body.get("operations")
-        if type(ops) is not list:
-            return None
-        no_bool = p.no_bools(raw)
-        service = self.service
-        calls: list[tuple[Callable[..., Any], p.Fields, bytes]] = []
-        append = calls.append
-        fields: p.Fields | None
-        for d in ops:
-            if type(d) is not dict:
-                return None
-            name = d.get("op")
-            if name == "add":
-                if not d.keys() <= p.BATCH_ADD_KEYS:
-                    return None
-                fields = p.add_fields(d, no_bool)
-                call, ok = service.add_fields, _CREATED
-            elif name == "free" or name == "prefill_complete":
-                if not d.keys() <= p.BATCH_REQUEST_KEYS:
-                    return None
-                fields = p.request_fields(d)
-                call = service.free_fields if name == "free" else service.prefill_complete_fields
-                ok = _DONE
-            elif name == "output_block":
-                if not d.keys() <= p.BATCH_OUTPUT_KEYS:
-                    return None
-                fields = p.request_fields(d)
-                plain, frac = p.decay_fraction(d)
-                if fields is None or not plain:
-                    return None
-                fields = (c.OutputBlock(model_name=fields[0], routing_group=fields[1],
-                                        request_id=fields[2], decay_fraction=frac),)  # fmt: skip
-                call, ok = service.output_block, _DONE
-            else:
-                return None
-            if fields is None:
-                return None
-            append((call, fields, ok))
-        return calls
+    @staticmethod
+    def _plain_batch(raw: bytes) -> list[p.BatchOperation] | None:
+        """A plain batch's operations (``app.http.plain``; a subset of what ``StrictBatchBody``
+        accepts, read the same way); None for any other body."""
+        return p.batch_operations(raw)
 
     def _batch_ops(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)

@@ -7,6 +7,10 @@ the tracker work. The functions here accept exactly the values the models accept
 no bool for an int, no float for an int, no null for a field with a default) and return the
 operation's fields as a tuple in the order of the service's ``*_fields`` methods.
 
+A ``/batch`` body is decoded by msgspec straight into the typed operations below, which check
+the same types and ranges in C while decoding (``batch_operations``); single calls are decoded by
+orjson and checked here.
+
 Anything else returns None and takes the validating path (``app.http.body`` and the models),
 which alone writes error messages: this module never has to reproduce one.
 ``tests/api/test_batch_paths.py`` runs generated bodies through both paths and compares.
@@ -15,9 +19,11 @@ which alone writes error messages: this module never has to reproduce one.
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
+from msgspec import UNSET, Meta, UnsetType
 
 from app.core.types import U32_MAX, U64_MAX
 
@@ -37,10 +43,6 @@ ADD_KEYS = REQUEST_KEYS | {
 POTENTIAL_KEYS = frozenset(
     {"model_name", "routing_group", "sequence_hashes", "token_ids", "lora_name", "new_isl_tokens"}
 )
-# in a /batch operation, ``op`` names the operation
-BATCH_REQUEST_KEYS = REQUEST_KEYS | {"op"}
-BATCH_ADD_KEYS = ADD_KEYS | {"op"}
-BATCH_OUTPUT_KEYS = BATCH_REQUEST_KEYS | {"decay_fraction"}
 
 _NUMBER = (int, float)
 _ABSENT: Any = object()
@@ -227,3 +229,96 @@ def decay_fraction(d: dict[str, Any]) -> tuple[bool, Any]:
     """``(plain, value)`` of an output block's optional ``decay_fraction`` (a number in 0..1)."""
     frac = d.get("decay_fraction")
     return frac is None or (type(frac) in _NUMBER and 0 <= frac <= 1), frac
+
+
+# -- /batch --------------------------------------------------------------------------------
+# The operations of a plain batch, as the models accept them (``app.http.schemas``), except that
+# a prompt form given as null, an unknown field, a bool for an int or a float for an
+# int fail to decode and send the body to the validating path. msgspec keeps the last of a key
+# given twice, as the models' batch parser does. Ranges beyond int64 (u64 ids and token counts)
+# are checked after decoding.
+
+_Hash = Annotated[int, Meta(ge=_I64_MIN, le=_I64_MAX)]
+_U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
+_Unsigned = Annotated[int, Meta(ge=0)]  # and <= U64_MAX, checked after decoding
+_Ms = (
+    Annotated[int, Meta(ge=0, le=int(_MAX_PREFILL_MS))]
+    | Annotated[float, Meta(ge=0, le=_MAX_PREFILL_MS)]
+)
+_Fraction = Annotated[int, Meta(ge=0, le=1)] | Annotated[float, Meta(ge=0, le=1)]
+
+
+class BatchAdd(msgspec.Struct, tag_field="op", tag="add", forbid_unknown_fields=True):
+    model_name: str
+    request_id: str
+    worker_id: _Unsigned
+    dp_rank: _U32
+    routing_group: str = DEFAULT_GROUP
+    # exactly one of the two; after ``batch_operations`` the other is None
+    sequence_hashes: list[_Hash] | UnsetType = UNSET  # unsigned after batch_operations
+    token_ids: list[_U32] | UnsetType = UNSET
+    new_isl_tokens: _Unsigned = 0
+    expected_prefill_ms: _Ms | None = None
+    track_prefill_tokens: bool | None = None
+    expected_output_tokens: _U32 | None = None
+    lora_name: str | None = None
+
+
+class BatchFree(msgspec.Struct, tag_field="op", tag="free", forbid_unknown_fields=True):
+    model_name: str
+    request_id: str
+    routing_group: str = DEFAULT_GROUP
+
+
+class BatchPrefillComplete(
+    msgspec.Struct, tag_field="op", tag="prefill_complete", forbid_unknown_fields=True
+):
+    model_name: str
+    request_id: str
+    routing_group: str = DEFAULT_GROUP
+
+
+class BatchOutputBlock(
+    msgspec.Struct, tag_field="op", tag="output_block", forbid_unknown_fields=True
+):
+    model_name: str
+    request_id: str
+    routing_group: str = DEFAULT_GROUP
+    decay_fraction: _Fraction | None = None
+
+
+BatchOperation = BatchAdd | BatchFree | BatchPrefillComplete | BatchOutputBlock
+
+
+class _Batch(msgspec.Struct, forbid_unknown_fields=True):
+    operations: list[BatchOperation]
+
+
+_decode_batch = msgspec.json.Decoder(_Batch).decode
+
+
+def batch_operations(raw: bytes) -> list[BatchOperation] | None:
+    """A plain batch's operations, each checked as its model checks it; None for any other
+    body. An add's prompt form it was not given becomes None, its hashes unsigned."""
+    if b"\\" in raw:
+        return None
+    try:
+        ops = _decode_batch(raw).operations
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    for o in ops:
+        if type(o) is BatchAdd:
+            if o.worker_id > U64_MAX or o.new_isl_tokens > U64_MAX:
+                return None
+            hashes, tokens = o.sequence_hashes, o.token_ids
+            if hashes is UNSET:
+                if tokens is UNSET:
+                    return None
+                o.sequence_hashes = None
+            else:
+                if tokens is not UNSET:
+                    return None  # both forms: the validating path answers
+                o.token_ids = None
+                if hashes and min(hashes) < 0:  # type: ignore[type-var]
+                    o.sequence_hashes = [h & U64_MAX if h < 0 else h for h in hashes]  # type: ignore[union-attr]
+    return ops

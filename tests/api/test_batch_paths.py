@@ -1,5 +1,6 @@
 """``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two paths: plain bodies run
-straight from orjson's values (``app.http.plain``), anything else through the pydantic models,
+straight from decoded values (msgspec's typed operations for a batch, orjson's for single calls:
+``app.http.plain``), anything else through the pydantic models,
 which alone write error messages. Both must give the same answers and leave the same state, for
 any body: these tests run every body through each path on its own fresh service and compare."""
 
