@@ -340,6 +340,10 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             if slot.expiry_due(now):
                 self._after_expiry(worker, slot.force_expiry())
             prompt = list(token_sequence) if token_sequence else []
+            if prompt:
+                # first: indexing swaps the prompt's ints for the index's equal ones, which are
+                # also the rank's refcount keys, so counting finds them by identity
+                self._trie.add(worker, prompt)
             slot.admit(
                 request_id,
                 prompt,
@@ -349,8 +353,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
                 decay_now,
                 now,
             )
-            if prompt:
-                self._trie.add(worker, prompt)
             self._rank_changed(worker, slot)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
