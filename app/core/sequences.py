@@ -190,9 +190,12 @@ class ActiveSequences:
         return delta
 
     def release(self, request_id: str, decay_now: int) -> None:
-        """``free`` without building the membership delta (the lifecycle hot path)."""
-        state = self._pop(request_id, decay_now)
+        """``free`` without building the membership delta (the lifecycle hot path: ``_pop``
+        and ``_release_outputs`` written out)."""
+        self.prefill.remove(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
         if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
             return
         refcount = self.blocks.refcount
         if self.blocks.has_fractions():
@@ -211,7 +214,8 @@ class ActiveSequences:
                     refcount[h] = c
                 else:
                     del refcount[h]
-        self._release_outputs(state)
+        if state._outputs:
+            self._release_outputs(state)
 
     def _pop(self, request_id: str, decay_now: int) -> RequestState | None:
         self.prefill.remove(request_id, decay_now)

@@ -389,7 +389,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
     def _rank_changed(self, worker: WorkerWithDpRank, slot: ActiveSequences) -> None:
         """The one step after any change to a rank's requests or blocks: its active-block
         count and its load columns follow."""
-        self._blocks[worker] = slot.active_blocks()
+        self._blocks[worker] = slot.blocks.active_blocks()
         self._columns.changed.add(worker)
 
     def _prefill_changed(self, worker: WorkerWithDpRank) -> None:

@@ -247,7 +247,14 @@ class SlotTrackerService:
         """``add`` of a ``c.Add`` with these fields."""
         key = (model_name, routing_group)
         t = self.registry.get(key)
-        hashes = self._hashes(t, sequence_hashes, token_ids, lora_name)
+        if (
+            token_ids is None
+            and sequence_hashes is not None
+            and len(sequence_hashes) <= self.max_hashes
+        ):
+            hashes = sequence_hashes  # what ``_hashes`` returns for them, without the call
+        else:
+            hashes = self._hashes(t, sequence_hashes, token_ids, lora_name)
         tokens = new_isl_tokens
         track = tokens > 0 if track_prefill_tokens is None else track_prefill_tokens
         duration_ns = None
