@@ -1,0 +1,97 @@
+"""Instructions the running server spends per request, HTTP included, counted by callgrind.
+
+``bench/edge_cost.py --instructions`` counts the operations in process; this starts the real
+server (``python -m app``) under ``valgrind --tool=callgrind``, gives it ``http_bench.py``'s
+topology and active requests, warms it with one of ``bench/wrk``'s scripts, zeroes the counters,
+loads it again with wrk on one connection (one request in flight, so the count of completed
+requests is exact up to that one) and reports the instructions of that load per request, and per
+operation for ``/batch``. Instructions do not depend on what else the machine does, so the figure
+compares commits on a busy machine; it leaves out what instructions cannot show (cache misses).
+
+    .venv/bin/python bench/server_instructions.py [--what batch|lifecycle|potential]
+                                                  [--seconds 40] [--repo PATH]
+Needs: valgrind (callgrind_control comes with it) and wrk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench.http_bench import WRK, setup_active, setup_topology  # noqa: E402
+from bench.reference import REPO, Server, free_port, ours_python  # noqa: E402
+
+SCRIPTS = {"batch": "batch.lua", "lifecycle": "lifecycle.lua", "potential": "potential.lua"}
+OPS_PER_REQUEST = {"batch": 100, "lifecycle": 1, "potential": 1}
+
+
+def wrk_requests(url: str, script: str, seconds: int, tag: str) -> int:
+    """Completed requests of one wrk run; ``tag`` keeps each run's request ids its own."""
+    out = subprocess.run(
+        ["wrk", "-t1", "-c1", f"-d{seconds}s", "-s", str(WRK / script), url],
+        capture_output=True, text=True, check=True, env={**os.environ, "WRK_TAG": tag},
+    ).stdout  # fmt: skip
+    if "Non-2xx" in out:
+        raise RuntimeError(f"the server answered errors:\n{out}")
+    return int(re.search(r"(\d+) requests in", out).group(1))
+
+
+def measure(repo: Path, what: str, seconds: int) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="server-instructions-"))
+    out = tmp / "callgrind.out"
+    env = {
+        **os.environ,
+        "SLOT_TRACKER_REDIS_URL": "",
+        "SLOT_TRACKER_API_KEY": "",
+        "SLOT_TRACKER_HOST": "127.0.0.1",
+        "PYTHONHASHSEED": "0",
+    }
+    port = free_port()
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", ours_python(),
+            "-m", "app", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    server = Server("ours", argv, port, cwd=repo, env=env, log_dir=tmp).start()
+    try:
+        server.wait_healthy(timeout=180)
+        setup_topology(server.url)
+        setup_active(server.url)
+        # warm: imports, caches, the first batches
+        wrk_requests(server.url, SCRIPTS[what], 5, "warm")
+        ctl = ["callgrind_control"]
+        subprocess.run([*ctl, "-z", str(server.pid)], check=True, capture_output=True)
+        requests = wrk_requests(server.url, SCRIPTS[what], seconds, "run")
+        time.sleep(1)  # the last response is written before wrk counts it; let the loop settle
+        subprocess.run([*ctl, "-d", str(server.pid)], check=True, capture_output=True)
+        dumps = sorted(tmp.glob("callgrind.out.*"))
+        if not dumps:
+            raise RuntimeError("callgrind wrote no dump")
+        text = dumps[-1].read_text(errors="replace")
+        total = int(re.search(r"^summary: (\d+)", text, re.M).group(1))
+    finally:
+        server.stop()
+    ops = requests * OPS_PER_REQUEST[what]
+    return {"requests": requests, "instructions": total, "per_op": total / ops}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--what", choices=sorted(SCRIPTS), default="batch")
+    ap.add_argument("--seconds", type=int, default=40)
+    ap.add_argument("--repo", type=Path, default=REPO, help="checkout to run (its .venv)")
+    args = ap.parse_args()
+    r = measure(args.repo.resolve(), args.what, args.seconds)
+    unit = "operation" if args.what == "batch" else "request"
+    print(f"{args.what}: {r['requests']} requests, {r['instructions']:,} instructions, "
+          f"{r['per_op']:,.0f} per {unit}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
