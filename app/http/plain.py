@@ -232,11 +232,11 @@ def decay_fraction(d: dict[str, Any]) -> tuple[bool, Any]:
 
 
 # -- /batch --------------------------------------------------------------------------------
-# The operations of a plain batch, as the models accept them (``app.http.schemas``), except that
-# a prompt form given as null, an unknown field, a bool for an int or a float for an
-# int fail to decode and send the body to the validating path. msgspec keeps the last of a key
-# given twice, as the models' batch parser does. Ranges beyond int64 (u64 ids and token counts)
-# are checked after decoding.
+# The operations of a plain batch. Each struct accepts part of what its model accepts
+# (``app.http.schemas``: the same strict types and ranges) and reads it the same way; what it
+# does not accept (an unknown field, a prompt form given as null, a backslash escape) sends the
+# whole body to the validating path. msgspec keeps the last of a key given twice, as the models'
+# batch parser does. Ranges beyond int64 (u64 ids and token counts) are checked after decoding.
 
 _Hash = Annotated[int, Meta(ge=_I64_MIN, le=_I64_MAX)]
 _U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
