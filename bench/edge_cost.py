@@ -10,14 +10,17 @@ prefill completions) and reports microseconds of CPU per call (per operation for
 adds, without sockets. With
 ``--instructions`` it runs itself under callgrind instead and reports instructions per call,
 which do not depend on what else the machine is doing: the figure to compare two commits on a
-busy machine (``--repo`` points at a checkout of the other commit).
+busy machine (``--repo`` points at a checkout of the other commit). With ``--opcodes`` it counts
+the Python opcodes each function executes per call instead (a tracing run, exact and
+repeatable): where the interpreted part of a call goes.
 
-    .venv/bin/python bench/edge_cost.py [--instructions] [--repo PATH] [--only lifecycle,direct,...]
+    .venv/bin/python bench/edge_cost.py [--instructions | --opcodes] [--repo PATH] [--only ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -178,12 +181,28 @@ def batches(n: int, *, mix: bool) -> list[bytes]:
     return out
 
 
-def run(repo: Path, what: str, n: int) -> float:
+Tracer = collections.Counter  # opcodes per (file, function), filled by a tracing run
+
+
+def _tracing(counts: Tracer):
+    """A ``sys.settrace`` function that counts every opcode into ``counts``."""
+
+    def trace(frame, event, arg):  # noqa: ARG001 - the settrace signature
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code
+            counts[(Path(code.co_filename).name, code.co_name)] += 1
+        return trace
+
+    return trace
+
+
+def run(repo: Path, what: str, n: int, counts: Tracer | None = None) -> float:
     """CPU seconds of ``n`` calls of ``what``; ``base:WHAT`` does only the set-up of ``WHAT``."""
     base = what.startswith("base:")
     what = what.removeprefix("base:")
     if what == "direct":
-        return run_direct(repo, n, base)
+        return run_direct(repo, n, base, counts)
     ops = build(repo)
     b = bodies(max(n, 1))
     for raw in b["register"]:
@@ -194,6 +213,8 @@ def run(repo: Path, what: str, n: int) -> float:
         assert ops["batch"](raw)[0] == 200
     gc.collect()
     add, free, potential, batch = ops["add"], ops["free"], ops["potential_loads"], ops["batch"]
+    if counts is not None:
+        sys.settrace(_tracing(counts))
     start = time.process_time()
     if base:
         pass
@@ -208,10 +229,11 @@ def run(repo: Path, what: str, n: int) -> float:
     elif what in ("batch", "batch_mix"):
         for raw in b[what][LAG:]:
             assert batch(raw)[0] == 200
+    sys.settrace(None)
     return time.process_time() - start
 
 
-def run_direct(repo: Path, n: int, base: bool) -> float:
+def run_direct(repo: Path, n: int, base: bool, counts: Tracer | None = None) -> float:
     """CPU seconds of ``n`` /add + /free pairs fed through the direct protocol as bytes."""
     import asyncio
 
@@ -234,12 +256,15 @@ def run_direct(repo: Path, n: int, base: bool) -> float:
     ]
     gc.collect()
     before = transport.writes
+    if counts is not None:
+        sys.settrace(_tracing(counts))
     start = time.process_time()
     if not base:
         for raw in calls:
             feed(raw)
         assert transport.writes - before == len(calls), "a request was not answered directly"
     assert transport.failed == 0, f"{transport.failed} answers were not 2xx"
+    sys.settrace(None)
     return time.process_time() - start
 
 
@@ -263,6 +288,7 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=HERE.parent)
     ap.add_argument("--n", type=int, default=2000, help="calls (add+free pairs, or queries)")
     ap.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
+    ap.add_argument("--opcodes", action="store_true", help="count Python opcodes per function")
     ap.add_argument(
         "--only",
         default="lifecycle,direct,potential,batch,batch_mix",
@@ -277,7 +303,14 @@ def main() -> None:
     for what, per in work:
         if what not in args.only.split(","):
             continue
-        if args.instructions:
+        if args.opcodes:
+            counts: Tracer = collections.Counter()
+            run(args.repo, what, args.n, counts)
+            calls = args.n * per
+            print(f"{what}: {sum(counts.values()) / calls:,.1f} opcodes per {unit(what)}")
+            for (file, name), c in counts.most_common(12):
+                print(f"  {c / calls:8.1f}  {file}:{name}")
+        elif args.instructions:
             base = instructions(args.repo, f"base:{what}", args.n)
             total = instructions(args.repo, what, args.n)
             print(f"{what}: {(total - base) / (args.n * per):,.0f} instructions per {unit(what)}")

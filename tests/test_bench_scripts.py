@@ -58,3 +58,20 @@ def test_edge_cost_runs_every_workload() -> None:
         "batch",
         "batch_mix",
     ]
+
+
+def test_edge_cost_counts_opcodes_per_function() -> None:
+    """``--opcodes`` traces the measured calls only: the batch's own functions are listed."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "edge_cost.py"), "--opcodes", "--only", "batch", "--n", "200"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("batch: ") and lines[0].endswith(" opcodes per operation")
+    names = {line.split()[-1] for line in lines[1:]}
+    assert {"sequences.py:release", "overlap.py:add", "operations.py:batch"} <= names
+    assert not any("edge_cost.py" in name for name in names)  # nor the harness loop itself
