@@ -16,7 +16,6 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from app.core.types import U64_MAX
 from app.http import plain as p
 from app.http import schemas as s
 from app.http.body import parse_json, parse_object
@@ -31,13 +30,6 @@ _DONE = b'{"status":200}'
 
 Result = tuple[int, bytes]
 Operation = Callable[[bytes], Result]
-
-
-def hashes_u64(hashes: list[int] | None) -> list[int] | None:
-    """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
-    if not hashes or min(hashes) >= 0:
-        return hashes
-    return [h & U64_MAX if h < 0 else h for h in hashes]
 
 
 def check_prompt(b: Any) -> None:
@@ -56,7 +48,7 @@ def prompt_fields(b: Any) -> dict[str, Any]:
     return {
         "model_name": b.model_name,
         "routing_group": b.routing_group,
-        "sequence_hashes": hashes_u64(b.sequence_hashes),
+        "sequence_hashes": p.hashes_u64(b.sequence_hashes),
         "token_ids": b.token_ids,
         "lora_name": b.lora_name,
     }
@@ -67,7 +59,7 @@ def add_command(b: s.AddBody) -> c.Add:
     return c.Add(
         model_name=b.model_name,
         routing_group=b.routing_group,
-        sequence_hashes=hashes_u64(b.sequence_hashes),
+        sequence_hashes=p.hashes_u64(b.sequence_hashes),
         token_ids=b.token_ids,
         lora_name=b.lora_name,
         request_id=b.request_id,
@@ -265,7 +257,7 @@ class Operations:
             return _batch_error(e)
 
     def batch(self, raw: bytes) -> Result:
-        ops = self._plain_batch(raw)
+        ops = p.batch_operations(raw)
         if ops is None:  # not plain: the validating path, with its messages
             return self._run_batch(self._batch_ops(raw))
         self._check_size(len(ops))
@@ -294,12 +286,6 @@ class Operations:
             except EXPECTED as e:
                 append(_batch_error(e))
         return 200, b'{"results":[' + b",".join(results) + b"]}"
-
-    @staticmethod
-    def _plain_batch(raw: bytes) -> list[p.BatchOperation] | None:
-        """A plain batch's operations (``app.http.plain``; a subset of what ``StrictBatchBody``
-        accepts, read the same way); None for any other body."""
-        return p.batch_operations(raw)
 
     def _batch_ops(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)

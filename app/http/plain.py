@@ -124,6 +124,13 @@ def prompt_object(raw: bytes, keys: frozenset[str]) -> tuple[dict[str, Any], boo
     return None if d is None else (d, no_bools(raw, span))
 
 
+def hashes_u64(hashes: list[int] | None) -> list[int] | None:
+    """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
+    if not hashes or min(hashes) >= 0:
+        return hashes
+    return [h & U64_MAX if h < 0 else h for h in hashes]
+
+
 def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:
     """Whether ``values`` is a list of ints (no bools) in ``low..high`` (``code``: the array
     type of exactly that range)."""
@@ -196,9 +203,7 @@ def prompt_fields(d: dict[str, Any], no_bool: bool) -> tuple[Any, Any] | None:
     if hashes is not _ABSENT:
         if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
             return None  # both forms: the validating path answers with the reference's text
-        if hashes and min(hashes) < 0:
-            hashes = [h & U64_MAX if h < 0 else h for h in hashes]
-        return hashes, None
+        return hashes_u64(hashes), None
     if tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
         return None
     return None, tokens
@@ -223,12 +228,6 @@ def potential_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
     if prompt is None:
         return None
     return model, group, prompt[0], prompt[1], lora, isl
-
-
-def decay_fraction(d: dict[str, Any]) -> tuple[bool, Any]:
-    """``(plain, value)`` of an output block's optional ``decay_fraction`` (a number in 0..1)."""
-    frac = d.get("decay_fraction")
-    return frac is None or (type(frac) in _NUMBER and 0 <= frac <= 1), frac
 
 
 # -- /batch --------------------------------------------------------------------------------
@@ -319,6 +318,5 @@ def batch_operations(raw: bytes) -> list[BatchOperation] | None:
                 if tokens is not UNSET:
                     return None  # both forms: the validating path answers
                 o.token_ids = None
-                if hashes and min(hashes) < 0:  # type: ignore[type-var]
-                    o.sequence_hashes = [h & U64_MAX if h < 0 else h for h in hashes]  # type: ignore[union-attr]
+                o.sequence_hashes = hashes_u64(hashes)  # type: ignore[arg-type]
     return ops

@@ -167,7 +167,7 @@ def test_plain_batches_take_the_plain_path_and_answer_the_same() -> None:
             ]
         }
     ).encode()  # fmt: skip
-    assert fresh()._plain_batch(raw) is not None
+    assert plain_body.batch_operations(raw) is not None
     got, want, plain, validating = both(raw)
     assert got == want
     assert json.loads(got[1])["results"] == [
@@ -188,7 +188,6 @@ def test_plain_batches_take_the_plain_path_and_answer_the_same() -> None:
 
 
 def test_bodies_that_are_not_plain_take_the_validating_path() -> None:
-    ops = fresh()
     for raw in [
         b'{"operations":[{"op":"add","model_name":"m","request_id":"a","worker_id":NaN,'
         b'"dp_rank":0,"sequence_hashes":[1]}]}',
@@ -207,13 +206,13 @@ def test_bodies_that_are_not_plain_take_the_validating_path() -> None:
         b'{"operations":[]} trailing',
         b"[]",
     ]:
-        assert ops._plain_batch(raw) is None, raw
+        assert plain_body.batch_operations(raw) is None, raw
         assert_same(raw)
 
 
 def test_a_string_that_spells_a_literal_stays_plain() -> None:
     raw = b'{"operations":[{"op":"free","model_name":"m","request_id":"NaN"}]}'
-    assert fresh()._plain_batch(raw) is not None
+    assert plain_body.batch_operations(raw) is not None
     assert_same(raw)
 
 
