@@ -91,25 +91,31 @@ class PromptTrie:
             solo = self._solos[worker] = _Solo({worker: 1})
         return solo
 
-    def add(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> None:
-        """Index one prompt of ``worker``. A ``list`` is kept as described in the module notes."""
+    def add(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[Sequence[int]]:
+        """Index one prompt of ``worker``. A ``list`` is kept as described in the module notes.
+
+        Returns the edges (runs of hashes) that ``worker`` holds now and did not before: its
+        block counts take one hold per position of those (``BlockTracker``)."""
         src = prompt if type(prompt) is list else None
         if type(prompt) is not tuple:
             prompt = tuple(prompt)
         node = self.root
         i, n = 0, len(prompt)
+        gained: list[Sequence[int]] = []
         while i < n:
             children = node.children
             child = children.get(prompt[i]) if children is not None else None
             if child is None:
                 solo = self._solos.get(worker) or self._solo(worker)
-                leaf = _Node(prompt[i:], solo) if src is None else _Node(src, solo, i)
+                tail = prompt[i:]
+                leaf = _Node(tail, solo) if src is None else _Node(src, solo, i)
                 if children is None:
                     node.children = {prompt[i]: leaf}
                 else:
                     children[prompt[i]] = leaf
                 self._nodes += 1
-                return
+                gained.append(tail)
+                return gained
             edge = child.edge
             view = type(edge) is list
             if view:
@@ -135,20 +141,30 @@ class PromptTrie:
             workers = child.workers
             if type(workers) is _Solo:
                 workers = child.workers = dict(workers)
-            workers[worker] = workers.get(worker, 0) + 1
+            c = workers.get(worker, 0)
+            workers[worker] = c + 1
+            if not c:
+                gained.append(edge)
             node = child
             i += size
+        return gained
 
-    def remove(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> None:
+    def remove(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[Sequence[int]]:
+        """Unindex one prompt ``add`` indexed for ``worker``; returns the edges ``worker`` no
+        longer holds (the counterpart of what ``add`` returns)."""
         node = self.root
         i, n = 0, len(prompt)
         path: list[tuple[_Node, _Node, int]] = []
+        lost: list[Sequence[int]] = []
         while i < n:
             key = prompt[i]
             child = node.children[key]  # type: ignore[index]
             workers = child.workers
+            edge = child.edge
+            lo = child.lo
             if type(workers) is _Solo:  # held by this prompt only
                 child.workers = _EMPTY
+                lost.append(edge[lo:] if lo else edge)
             else:
                 # back to a single holding prompt: share the rank's map again
                 c = workers[worker] - 1
@@ -158,13 +174,13 @@ class PromptTrie:
                         child.workers = self._solo(worker)
                 else:
                     del workers[worker]
+                    lost.append(edge)  # a tuple: a view is held by one prompt only
                     if len(workers) == 1:
                         ((only, count),) = workers.items()
                         if count == 1:
                             child.workers = self._solo(only)
             path.append((node, child, key))
-            edge = child.edge
-            i += len(edge) - child.lo
+            i += len(edge) - lo
             node = child
         for parent, child, key in reversed(path):
             if child.workers:
@@ -173,6 +189,34 @@ class PromptTrie:
             if not parent.children:
                 parent.children = None
             self._nodes -= 1
+        return lost
+
+    def holds_along(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[int]:
+        """For a prompt ``worker`` holds: per position, how many of ``worker``'s prompts hold
+        that node (O(prompt length))."""
+        out: list[int] = []
+        node = self.root
+        i, n = 0, len(prompt)
+        while i < n:
+            child = node.children[prompt[i]]  # type: ignore[index]
+            size = len(child.edge) - child.lo
+            out.extend((child.workers[worker],) * size)
+            i += size
+            node = child
+        return out
+
+    def held_positions(self, worker: WorkerWithDpRank) -> dict[int, int]:
+        """How many positions of the nodes ``worker`` holds carry each hash (a full walk, for
+        consistency checks)."""
+        out: dict[int, int] = {}
+        stack = list((self.root.children or {}).values())
+        while stack:
+            node = stack.pop()
+            if worker in node.workers:
+                for h in _ints(node):
+                    out[h] = out.get(h, 0) + 1
+                stack.extend((node.children or {}).values())
+        return out
 
     def overlaps(self, query: Sequence[int]) -> dict[WorkerWithDpRank, int]:
         """Overlap depth per rank, for ranks with a non-zero overlap."""

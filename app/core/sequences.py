@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .blocks import BlockTracker
+from .overlap import PromptTrie
 from .prefill import PrefillLoadTracker
 from .types import (
     NS_PER_S,
@@ -17,6 +18,7 @@ from .types import (
     PromptMembershipRemove,
     PromptMembershipStore,
     SequenceMutationOutcome,
+    WorkerWithDpRank,
 )
 
 log = logging.getLogger(__name__)
@@ -61,12 +63,20 @@ class ActiveSequences:
 
     ``clock`` returns monotonic integer nanoseconds; it stamps ``started_at`` and drives expiry.
     Every prefill-related method takes an explicit ``decay_now`` instead.
+
+    The rank's prompts are indexed in ``trie`` under ``key``: the tracker's trie of all ranks,
+    or a trie of this rank alone. The trie counts how many prompts of the rank hold each node,
+    so the block counts hold each position of a node the rank holds once, however many of its
+    prompts pass through it (``BlockTracker``): a prompt sharing a prefix already held costs
+    block-count work only for its new positions.
     """
 
     __slots__ = (
         "requests",
         "prefill",
         "blocks",
+        "trie",
+        "key",
         "clock",
         "expiry_ns",
         "check_interval_ns",
@@ -82,12 +92,16 @@ class ActiveSequences:
         expiry_ns: int | None = EXPIRY_DURATION_NS,
         check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
         rng: random.Random | None = None,
+        trie: PromptTrie | None = None,
+        key: WorkerWithDpRank = WorkerWithDpRank(0, 0),
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be greater than 0")
         self.requests: dict[str, RequestState] = {}
         self.prefill = PrefillLoadTracker()
         self.blocks = BlockTracker()
+        self.trie = PromptTrie() if trie is None else trie
+        self.key = key
         self.clock = clock
         self.expiry_ns = expiry_ns
         self.check_interval_ns = check_interval_ns
@@ -153,82 +167,86 @@ class ActiveSequences:
         started_at: int,
     ) -> None:
         """Add a request that is not active here, without the expiry check (the lifecycle hot
-        path; ``add_request_with_prefill_tracking`` wraps it): takes one block reference per
-        prompt position, keeps ``prompt`` (the caller gives it up) and tracks ``prefill_tokens``
-        when positive."""
-        count_elements(self.blocks.refcount, prompt)
+        path; ``add_request_with_prefill_tracking`` wraps it): indexes ``prompt`` (kept: the
+        caller gives it up), holds the positions the rank did not hold yet and tracks
+        ``prefill_tokens`` when positive."""
+        if prompt:
+            refcount = self.blocks.refcount
+            for edge in self.trie.add(self.key, prompt):
+                count_elements(refcount, edge)
         if prefill_tokens > 0:
             self.prefill.add(request_id, prefill_tokens, duration_ns, decay_now)
         self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
 
     def free(self, request_id: str, decay_now: int) -> PromptMembershipDelta:
-        """Release a request's blocks (implies prefill completion); unknown ids are a no-op."""
+        """Release a request's blocks (implies prefill completion); unknown ids are a no-op.
+
+        The delta removes the prompt from the first position whose hash stopped being present
+        (the last occurrence in the prompt of a hash that went) to its end."""
         delta = PromptMembershipDelta()
-        state = self._pop(request_id, decay_now)
+        self.prefill.remove(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
         if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
             return delta
-        refcount = self.blocks.refcount
-        drop_fraction = self.blocks.drop_fraction if self.blocks.has_fractions() else None
-        removed: list[int] | None = None
-        for h in state.prompt_blocks:
-            c = refcount[h] - 1
-            if c:
-                refcount[h] = c
-                if removed is not None:
-                    removed.append(h)
-            else:
-                del refcount[h]
-                if drop_fraction is not None:
-                    drop_fraction(h)
-                if removed is None:
-                    removed = [h]
-                else:
-                    removed.append(h)
-        if removed:
-            delta.removes.append(PromptMembershipRemove(removed))
-        self._release_outputs(state)
+        prompt = state.prompt_blocks
+        if prompt:
+            self._unhold(self.trie.remove(self.key, prompt))
+            refcount = self.blocks.refcount
+            last = {h: i for i, h in enumerate(prompt)}
+            start = min((i for h, i in last.items() if h not in refcount), default=-1)
+            if start >= 0:
+                delta.removes.append(PromptMembershipRemove(prompt[start:]))
+        if state._outputs:
+            self._release_outputs(state)
         return delta
 
     def release(self, request_id: str, decay_now: int) -> None:
-        """``free`` without building the membership delta (the lifecycle hot path: ``_pop``
-        and ``_release_outputs`` written out)."""
+        """``free`` without building the membership delta (the lifecycle hot path)."""
         self.prefill.remove(request_id, decay_now)
         state = self.requests.pop(request_id, None)
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return
-        refcount = self.blocks.refcount
-        if self.blocks.has_fractions():
-            drop_fraction = self.blocks.drop_fraction
-            for h in state.prompt_blocks:
-                c = refcount[h] - 1
-                if c:
-                    refcount[h] = c
-                else:
-                    del refcount[h]
-                    drop_fraction(h)
-        else:
-            for h in state.prompt_blocks:
-                c = refcount[h] - 1
-                if c:
-                    refcount[h] = c
-                else:
-                    del refcount[h]
+        if state.prompt_blocks:
+            self._unhold(self.trie.remove(self.key, state.prompt_blocks))
         if state._outputs:
             self._release_outputs(state)
 
-    def _pop(self, request_id: str, decay_now: int) -> RequestState | None:
-        self.prefill.remove(request_id, decay_now)
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            log.warning("Trying to free non-existent request %s", request_id)
-        return state
+    def _unhold(self, edges: list) -> None:
+        """Drop one hold per position of ``edges`` (what the trie says the rank let go of)."""
+        refcount = self.blocks.refcount
+        if self.blocks.has_fractions():
+            drop_fraction = self.blocks.drop_fraction
+            for edge in edges:
+                for h in edge:
+                    c = refcount[h] - 1
+                    if c:
+                        refcount[h] = c
+                    else:
+                        del refcount[h]
+                        drop_fraction(h)
+        else:
+            for edge in edges:
+                for h in edge:
+                    c = refcount[h] - 1
+                    if c:
+                        refcount[h] = c
+                    else:
+                        del refcount[h]
 
     def _release_outputs(self, state: RequestState) -> None:
         if state._outputs:
             release = self.blocks.release_and_try_remove
             for h in state._outputs:
                 release(h)
+
+    def unindex_all(self) -> None:
+        """Take every prompt of the rank out of the trie (the rank is going away)."""
+        remove, key = self.trie.remove, self.key
+        for st in self.requests.values():
+            if st.prompt_blocks:
+                remove(key, st.prompt_blocks)
 
     def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
         self.prefill.remove(request_id, decay_now)
@@ -246,10 +264,15 @@ class ActiveSequences:
         else:
             state._outputs.append(h)
         if decay_fraction is not None:
+            # a block held by exactly one reference: one position of the rank carries it, and
+            # this request's prompt alone holds that position
             count, set_fraction = self.blocks.count, self.blocks.set_fraction
-            for b in state.prompt_blocks:
-                if count(b) == 1:
-                    set_fraction(b, decay_fraction)
+            prompt = state.prompt_blocks
+            if prompt:
+                holds = self.trie.holds_along(self.key, prompt)
+                for b, held in zip(prompt, holds, strict=True):
+                    if held == 1 and count(b) == 1:
+                        set_fraction(b, decay_fraction)
             for b in state._outputs:
                 if count(b) == 1:
                     set_fraction(b, decay_fraction)
@@ -287,12 +310,12 @@ class ActiveSequences:
     ) -> None:
         """Put back an exported request (no expiry check, no prefill: see ``prefill.restore``).
 
-        Takes one block reference per prompt position, as if the request had been added.
+        Indexes and holds the prompt as if the request had been added.
         """
-        refcount = self.blocks.refcount
-        get = refcount.get
-        for h in prompt:
-            refcount[h] = get(h, 0) + 1
+        if prompt:
+            refcount = self.blocks.refcount
+            for edge in self.trie.add(self.key, prompt):
+                count_elements(refcount, edge)
         self.requests[request_id] = RequestState(prompt, started_at, eot)
 
     # -- reads -----------------------------------------------------------------------------
@@ -315,12 +338,21 @@ class ActiveSequences:
     def active_prompt_hashes(self) -> set[int]:
         return {h for st in self.requests.values() for h in st.prompt_blocks}
 
+    def block_references(self) -> dict[int, int]:
+        """Per present hash, how many prompt and output positions of active requests hold it
+        (the reference counts of SPEC §2.1; a full walk, for checks and tests)."""
+        out: dict[int, int] = {}
+        for st in self.requests.values():
+            count_elements(out, st.prompt_blocks)
+            count_elements(out, st.output_blocks)
+        return out
+
     def assert_consistent(self) -> None:
         self.prefill.assert_consistent()
-        expected: dict[int, int] = {}
+        expected = self.trie.held_positions(self.key)
         for st in self.requests.values():
-            for h in (*st.prompt_blocks, *st.output_blocks):
-                expected[h] = expected.get(h, 0) + 1
-        assert expected == self.blocks.refcount, "refcounts must equal the held references"
+            count_elements(expected, st.output_blocks)
+        assert expected == self.blocks.refcount, "block counts must equal the held positions"
+        assert set(expected) == set(self.block_references()), "present blocks differ"
         self.blocks.assert_consistent()
         assert set(self.prefill.prefills) <= set(self.requests)

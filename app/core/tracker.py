@@ -173,10 +173,8 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             self._requests.remove_on(removed)
             for w in change.removed:
                 self.publisher.observe_worker_removed(w, wt)
-                slot = self._slots.pop(w)
+                self._slots.pop(w).unindex_all()
                 del self._rank_keys[w]
-                for st in slot.requests.values():
-                    self._trie.remove(w, st.prompt_blocks)
                 del self._blocks[w]
         for w in change.added:
             self.publisher.observe_worker_registered(w, wt)
@@ -185,6 +183,8 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
                 self.clock,
                 expiry_ns=self.expiry_ns,
                 check_interval_ns=self.check_interval_ns,
+                trie=self._trie,
+                key=w,
             )
             self._blocks[w] = 0
             self._rank_keys[w] = w
@@ -250,8 +250,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         slot = self._slots[worker]
         for rid, prompt, started_at, eot, indexed, lora in requests:
             slot.restore_request(rid, prompt, started_at, eot)
-            if prompt:
-                self._trie.add(worker, prompt)
             if indexed:
                 self._requests.set(rid, worker, lora)
         slot.prefill.restore(prefills, anchor_since)
@@ -339,14 +337,9 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             now = self.clock()
             if slot.expiry_due(now):
                 self._after_expiry(worker, slot.force_expiry())
-            prompt = list(token_sequence) if token_sequence else []
-            if prompt:
-                # first: indexing swaps the prompt's ints for the index's equal ones, which are
-                # also the rank's refcount keys, so counting finds them by identity
-                self._trie.add(worker, prompt)
             slot.admit(
                 request_id,
-                prompt,
+                list(token_sequence) if token_sequence else [],
                 expected_output_tokens,
                 prefill_tokens if track_prefill_tokens else 0,
                 expected_prefill_duration_ns,
@@ -375,15 +368,10 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             )
 
     def _add_to_slot(self, slot, worker, rid, seq, eot, track, hint, decay_now, started_at):
-        duplicate = rid in slot.requests  # the slot logs and ignores it; keep the index as is
         outcome = slot.add_request_with_prefill_tracking(
             rid, seq, eot, track, hint, decay_now, started_at
         )
         self._after_expiry(worker, outcome)
-        if not duplicate:
-            prompt = slot.requests[rid].prompt_blocks
-            if prompt:
-                self._trie.add(worker, prompt)
         self._rank_changed(worker, slot)
 
     def _rank_changed(self, worker: WorkerWithDpRank, slot: ActiveSequences) -> None:
@@ -397,9 +385,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         self._columns.changed.add(worker)
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
-        for rid, prompt in outcome.expired_prompts.items():
-            if prompt:
-                self._trie.remove(worker, prompt)
+        for rid in outcome.expired_prompts:
             if self._requests.worker(rid) == worker:
                 self._requests.remove(rid)
 
@@ -423,9 +409,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         return True
 
     def _free_in_slot(self, slot, worker, request_id: str, decay_now: int) -> None:
-        st = slot.requests.get(request_id)
-        if st is not None and st.prompt_blocks:
-            self._trie.remove(worker, st.prompt_blocks)
         slot.release(request_id, decay_now)
         self._rank_changed(worker, slot)
 

@@ -322,7 +322,10 @@ def test_c01_shared_blocks_with_zero_token_hint_and_untracked_request() -> None:
     add(slot, "r4", [1, 2], PrefillLoadHint(100, None), t, track=False)
     assert (slot.active_blocks(), slot.active_tokens(t)) == (4, 16)
     assert len(slot.prefill) == 2
-    assert slot.blocks.refcount == {1: 3, 2: 3, 3: 2, 4: 2}
+    assert slot.block_references() == {1: 3, 2: 3, 3: 2, 4: 2}
+    # the block counts hold each position of the trie once: [1, 2] (r1, r3, r4), [3] below it
+    # (r1, r3), [4] below that (r3) and [4] at the root (r2)
+    assert slot.blocks.refcount == {1: 1, 2: 1, 3: 1, 4: 2}
 
     free(slot, "r4", t)
     free(slot, "r2", t)
@@ -341,7 +344,7 @@ def test_c02_fractional_decay_fractions_are_sticky() -> None:
     t = clock.now()
 
     add(slot, "r1", [1, 2, 3], tracking_hint(12), t)
-    assert slot.blocks.refcount == {1: 1, 2: 1, 3: 1}
+    assert slot.block_references() == {1: 1, 2: 1, 3: 1}
     assert slot.blocks.fraction == {}
     assert slot.active_blocks() == 3
 
@@ -351,7 +354,7 @@ def test_c02_fractional_decay_fractions_are_sticky() -> None:
     assert slot.active_blocks() == 2  # 4 - 4 + 4 * 0.5
 
     add(slot, "r2", [1, 2], tracking_hint(8), t)
-    assert slot.blocks.refcount == {1: 2, 2: 2, 3: 1, h1: 1}
+    assert slot.block_references() == {1: 2, 2: 2, 3: 1, h1: 1}
     assert slot.blocks.fraction == {1: 0.5, 2: 0.5, 3: 0.5, h1: 0.5}  # sticky when shared
     assert slot.active_blocks() == 2
 
