@@ -1,8 +1,14 @@
-"""Block reference counts of one worker rank, with fractional (decaying) blocks.
+"""Block counts of one worker rank, with fractional (decaying) blocks.
 
-A hash is *present* while at least one reference (a prompt or output block of an active request,
-duplicates counted) holds it. ``active_blocks`` counts present hashes, each weighted by its sticky
-decay fraction if it has one, rounded half away from zero like Rust's ``f64::round``.
+A hash is *present* while at least one hold keeps it: a position of a prompt node the rank
+holds (``ActiveSequences``) or an output block of an active request, duplicates counted.
+``active_blocks`` counts present hashes, each weighted by its sticky decay fraction if it has
+one, rounded half away from zero like Rust's ``f64::round``.
+
+Almost every hash is held exactly once (lineage-consistent hashes never repeat, and a prefix
+the rank already holds is not held again), so those live in a set and only the others in a
+count map: taking or dropping the holds of a run of hashes that none of the others touch is one
+set operation, done in C, instead of a Python step per hash.
 
 ``active_blocks`` runs after every lifecycle call, so it must not walk the fractional blocks: the
 tracker keeps the sum of all fractions as one exact integer (every finite double is a whole
@@ -16,7 +22,7 @@ the literal floating-point loop while it is present.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from .types import U64_MAX, round_half_away_from_zero_usize
@@ -32,38 +38,99 @@ def _scaled(fraction: float) -> int:
 
 
 class BlockTracker:
-    __slots__ = ("refcount", "_fraction", "_frac_sum", "_nonfinite")
+    __slots__ = ("_once", "_more", "_fraction", "_frac_sum", "_nonfinite")
 
     def __init__(self) -> None:
-        self.refcount: dict[int, int] = {}
+        self._once: set[int] = set()  # hashes held exactly once
+        self._more: dict[int, int] = {}  # hash -> holds, for hashes held twice or more
         self._fraction: dict[int, float] = {}
         self._frac_sum = 0  # sum of the finite fractions, scaled by 2^1074
         self._nonfinite = 0  # how many fractions are NaN or infinite
+
+    @property
+    def refcount(self) -> dict[int, int]:
+        """Holds per present hash (a copy, for checks and tests)."""
+        out = dict.fromkeys(self._once, 1)
+        out.update(self._more)
+        return out
 
     @property
     def fraction(self) -> Mapping[int, float]:
         """Read-only view of the fractional blocks (change them through ``set_fraction``)."""
         return MappingProxyType(self._fraction)
 
+    def hold(self, hashes: Sequence[int]) -> None:
+        """Take one hold per element of ``hashes``."""
+        once, more = self._once, self._more
+        if once.isdisjoint(hashes) and (not more or more.keys().isdisjoint(hashes)):
+            n = len(once)
+            once.update(hashes)
+            if len(once) - n == len(hashes):
+                return
+            once.difference_update(hashes)  # a hash repeats in ``hashes``: count them one by one
+        touch = self.touch
+        for h in hashes:
+            touch(h)
+
+    def unhold(self, hashes: Sequence[int]) -> None:
+        """Drop one hold per element of ``hashes`` (each held); a hash whose last hold goes
+        loses its fraction."""
+        more = self._more
+        if not more or more.keys().isdisjoint(hashes):
+            # all held once: a repeat in ``hashes`` would have put its hash in ``more``
+            self._once.difference_update(hashes)
+            if self._fraction:
+                drop_fraction = self.drop_fraction
+                for h in hashes:
+                    drop_fraction(h)
+            return
+        release = self.release_and_try_remove
+        for h in hashes:
+            release(h)
+
     def touch(self, h: int) -> bool:
-        """Take one reference; True when the hash became present."""
-        rc = self.refcount.get(h, 0)
-        self.refcount[h] = rc + 1
-        return rc == 0
+        """Take one hold; True when the hash became present."""
+        once = self._once
+        if h in once:
+            once.remove(h)
+            self._more[h] = 2
+            return False
+        c = self._more.get(h)
+        if c is None:
+            once.add(h)
+            return True
+        self._more[h] = c + 1
+        return False
 
     def release_and_try_remove(self, h: int) -> bool:
-        """Drop one reference; True when it was the last one (the hash and its fraction go)."""
-        rc = self.refcount[h] - 1
-        if rc:
-            self.refcount[h] = rc
-            return False
-        del self.refcount[h]
-        if self._fraction:
-            self.drop_fraction(h)
-        return True
+        """Drop one hold; True when it was the last one (the hash and its fraction go)."""
+        more = self._more
+        c = more.get(h)
+        if c is None:
+            self._once.remove(h)
+            if self._fraction:
+                self.drop_fraction(h)
+            return True
+        if c == 2:
+            del more[h]
+            self._once.add(h)
+        else:
+            more[h] = c - 1
+        return False
 
     def count(self, h: int) -> int:
-        return self.refcount.get(h, 0)
+        return 1 if h in self._once else self._more.get(h, 0)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._once or h in self._more
+
+    def first_absent(self, hashes: Sequence[int]) -> int:
+        """Index of the first hash of ``hashes`` that is not present, or -1."""
+        once, more = self._once, self._more
+        for i, h in enumerate(hashes):
+            if h not in once and h not in more:
+                return i
+        return -1
 
     def set_fraction(self, h: int, fraction: float) -> None:
         self.drop_fraction(h)
@@ -88,15 +155,16 @@ class BlockTracker:
 
     def active_blocks(self) -> int:
         fractions = self._fraction
+        present = len(self._once) + len(self._more)
         if not fractions:
-            return len(self.refcount)
+            return present
         if self._nonfinite:
-            count = float(len(self.refcount))
+            count = float(present)
             for frac in fractions.values():  # every fractional hash is present (see release)
                 count = count - 1.0 + frac
             return round_half_away_from_zero_usize(count)
         # every fractional hash is present, so it replaces its 1 in the count by its fraction
-        total = ((len(self.refcount) - len(fractions)) << _SCALE_BITS) + self._frac_sum
+        total = ((present - len(fractions)) << _SCALE_BITS) + self._frac_sum
         if total <= 0:
             return 0
         whole, rest = divmod(total, _ONE)
@@ -106,12 +174,14 @@ class BlockTracker:
 
     def assert_consistent(self) -> None:
         fractions = self._fraction.values()
-        assert set(self._fraction) <= set(self.refcount), "a fraction outlived its hash"
+        assert self._once.isdisjoint(self._more), "a hash is counted in both tiers"
+        assert all(c >= 2 for c in self._more.values()), "a hash held once sits in the map"
+        assert set(self._fraction) <= self.active_hashes(), "a fraction outlived its hash"
         assert self._nonfinite == sum(1 for f in fractions if not math.isfinite(f))
         assert self._frac_sum == sum(_scaled(f) for f in fractions if math.isfinite(f))
 
     def active_hashes(self) -> set[int]:
-        return set(self.refcount)
+        return self._once | self._more.keys()
 
     def is_empty(self) -> bool:
-        return not self.refcount and not self._fraction
+        return not self._once and not self._more and not self._fraction

@@ -134,8 +134,7 @@ class ActiveSequences:
         if track_prefill_tokens and prefill_load_hint is not None:
             tokens = prefill_load_hint.initial_effective_prefill_tokens
             duration_ns = prefill_load_hint.expected_prefill_duration_ns
-        refcount = self.blocks.refcount
-        first_new = next((i for i, h in enumerate(prompt) if h not in refcount), -1)
+        first_new = self.blocks.first_absent(prompt)
         self.admit(
             request_id,
             prompt,
@@ -171,9 +170,9 @@ class ActiveSequences:
         caller gives it up), holds the positions the rank did not hold yet and tracks
         ``prefill_tokens`` when positive."""
         if prompt:
-            refcount = self.blocks.refcount
+            hold = self.blocks.hold
             for edge in self.trie.add(self.key, prompt):
-                count_elements(refcount, edge)
+                hold(edge)
         if prefill_tokens > 0:
             self.prefill.add(request_id, prefill_tokens, duration_ns, decay_now)
         self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
@@ -192,9 +191,9 @@ class ActiveSequences:
         prompt = state.prompt_blocks
         if prompt:
             self._unhold(self.trie.remove(self.key, prompt))
-            refcount = self.blocks.refcount
+            blocks = self.blocks
             last = {h: i for i, h in enumerate(prompt)}
-            start = min((i for h, i in last.items() if h not in refcount), default=-1)
+            start = min((i for h, i in last.items() if h not in blocks), default=-1)
             if start >= 0:
                 delta.removes.append(PromptMembershipRemove(prompt[start:]))
         if state._outputs:
@@ -215,25 +214,9 @@ class ActiveSequences:
 
     def _unhold(self, edges: list) -> None:
         """Drop one hold per position of ``edges`` (what the trie says the rank let go of)."""
-        refcount = self.blocks.refcount
-        if self.blocks.has_fractions():
-            drop_fraction = self.blocks.drop_fraction
-            for edge in edges:
-                for h in edge:
-                    c = refcount[h] - 1
-                    if c:
-                        refcount[h] = c
-                    else:
-                        del refcount[h]
-                        drop_fraction(h)
-        else:
-            for edge in edges:
-                for h in edge:
-                    c = refcount[h] - 1
-                    if c:
-                        refcount[h] = c
-                    else:
-                        del refcount[h]
+        unhold = self.blocks.unhold
+        for edge in edges:
+            unhold(edge)
 
     def _release_outputs(self, state: RequestState) -> None:
         if state._outputs:
@@ -252,13 +235,16 @@ class ActiveSequences:
         self.prefill.remove(request_id, decay_now)
 
     def add_output_block(self, request_id: str, decay_fraction: float | None) -> int | None:
-        """Append a fresh random output block; returns its hash, or None if the request is unknown."""
+        """Append a fresh random output block; returns its hash, or None if the request is unknown.
+
+        (The seeds return None too when the new hash was already present, which their tracker
+        then reports as an unknown request; a known request always gets its hash here.)"""
         state = self.requests.get(request_id)
         if state is None:
             log.warning("Trying to add output block to non-existent request %s", request_id)
             return None
         h = self._rng.getrandbits(64)
-        became_present = self.blocks.touch(h)
+        self.blocks.touch(h)
         if state._outputs is None:
             state._outputs = [h]
         else:
@@ -276,7 +262,7 @@ class ActiveSequences:
             for b in state._outputs:
                 if count(b) == 1:
                     set_fraction(b, decay_fraction)
-        return h if became_present else None
+        return h
 
     def force_expiry(self) -> SequenceMutationOutcome:
         """Free requests older than the expiry, at most once per check interval."""
@@ -313,9 +299,9 @@ class ActiveSequences:
         Indexes and holds the prompt as if the request had been added.
         """
         if prompt:
-            refcount = self.blocks.refcount
+            hold = self.blocks.hold
             for edge in self.trie.add(self.key, prompt):
-                count_elements(refcount, edge)
+                hold(edge)
         self.requests[request_id] = RequestState(prompt, started_at, eot)
 
     # -- reads -----------------------------------------------------------------------------

@@ -167,3 +167,53 @@ def test_is_empty_tracks_references() -> None:
     bt.set_fraction(5, 0.5)
     bt.release_and_try_remove(5)
     assert bt.is_empty()
+
+
+def test_hold_and_unhold_a_run_of_fresh_hashes() -> None:
+    bt = BlockTracker()
+    bt.hold((1, 2, 3))
+    assert bt.refcount == {1: 1, 2: 1, 3: 1}
+    bt.hold((4, 5))
+    assert bt.active_blocks() == 5
+    bt.unhold((1, 2, 3))
+    assert bt.refcount == {4: 1, 5: 1}
+    bt.unhold((4, 5))
+    assert bt.is_empty()
+
+
+def test_hold_counts_repeats_inside_the_run_and_across_runs() -> None:
+    bt = BlockTracker()
+    bt.hold((7, 8, 7))  # a repeat inside one run
+    assert bt.refcount == {7: 2, 8: 1}
+    bt.hold((8, 9))  # 8 already held once
+    assert bt.refcount == {7: 2, 8: 2, 9: 1}
+    assert bt.active_blocks() == 3
+    bt.unhold((8, 9))
+    assert bt.refcount == {7: 2, 8: 1}
+    bt.unhold((7, 8, 7))
+    assert bt.is_empty()
+    bt.assert_consistent()
+
+
+def test_unhold_drops_the_fractions_of_the_hashes_that_go() -> None:
+    bt = BlockTracker()
+    bt.hold((1, 2))
+    bt.hold((2, 3))
+    bt.set_fraction(1, 0.5)
+    bt.set_fraction(2, 0.25)
+    bt.unhold((1, 2))  # 1 goes, 2 stays (held by the other run) and keeps its fraction
+    assert bt.refcount == {2: 1, 3: 1}
+    assert bt.fraction == {2: 0.25}
+    bt.assert_consistent()
+    bt.unhold((2, 3))  # the fast path (no hash held twice) drops fractions too
+    assert bt.fraction == {} and bt.is_empty()
+    bt.assert_consistent()
+
+
+def test_first_absent_and_membership() -> None:
+    bt = BlockTracker()
+    bt.hold((1, 2))
+    bt.touch(2)
+    assert 2 in bt and 1 in bt and 3 not in bt
+    assert bt.first_absent([1, 2, 3, 1]) == 2
+    assert bt.first_absent([2, 1]) == -1

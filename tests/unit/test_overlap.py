@@ -135,3 +135,20 @@ def test_lists_and_tuples_index_alike() -> None:
         by_list.remove(worker, hashes)
         by_tuple.remove(worker, hashes)
     assert by_list.is_empty() and len(by_list) == 0 and by_tuple.is_empty()
+
+
+def test_add_and_remove_report_the_edges_a_rank_starts_and_stops_holding() -> None:
+    a, b = WorkerWithDpRank(1, 0), WorkerWithDpRank(2, 0)
+    trie = PromptTrie()
+    assert [tuple(e) for e in trie.add(a, [1, 2, 3])] == [(1, 2, 3)]
+    assert [tuple(e) for e in trie.add(a, [1, 2, 3])] == []  # held already
+    # b shares the prefix [1, 2] (a split) and brings its own tail
+    assert [tuple(e) for e in trie.add(b, [1, 2, 9])] == [(1, 2), (9,)]
+    assert [tuple(e) for e in trie.add(a, [1, 2, 8, 8])] == [(8, 8)]
+    assert trie.holds_along(a, [1, 2, 3]) == [3, 3, 2]
+    assert trie.held_positions(a) == {1: 1, 2: 1, 3: 1, 8: 2}
+    assert [tuple(e) for e in trie.remove(a, [1, 2, 8, 8])] == [(8, 8)]
+    assert [tuple(e) for e in trie.remove(a, [1, 2, 3])] == []  # a's other prompt holds on
+    assert [tuple(e) for e in trie.remove(a, [1, 2, 3])] == [(1, 2), (3,)]
+    assert [tuple(e) for e in trie.remove(b, [1, 2, 9])] == [(1, 2), (9,)]
+    assert trie.is_empty() and len(trie) == 0
