@@ -41,9 +41,6 @@ class _Solo(dict):
     __slots__ = ()
 
 
-_EMPTY = _Solo()  # the holders of a node about to be dropped
-
-
 class _Node:
     __slots__ = ("edge", "lo", "children", "workers")
 
@@ -151,44 +148,46 @@ class PromptTrie:
 
     def remove(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[Sequence[int]]:
         """Unindex one prompt ``add`` indexed for ``worker``; returns the edges ``worker`` no
-        longer holds (the counterpart of what ``add`` returns)."""
+        longer holds (the counterpart of what ``add`` returns).
+
+        A node held by more than one prompt keeps a holder, so only nodes this prompt alone
+        holds go, and those are the end of its path: a node's holders include its children's,
+        so below the first one every node on the path is this prompt's alone too. That part
+        is cut off in one step and is returned as one run of hashes."""
         node = self.root
         i, n = 0, len(prompt)
-        path: list[tuple[_Node, _Node, int]] = []
         lost: list[Sequence[int]] = []
         while i < n:
             key = prompt[i]
-            child = node.children[key]  # type: ignore[index]
+            children = node.children
+            child = children[key]  # type: ignore[index]
             workers = child.workers
-            edge = child.edge
-            lo = child.lo
-            if type(workers) is _Solo:  # held by this prompt only
-                child.workers = _EMPTY
-                lost.append(edge[lo:] if lo else edge)
+            if type(workers) is _Solo:  # held by this prompt only, and so is all below it
+                del children[key]  # type: ignore[index]
+                if not children:
+                    node.children = None
+                gone = 1
+                while child.children:
+                    (child,) = child.children.values()
+                    gone += 1
+                self._nodes -= gone
+                lost.append(prompt[i:])
+                return lost
+            # held by two prompts or more (a dict): one holder at least stays
+            c = workers[worker] - 1
+            if c:
+                workers[worker] = c
+                if c == 1 and len(workers) == 1:
+                    child.workers = self._solo(worker)  # back to one prompt: share the map
             else:
-                # back to a single holding prompt: share the rank's map again
-                c = workers[worker] - 1
-                if c:
-                    workers[worker] = c
-                    if c == 1 and len(workers) == 1:
-                        child.workers = self._solo(worker)
-                else:
-                    del workers[worker]
-                    lost.append(edge)  # a tuple: a view is held by one prompt only
-                    if len(workers) == 1:
-                        ((only, count),) = workers.items()
-                        if count == 1:
-                            child.workers = self._solo(only)
-            path.append((node, child, key))
-            i += len(edge) - lo
+                del workers[worker]
+                lost.append(child.edge)  # a tuple: a view is held by one prompt only
+                if len(workers) == 1:
+                    ((only, count),) = workers.items()
+                    if count == 1:
+                        child.workers = self._solo(only)
+            i += len(child.edge)
             node = child
-        for parent, child, key in reversed(path):
-            if child.workers:
-                break
-            del parent.children[key]  # type: ignore[union-attr]
-            if not parent.children:
-                parent.children = None
-            self._nodes -= 1
         return lost
 
     def holds_along(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[int]:
@@ -274,7 +273,6 @@ class PromptTrie:
         """Shared holder maps are intact, views belong to solo nodes, the node count is right."""
         for worker, solo in self._solos.items():
             assert type(solo) is _Solo and solo == {worker: 1}, f"shared map of {worker} changed"
-        assert not _EMPTY, "the empty holder map was written to"
         stack = list((self.root.children or {}).items())
         count = 0
         while stack:
@@ -283,6 +281,8 @@ class PromptTrie:
             edge = _ints(node)
             assert edge and edge[0] == key, "a child is filed under its edge's first hash"
             assert node.workers, "an empty node was left in the trie"
+            if type(node.workers) is not _Solo:
+                assert sum(node.workers.values()) >= 2, "one prompt's node has its own map"
             if type(node.edge) is tuple:
                 assert node.lo == 0
             else:

@@ -185,10 +185,19 @@ class PrefillLoadTracker:
             self.anchor_since = decay_now
 
     def remove(self, request_id: str, decay_now: int) -> PrefillLoadState | None:
+        """Stop tracking a prefill; returns its state (None when it was not tracked)."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        self.discard(request_id, decay_now)
+        return _state(entry)
+
+    def discard(self, request_id: str, decay_now: int) -> None:
+        """``remove`` without building the returned state (the lifecycle hot path)."""
         entries = self._entries
         entry = entries.pop(request_id, None)
         if entry is None:
-            return None
+            return
         if type(entry) is int:
             tokens, duration = entry, None
             self.unmodeled_count -= 1
@@ -216,7 +225,7 @@ class PrefillLoadTracker:
                 self._stale.clear()
                 self.anchor_rid = None
                 self.anchor_since = 0
-            return _state(entry)
+            return
         stale = self._stale
         stale[request_id] = stale.get(request_id, 0) + 1
         if len(queue) > 2 * len(entries) + 32:
@@ -227,7 +236,6 @@ class PrefillLoadTracker:
             # Anchor credit: the freed prefill's modeled time no longer needs to elapse.
             since = self.anchor_since + duration
             self.anchor_since = since if since < decay_now else decay_now
-        return _state(entry)
 
     def entries(self) -> list[tuple[str, int, int | None]]:
         """``(request_id, tokens, duration_ns)`` of every tracked prefill, oldest first."""

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 EXPIRY_DURATION_NS = 300 * NS_PER_S
 CHECK_EXPIRY_FREQUENCY_NS = 30 * NS_PER_S
+_NEVER = 1 << 64  # a time no monotonic clock in nanoseconds reaches
 
 Clock = Callable[[], int]
 
@@ -81,6 +82,7 @@ class ActiveSequences:
         "expiry_ns",
         "check_interval_ns",
         "last_expiry_check",
+        "next_expiry_check",
         "_rng",
     )
 
@@ -106,6 +108,7 @@ class ActiveSequences:
         self.expiry_ns = expiry_ns
         self.check_interval_ns = check_interval_ns
         self.last_expiry_check = clock()
+        self.next_expiry_check = self._next_check()
         self._rng = rng or random.Random()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -152,8 +155,14 @@ class ActiveSequences:
         return outcome
 
     def expiry_due(self, now: int) -> bool:
-        """Whether ``force_expiry`` would run its sweep now (the cheap rate check)."""
-        return self.expiry_ns is not None and now >= self.last_expiry_check + self.check_interval_ns
+        """Whether ``force_expiry`` would run its sweep now (the cheap rate check, which the
+        lifecycle hot path reads as ``now >= next_expiry_check``)."""
+        return now >= self.next_expiry_check
+
+    def _next_check(self) -> int:
+        if self.expiry_ns is None:
+            return _NEVER
+        return self.last_expiry_check + self.check_interval_ns
 
     def admit(
         self,
@@ -183,15 +192,16 @@ class ActiveSequences:
         The delta removes the prompt from the first position whose hash stopped being present
         (the last occurrence in the prompt of a hash that went) to its end."""
         delta = PromptMembershipDelta()
-        self.prefill.remove(request_id, decay_now)
+        self.prefill.discard(request_id, decay_now)
         state = self.requests.pop(request_id, None)
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return delta
         prompt = state.prompt_blocks
         if prompt:
-            self._unhold(self.trie.remove(self.key, prompt))
             blocks = self.blocks
+            for edge in self.trie.remove(self.key, prompt):
+                blocks.unhold(edge)
             last = {h: i for i, h in enumerate(prompt)}
             start = min((i for h, i in last.items() if h not in blocks), default=-1)
             if start >= 0:
@@ -202,21 +212,17 @@ class ActiveSequences:
 
     def release(self, request_id: str, decay_now: int) -> None:
         """``free`` without building the membership delta (the lifecycle hot path)."""
-        self.prefill.remove(request_id, decay_now)
+        self.prefill.discard(request_id, decay_now)
         state = self.requests.pop(request_id, None)
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return
         if state.prompt_blocks:
-            self._unhold(self.trie.remove(self.key, state.prompt_blocks))
+            unhold = self.blocks.unhold
+            for edge in self.trie.remove(self.key, state.prompt_blocks):
+                unhold(edge)  # positions the rank no longer holds
         if state._outputs:
             self._release_outputs(state)
-
-    def _unhold(self, edges: list) -> None:
-        """Drop one hold per position of ``edges`` (what the trie says the rank let go of)."""
-        unhold = self.blocks.unhold
-        for edge in edges:
-            unhold(edge)
 
     def _release_outputs(self, state: RequestState) -> None:
         if state._outputs:
@@ -232,7 +238,7 @@ class ActiveSequences:
                 remove(key, st.prompt_blocks)
 
     def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
-        self.prefill.remove(request_id, decay_now)
+        self.prefill.discard(request_id, decay_now)
 
     def add_output_block(self, request_id: str, decay_fraction: float | None) -> int | None:
         """Append a fresh random output block; returns its hash, or None if the request is unknown.
@@ -273,6 +279,7 @@ class ActiveSequences:
         if now < self.last_expiry_check + self.check_interval_ns:
             return outcome
         self.last_expiry_check = now
+        self.next_expiry_check = self._next_check()
         cutoff = now - self.expiry_ns
         expired = [rid for rid, st in self.requests.items() if st.started_at < cutoff]
         for rid in expired:

@@ -335,7 +335,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             )
         else:
             now = self.clock()
-            if slot.expiry_due(now):
+            if now >= slot.next_expiry_check:  # slot.expiry_due(now), without the call
                 self._after_expiry(worker, slot.force_expiry())
             slot.admit(
                 request_id,
@@ -392,16 +392,14 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
     def free(self, request_id: str, decay_now: int) -> bool:
         """Free a request; unknown or already freed ids are a silent no-op (False)."""
         requests = self._requests
-        worker = requests.workers.get(request_id)
+        lora = requests.loras.get(request_id) if self.replica_sync else None
+        worker = requests.remove(request_id)
         if worker is None:
             return False
-        lora = requests.loras.get(request_id)
         slot = self._slots.get(worker)
         if slot is None:
-            requests.remove(request_id)
             return True
         self._free_in_slot(slot, worker, request_id, decay_now)
-        requests.remove(request_id)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
