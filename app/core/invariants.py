@@ -14,17 +14,16 @@ if TYPE_CHECKING:
 
 
 def assert_consistent(t: ActiveSequencesMultiWorker) -> None:
-    slots, blocks = t.slots, t.blocks
-    assert set(slots) == t.table.slots == set(blocks)
+    slots = t.slots
+    assert set(slots) == t.table.slots
     fresh = PromptTrie()
     for w, s in slots.items():
         s.assert_consistent()
-        assert blocks[w] == s.active_blocks(), f"stale block count for {w}"
         for st in s.requests.values():
             if st.prompt_blocks:
                 fresh.add(w, st.prompt_blocks)
     assert fresh.expanded() == t.trie.expanded(), "overlap index out of sync"
-    t.columns.assert_fresh(slots, blocks)
+    t.columns.assert_fresh(slots)
     for rid, w in t.request_worker.items():
         if w in slots:
             assert rid in slots[w].requests, f"{rid} mapped to {w} but not active there"

@@ -20,9 +20,7 @@ RankLoadRow = tuple[int, int, int, int, int, int | None]
 Slots = dict[WorkerWithDpRank, ActiveSequences]
 
 
-def rank_rows(
-    workers: list[WorkerWithDpRank], slots: Slots, blocks: dict[WorkerWithDpRank, int], now: int
-) -> list[RankLoadRow]:
+def rank_rows(workers: list[WorkerWithDpRank], slots: Slots, now: int) -> list[RankLoadRow]:
     rows = []
     for w in workers:
         s = slots[w]
@@ -35,7 +33,7 @@ def rank_rows(
                 w.worker_id,
                 w.dp_rank,
                 s.prefill.active_tokens(now),
-                blocks[w],
+                s.blocks.active_blocks(),
                 len(s.requests),
                 modeled,
             )
@@ -67,13 +65,13 @@ class LoadColumns:
         self.decaying: dict[int, ActiveSequences] = {}  # rank index -> its sequences
         self.changed: set[WorkerWithDpRank] = set(workers)
 
-    def refresh(self, slots: Slots, blocks: dict[WorkerWithDpRank, int]) -> None:
+    def refresh(self, slots: Slots) -> None:
         """Bring the changed ranks up to date."""
         index, decaying = self.index, self.decaying
         for w in self.changed:
             i = index[w]
             s = slots[w]
-            self.blocks[i] = blocks[w]
+            self.blocks[i] = s.blocks.active_blocks()
             self.requests[i] = len(s.requests)
             tokens = s.prefill.static_tokens()
             if tokens is None:
@@ -99,14 +97,14 @@ class LoadColumns:
             decode[index[w]] -= k
         return self.workers, prefill, decode, self.requests[:]
 
-    def assert_fresh(self, slots: Slots, blocks: dict[WorkerWithDpRank, int]) -> None:
+    def assert_fresh(self, slots: Slots) -> None:
         """Every rank not marked changed holds its current values (a missed mark fails here)."""
         assert self.workers == sorted(slots), "columns kept after a topology change"
         for w, i in self.index.items():
             if w in self.changed:
                 continue
             s = slots[w]
-            assert self.blocks[i] == blocks[w], f"stale block count of {w} in the columns"
+            assert self.blocks[i] == s.blocks.active_blocks(), f"stale block count of {w}"
             assert self.requests[i] == len(s.requests), f"stale request count of {w}"
             static = s.prefill.static_tokens()
             assert (i in self.decaying) == (static is None), f"stale decay state of {w}"

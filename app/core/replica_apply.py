@@ -82,7 +82,7 @@ class ReplicaApplyMixin:
         if slot is None:
             return False
         slot.mark_prefill_completed(rid, decay_now)
-        self._prefill_changed(worker)
+        self._columns.changed.add(worker)
         effects.record(worker, False)
         effects.wake = True
         return True

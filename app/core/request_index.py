@@ -43,6 +43,13 @@ class RequestIndex:
             self.loras[request_id] = lora
             self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1
 
+    def add(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
+        """``set`` for an id that is not mapped (the lifecycle hot path)."""
+        self.workers[request_id] = worker
+        if lora is not None:
+            self.loras[request_id] = lora
+            self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1
+
     def remove(self, request_id: str) -> WorkerWithDpRank | None:
         """Forget the id; returns the rank it mapped to (None when unknown)."""
         worker = self.workers.pop(request_id, None)

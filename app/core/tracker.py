@@ -104,8 +104,9 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         self._slots: dict[WorkerWithDpRank, ActiveSequences] = {}
         # (worker_id, dp_rank) -> the rank's one WorkerWithDpRank, which every request shares
         self._rank_keys: dict[tuple[int, int], WorkerWithDpRank] = {}
-        self._blocks: dict[WorkerWithDpRank, int] = {}  # read model: active blocks per rank
-        self._columns = LoadColumns([])  # read model: every rank's load, for queries
+        # read model: every rank's load, for queries; any change to a rank marks it in
+        # ``_columns.changed`` (its block count is read from its sequences, kept in O(1))
+        self._columns = LoadColumns([])
         self._trie = PromptTrie()
         self._requests = RequestIndex()
         self.remote_state_update_count = 0
@@ -175,7 +176,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
                 self.publisher.observe_worker_removed(w, wt)
                 self._slots.pop(w).unindex_all()
                 del self._rank_keys[w]
-                del self._blocks[w]
         for w in change.added:
             self.publisher.observe_worker_registered(w, wt)
             self._slots[w] = ActiveSequences(
@@ -186,7 +186,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
                 trie=self._trie,
                 key=w,
             )
-            self._blocks[w] = 0
             self._rank_keys[w] = w
         if not change.is_empty():
             self._columns = LoadColumns(self.workers())
@@ -253,12 +252,12 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             if indexed:
                 self._requests.set(rid, worker, lora)
         slot.prefill.restore(prefills, anchor_since)
-        self._rank_changed(worker, slot)
+        self._columns.changed.add(worker)
 
     # -- inspection (tests and invariant checks read these; nothing may write them) ---------
 
     slots = property(lambda self: self._slots, doc="dict[WorkerWithDpRank, ActiveSequences]")
-    blocks = property(lambda self: self._blocks, doc="dict[WorkerWithDpRank, int]")
+    blocks = property(lambda self: self.active_blocks(), doc="dict[WorkerWithDpRank, int]")
     table = property(lambda self: self._table, doc="WorkerTable")
     trie = property(lambda self: self._trie, doc="PromptTrie")
     columns = property(lambda self: self._columns, doc="LoadColumns")
@@ -328,7 +327,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         existing = requests.workers.get(request_id)
         if existing is not None:
             raise DuplicateRequest(request_id, existing)
-        requests.set(request_id, worker, lora_name)
+        requests.add(request_id, worker, lora_name)
         if request_id in slot.requests:  # the slot logs and ignores it; keep the index as is
             slot.add_request_with_prefill_tracking(
                 request_id, token_sequence, expected_output_tokens, False, None, decay_now
@@ -346,7 +345,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
                 decay_now,
                 now,
             )
-            self._rank_changed(worker, slot)
+            self._columns.changed.add(worker)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
@@ -372,16 +371,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             rid, seq, eot, track, hint, decay_now, started_at
         )
         self._after_expiry(worker, outcome)
-        self._rank_changed(worker, slot)
-
-    def _rank_changed(self, worker: WorkerWithDpRank, slot: ActiveSequences) -> None:
-        """The one step after any change to a rank's requests or blocks: its active-block
-        count and its load columns follow."""
-        self._blocks[worker] = slot.blocks.active_blocks()
-        self._columns.changed.add(worker)
-
-    def _prefill_changed(self, worker: WorkerWithDpRank) -> None:
-        """The one step after a change to a rank's prefills alone (its blocks stay)."""
         self._columns.changed.add(worker)
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
@@ -408,7 +397,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
 
     def _free_in_slot(self, slot, worker, request_id: str, decay_now: int) -> None:
         slot.release(request_id, decay_now)
-        self._rank_changed(worker, slot)
+        self._columns.changed.add(worker)
 
     def _resolve(self, request_id: str) -> tuple[WorkerWithDpRank, ActiveSequences]:
         worker = self._requests.worker(request_id)
@@ -424,7 +413,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         worker, slot = self._resolve(request_id)
         lora = self._requests.lora(request_id)
         slot.mark_prefill_completed(request_id, decay_now)
-        self._prefill_changed(worker)
+        self._columns.changed.add(worker)
         self._publish_worker_load(worker, slot, decay_now)
         if self.replica_sync:
             self._enqueue(
@@ -439,7 +428,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         h = slot.add_output_block(request_id, decay_fraction)
         if h is None:
             raise RequestNotFound(request_id)
-        self._rank_changed(worker, slot)
+        self._columns.changed.add(worker)
         self._publish_worker_load(worker, slot, self.clock())
         return h
 
@@ -452,7 +441,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             if not outcome.expired_request_ids:
                 continue
             self._after_expiry(worker, outcome)
-            self._rank_changed(worker, slot)
+            self._columns.changed.add(worker)
             self._publish_worker_load(worker, slot, now)
             expired.extend(outcome.expired_request_ids)
         return expired
@@ -460,7 +449,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
     # -- publication -----------------------------------------------------------------------
 
     def _load_of(self, worker: WorkerWithDpRank, slot: ActiveSequences, now: int) -> ActiveLoad:
-        blocks = self._blocks[worker]
+        blocks = slot.blocks.active_blocks()
         tokens = slot.active_tokens(now)
         self.publisher.observe_load(worker, self._worker_type, blocks, tokens)
         return ActiveLoad(worker.worker_id, worker.dp_rank, blocks, tokens, None)
@@ -481,7 +470,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
     # -- queries ---------------------------------------------------------------------------
 
     def active_blocks(self) -> dict[WorkerWithDpRank, int]:
-        return dict(self._blocks)
+        return {w: s.blocks.active_blocks() for w, s in self._slots.items()}
 
     def active_tokens(self, decay_now: int) -> dict[WorkerWithDpRank, int]:
         return {w: s.prefill.active_tokens(decay_now) for w, s in self._slots.items()}
@@ -580,12 +569,12 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         over = self.overlaps(token_sequence)
         columns = self._columns
         if columns.changed:
-            columns.refresh(self._slots, self._blocks)
+            columns.refresh(self._slots)
         return columns.columns(over, q_len, extra_tokens, decay_now)
 
     def rank_loads(self, now: int) -> list[RankLoadRow]:
         """Per rank, sorted: its load now (``loads.rank_rows``)."""
-        return rank_rows(self.workers(), self._slots, self._blocks, now)
+        return rank_rows(self.workers(), self._slots, now)
 
     def project_worker_loads(
         self, token_sequence: list[int] | None, decay_now: int
@@ -594,7 +583,9 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         over = self.overlaps(token_sequence)
         return {
             w: WorkerLoadProjection(
-                s.prefill.active_tokens(decay_now), self._blocks[w], q_len - over.get(w, 0)
+                s.prefill.active_tokens(decay_now),
+                s.blocks.active_blocks(),
+                q_len - over.get(w, 0),
             )
             for w, s in self._slots.items()
         }
