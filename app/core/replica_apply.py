@@ -70,7 +70,8 @@ class ReplicaApplyMixin:
             slot = self._slots.get(worker)
             if slot is None:
                 return True
-            self._free_in_slot(slot, worker, rid, decay_now)
+            slot.release(rid, decay_now)
+            self._columns.changed.add(worker)
             effects.record(worker, True)
             effects.wake = True
             effects.cleanup = True

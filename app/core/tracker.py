@@ -388,16 +388,13 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         slot = self._slots.get(worker)
         if slot is None:
             return True
-        self._free_in_slot(slot, worker, request_id, decay_now)
+        slot.release(request_id, decay_now)
+        self._columns.changed.add(worker)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
             self._enqueue(ActiveSequenceEvent(request_id, worker, FREE, self.router_id, lora))
         return True
-
-    def _free_in_slot(self, slot, worker, request_id: str, decay_now: int) -> None:
-        slot.release(request_id, decay_now)
-        self._columns.changed.add(worker)
 
     def _resolve(self, request_id: str) -> tuple[WorkerWithDpRank, ActiveSequences]:
         worker = self._requests.worker(request_id)

@@ -265,13 +265,14 @@ class Operations:
         add, free = service.add_fields, service.free_fields
         results = []
         append = results.append
+        batch_free, batch_add = p.BatchFree, p.BatchAdd
         for o in ops:
             kind = type(o)
             try:
-                if kind is p.BatchFree:
+                if kind is batch_free:
                     free(o.model_name, o.routing_group, o.request_id)
                     append(_DONE)
-                elif kind is p.BatchAdd:
+                elif kind is batch_add:
                     add(o.model_name, o.routing_group, o.sequence_hashes, o.token_ids,
                         o.lora_name, o.request_id, o.worker_id, o.dp_rank, o.new_isl_tokens,
                         o.expected_prefill_ms, o.track_prefill_tokens,
