@@ -116,12 +116,13 @@ def no_bools(raw: bytes, span: tuple[int, int] | None = None) -> bool:
     return b"true" not in rest and b"false" not in rest
 
 
-def prompt_object(raw: bytes, keys: frozenset[str]) -> tuple[dict[str, Any], bool] | None:
-    """``plain_object`` of a body that carries a prompt, and ``no_bools`` of it, with the span
-    of its numbers found once for both."""
+def prompt_object(raw: bytes, keys: frozenset[str]) -> tuple[dict[str, Any], bool, bool] | None:
+    """``plain_object`` of a body that carries a prompt, ``no_bools`` of it (with the span of
+    its numbers found once for both), and whether it has a minus sign (without one no hash is
+    negative, and ``hashes_u64`` has nothing to do)."""
     span = number_span(raw)
     d = plain_object(raw, keys, span)
-    return None if d is None else (d, no_bools(raw, span))
+    return None if d is None else (d, no_bools(raw, span), b"-" in raw)
 
 
 def hashes_u64(hashes: list[int] | None) -> list[int] | None:
@@ -157,7 +158,7 @@ def request_fields(d: dict[str, Any]) -> Fields | None:
     return model, group, rid
 
 
-def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
+def add_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> Fields | None:
     """An add's fields in ``SlotTrackerService.add_fields`` order, hashes already unsigned;
     the caller checked the key set."""
     model = d.get("model_name")
@@ -175,7 +176,7 @@ def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
         or not 0 <= rank <= U32_MAX
     ):
         return None
-    prompt = prompt_fields(d, no_bool)
+    prompt = prompt_fields(d, no_bool, signed)
     if prompt is None:
         return None
     hashes, tokens = prompt
@@ -196,20 +197,21 @@ def add_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
     return model, group, hashes, tokens, lora, rid, wid, rank, isl, ms, track, eot
 
 
-def prompt_fields(d: dict[str, Any], no_bool: bool) -> tuple[Any, Any] | None:
-    """``(sequence_hashes, token_ids)``, exactly one of them given (hashes made unsigned)."""
+def prompt_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> tuple[Any, Any] | None:
+    """``(sequence_hashes, token_ids)``, exactly one of them given (hashes made unsigned;
+    ``signed``: whether any may be negative)."""
     hashes = d.get("sequence_hashes", _ABSENT)  # an explicit null is invalid here
     tokens = d.get("token_ids", _ABSENT)
     if hashes is not _ABSENT:
         if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
             return None  # both forms: the validating path answers with the reference's text
-        return hashes_u64(hashes), None
+        return (hashes_u64(hashes) if signed else hashes), None
     if tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
         return None
     return None, tokens
 
 
-def potential_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
+def potential_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> Fields | None:
     """``(model_name, routing_group, sequence_hashes, token_ids, lora_name, new_isl_tokens)``
     of a potential-loads body; the caller checked the key set."""
     model = d.get("model_name")
@@ -224,7 +226,7 @@ def potential_fields(d: dict[str, Any], no_bool: bool) -> Fields | None:
         or (lora is not None and type(lora) is not str)
     ):
         return None
-    prompt = prompt_fields(d, no_bool)
+    prompt = prompt_fields(d, no_bool, signed)
     if prompt is None:
         return None
     return model, group, prompt[0], prompt[1], lora, isl
@@ -305,6 +307,7 @@ def batch_operations(raw: bytes) -> list[BatchOperation] | None:
         ops = _decode_batch(raw).operations
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
+    signed = b"-" in raw  # without a minus sign no hash is negative: nothing to reinterpret
     for o in ops:
         if type(o) is BatchAdd:
             if o.worker_id > U64_MAX or o.new_isl_tokens > U64_MAX:
@@ -318,5 +321,6 @@ def batch_operations(raw: bytes) -> list[BatchOperation] | None:
                 if tokens is not UNSET:
                     return None  # both forms: the validating path answers
                 o.token_ids = None
-                o.sequence_hashes = hashes_u64(hashes)  # type: ignore[arg-type]
+                if signed:
+                    o.sequence_hashes = hashes_u64(hashes)  # type: ignore[arg-type]
     return ops

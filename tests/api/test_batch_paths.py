@@ -364,8 +364,31 @@ def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
                 d = plain_body.plain_object(raw, plain_body.ADD_KEYS, span)
                 assert (d is not None) is unique_keys, raw
             found = plain_body.prompt_object(raw, plain_body.ADD_KEYS)
-            assert found == (None if not unique_keys else (json.loads(raw), no_bool)), raw
+            expected = (json.loads(raw), no_bool, b"-" in raw) if unique_keys else None
+            assert found == expected, raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
     potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
     assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
     assert fresh().get("potential_loads")(potential)[0] == 422
+
+
+def test_negative_hashes_are_unsigned_whether_or_not_the_body_has_a_minus_sign() -> None:
+    """The plain paths skip the sign conversion for bodies without a ``-``; a body with one,
+    in a hash or elsewhere, still gets every negative hash reinterpreted as unsigned."""
+    top = 2**64 - 1
+    for negative, rid in ((False, "a"), (False, "a-1"), (True, "a"), (True, "a-1")):
+        hashes = [-1, 5] if negative else [7, 5]
+        add = {"model_name": "m", "request_id": rid, "worker_id": 1, "dp_rank": 0,
+               "sequence_hashes": hashes}  # fmt: skip
+        expected = [top, 5] if negative else [7, 5]
+        single, batched = fresh(), fresh()
+        assert single.get("add")(json.dumps(add).encode())[0] == 201
+        batch = {"operations": [{"op": "add", **add}]}
+        assert batched.batch(json.dumps(batch).encode())[1] == b'{"results":[{"status":201}]}'
+        for ops in (single, batched):
+            t = ops.service.registry.get(("m", "default"))
+            assert t.slots[t.worker_for(rid)].requests[rid].prompt_blocks == expected
+            # a query with the same signed hashes overlaps the whole prompt
+            query = json.dumps({"model_name": "m", "sequence_hashes": hashes}).encode()
+            assert t.overlaps(expected) == {t.worker_for(rid): 2}
+            assert ops.get("potential_loads")(query)[0] == 200
