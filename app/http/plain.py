@@ -125,9 +125,11 @@ def prompt_object(raw: bytes, keys: frozenset[str]) -> tuple[dict[str, Any], boo
     return None if d is None else (d, no_bools(raw, span), b"-" in raw)
 
 
-def hashes_u64(hashes: list[int] | None) -> list[int] | None:
-    """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned."""
-    if not hashes or min(hashes) >= 0:
+def hashes_u64(hashes: list[int] | None, look: bool = True) -> list[int] | None:
+    """The API's signed 64-bit hashes reinterpreted bit for bit as unsigned. ``look``: first
+    check whether any is negative (``min`` compares every hash; a caller that saw a minus sign
+    in the body skips it, since then one almost always is)."""
+    if not hashes or (look and min(hashes) >= 0):
         return hashes
     return [h & U64_MAX if h < 0 else h for h in hashes]
 
@@ -205,7 +207,7 @@ def prompt_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> tupl
     if hashes is not _ABSENT:
         if tokens is not _ABSENT or not _ints(hashes, "q", _I64_MIN, _I64_MAX, no_bool):
             return None  # both forms: the validating path answers with the reference's text
-        return (hashes_u64(hashes) if signed else hashes), None
+        return (hashes_u64(hashes, look=False) if signed else hashes), None
     if tokens is _ABSENT or not _ints(tokens, "I", 0, U32_MAX, no_bool):
         return None
     return None, tokens
@@ -322,5 +324,5 @@ def batch_operations(raw: bytes) -> list[BatchOperation] | None:
                     return None  # both forms: the validating path answers
                 o.token_ids = None
                 if signed:
-                    o.sequence_hashes = hashes_u64(hashes)  # type: ignore[arg-type]
+                    o.sequence_hashes = hashes_u64(hashes, look=False)  # type: ignore[arg-type]
     return ops

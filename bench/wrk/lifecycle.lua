@@ -2,7 +2,10 @@
 -- Each add is freed 64 calls later, so ~32 requests stay active and every free finds its add.
 local n = 0
 local prefix = {}
-for i = 1, 16 do prefix[i] = tostring(1000003 * i) end
+-- WRK_SIGNED=1: every hash negative (on the wire hashes are signed 64-bit numbers, and a real
+-- prompt has about half of them negative)
+local sign = (os.getenv("WRK_SIGNED") == "1") and "-" or ""
+for i = 1, 16 do prefix[i] = sign .. tostring(1000003 * i) end
 local prefix_json = table.concat(prefix, ",")
 local headers = { ["Content-Type"] = "application/json" }
 local tag = os.getenv("WRK_TAG") or "w"
@@ -12,7 +15,7 @@ request = function()
   local k = math.floor(n / 2)
   if n % 2 == 0 then
     local tail = {}
-    for i = 1, 16 do tail[i] = tostring(k * 64 + i) end
+    for i = 1, 16 do tail[i] = sign .. tostring(k * 64 + i) end
     local rank = k % 64
     local body = '{"model_name":"bench","request_id":"' .. tag .. k ..
       '","worker_id":' .. math.floor(rank / 4) .. ',"dp_rank":' .. (rank % 4) ..
