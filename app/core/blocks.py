@@ -6,9 +6,11 @@ holds (``ActiveSequences``) or an output block of an active request, duplicates 
 one, rounded half away from zero like Rust's ``f64::round``.
 
 Almost every hash is held exactly once (lineage-consistent hashes never repeat, and a prefix
-the rank already holds is not held again), so those live in a set and only the others in a
-count map: taking or dropping the holds of a run of hashes that none of the others touch is one
-set operation, done in C, instead of a Python step per hash.
+the rank already holds is not held again). The tracker keeps the few held more than once in a
+small set beside the counts, so taking or dropping the holds of a run of hashes that none of
+those touch runs in C (Counter's counting helper; ``dict.pop`` mapped over the run) instead of
+a Python step per hash. (A set of the hashes held once would be as fast, but a set's table
+takes about twice a dict's memory for the same keys.)
 
 ``active_blocks`` runs after every lifecycle call, so it must not walk the fractional blocks: the
 tracker keeps the sum of all fractions as one exact integer (every finite double is a whole
@@ -22,6 +24,8 @@ the literal floating-point loop while it is present.
 from __future__ import annotations
 
 import math
+from collections import _count_elements as count_elements  # type: ignore[attr-defined]
+from collections import deque
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
@@ -38,21 +42,14 @@ def _scaled(fraction: float) -> int:
 
 
 class BlockTracker:
-    __slots__ = ("_once", "_more", "_fraction", "_frac_sum", "_nonfinite")
+    __slots__ = ("refcount", "_more", "_fraction", "_frac_sum", "_nonfinite")
 
     def __init__(self) -> None:
-        self._once: set[int] = set()  # hashes held exactly once
-        self._more: dict[int, int] = {}  # hash -> holds, for hashes held twice or more
+        self.refcount: dict[int, int] = {}  # holds per present hash (read it, never write it)
+        self._more: set[int] = set()  # the hashes held twice or more
         self._fraction: dict[int, float] = {}
         self._frac_sum = 0  # sum of the finite fractions, scaled by 2^1074
         self._nonfinite = 0  # how many fractions are NaN or infinite
-
-    @property
-    def refcount(self) -> dict[int, int]:
-        """Holds per present hash (a copy, for checks and tests)."""
-        out = dict.fromkeys(self._once, 1)
-        out.update(self._more)
-        return out
 
     @property
     def fraction(self) -> Mapping[int, float]:
@@ -61,24 +58,19 @@ class BlockTracker:
 
     def hold(self, hashes: Sequence[int]) -> None:
         """Take one hold per element of ``hashes``."""
-        once, more = self._once, self._more
-        if once.isdisjoint(hashes) and (not more or more.keys().isdisjoint(hashes)):
-            n = len(once)
-            once.update(hashes)
-            if len(once) - n == len(hashes):
-                return
-            once.difference_update(hashes)  # a hash repeats in ``hashes``: count them one by one
-        touch = self.touch
-        for h in hashes:
-            touch(h)
+        refcount = self.refcount
+        n = len(refcount)
+        count_elements(refcount, hashes)
+        if len(refcount) - n != len(hashes):  # some were held already, or repeat in ``hashes``
+            self._more.update([h for h in hashes if refcount[h] > 1])
 
     def unhold(self, hashes: Sequence[int]) -> None:
         """Drop one hold per element of ``hashes`` (each held); a hash whose last hold goes
         loses its fraction."""
         more = self._more
-        if not more or more.keys().isdisjoint(hashes):
-            # all held once: a repeat in ``hashes`` would have put its hash in ``more``
-            self._once.difference_update(hashes)
+        if not more or more.isdisjoint(hashes):
+            # each held once (a repeat in ``hashes`` would be in ``more``): all of them go
+            deque(map(self.refcount.pop, hashes), maxlen=0)  # in C, the results dropped
             if self._fraction:
                 drop_fraction = self.drop_fraction
                 for h in hashes:
@@ -90,45 +82,38 @@ class BlockTracker:
 
     def touch(self, h: int) -> bool:
         """Take one hold; True when the hash became present."""
-        once = self._once
-        if h in once:
-            once.remove(h)
-            self._more[h] = 2
-            return False
-        c = self._more.get(h)
-        if c is None:
-            once.add(h)
-            return True
-        self._more[h] = c + 1
-        return False
+        refcount = self.refcount
+        c = refcount.get(h, 0)
+        refcount[h] = c + 1
+        if c:
+            self._more.add(h)
+        return not c
 
     def release_and_try_remove(self, h: int) -> bool:
         """Drop one hold; True when it was the last one (the hash and its fraction go)."""
-        more = self._more
-        c = more.get(h)
-        if c is None:
-            self._once.remove(h)
-            if self._fraction:
-                self.drop_fraction(h)
-            return True
-        if c == 2:
-            del more[h]
-            self._once.add(h)
-        else:
-            more[h] = c - 1
-        return False
+        refcount = self.refcount
+        c = refcount[h] - 1
+        if c:
+            refcount[h] = c
+            if c == 1:
+                self._more.discard(h)
+            return False
+        del refcount[h]
+        if self._fraction:
+            self.drop_fraction(h)
+        return True
 
     def count(self, h: int) -> int:
-        return 1 if h in self._once else self._more.get(h, 0)
+        return self.refcount.get(h, 0)
 
     def __contains__(self, h: object) -> bool:
-        return h in self._once or h in self._more
+        return h in self.refcount
 
     def first_absent(self, hashes: Sequence[int]) -> int:
         """Index of the first hash of ``hashes`` that is not present, or -1."""
-        once, more = self._once, self._more
+        refcount = self.refcount
         for i, h in enumerate(hashes):
-            if h not in once and h not in more:
+            if h not in refcount:
                 return i
         return -1
 
@@ -155,7 +140,7 @@ class BlockTracker:
 
     def active_blocks(self) -> int:
         fractions = self._fraction
-        present = len(self._once) + len(self._more)
+        present = len(self.refcount)
         if not fractions:
             return present
         if self._nonfinite:
@@ -174,14 +159,14 @@ class BlockTracker:
 
     def assert_consistent(self) -> None:
         fractions = self._fraction.values()
-        assert self._once.isdisjoint(self._more), "a hash is counted in both tiers"
-        assert all(c >= 2 for c in self._more.values()), "a hash held once sits in the map"
+        more = {h for h, c in self.refcount.items() if c > 1}
+        assert self._more == more, "the set of hashes held more than once is off"
         assert set(self._fraction) <= self.active_hashes(), "a fraction outlived its hash"
         assert self._nonfinite == sum(1 for f in fractions if not math.isfinite(f))
         assert self._frac_sum == sum(_scaled(f) for f in fractions if math.isfinite(f))
 
     def active_hashes(self) -> set[int]:
-        return self._once | self._more.keys()
+        return set(self.refcount)
 
     def is_empty(self) -> bool:
-        return not self._once and not self._more and not self._fraction
+        return not self.refcount and not self._fraction
