@@ -167,8 +167,7 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        found = p.prompt_object(raw, p.ADD_KEYS)
-        fields = p.add_fields(*found) if found is not None else None
+        fields = p.add_body(raw)
         if fields is None:  # not plain: the validating path, with its messages
             self.service.add(add_command(parse_json(raw, s.AddBody)))
         else:
@@ -193,8 +192,7 @@ class Operations:
 
     @staticmethod
     def _plain_request(raw: bytes) -> p.Fields | None:
-        d = p.plain_object(raw, p.REQUEST_KEYS)
-        return p.request_fields(d) if d is not None else None
+        return p.request_body(raw)
 
     def output_block(self, raw: bytes) -> Result:
         self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))

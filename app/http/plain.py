@@ -7,9 +7,10 @@ the tracker work. The functions here accept exactly the values the models accept
 no bool for an int, no float for an int, no null for a field with a default) and return the
 operation's fields as a tuple in the order of the service's ``*_fields`` methods.
 
-A ``/batch`` body is decoded by msgspec straight into the typed operations below, which check
-the same types and ranges in C while decoding (``batch_operations``); single calls are decoded by
-orjson and checked here.
+Lifecycle bodies (``/batch``, ``/add``, ``/free``, ``/prefill_complete``) are decoded by msgspec
+straight into the typed structs below, which check the same types and ranges in C while
+decoding (``batch_operations``, ``add_body``, ``request_body``); ``/potential_loads`` bodies are
+decoded by orjson and checked here.
 
 Anything else returns None and takes the validating path (``app.http.body`` and the models),
 which alone writes error messages: this module never has to reproduce one.
@@ -28,23 +29,10 @@ from msgspec import UNSET, Meta, UnsetType
 from app.core.types import U32_MAX, U64_MAX
 
 DEFAULT_GROUP = "default"
-REQUEST_KEYS = frozenset({"model_name", "routing_group", "request_id"})
-ADD_KEYS = REQUEST_KEYS | {
-    "worker_id",
-    "dp_rank",
-    "sequence_hashes",
-    "token_ids",
-    "new_isl_tokens",
-    "expected_prefill_ms",
-    "track_prefill_tokens",
-    "expected_output_tokens",
-    "lora_name",
-}
 POTENTIAL_KEYS = frozenset(
     {"model_name", "routing_group", "sequence_hashes", "token_ids", "lora_name", "new_isl_tokens"}
 )
 
-_NUMBER = (int, float)
 _ABSENT: Any = object()
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _MAX_PREFILL_MS = 1e12
@@ -150,55 +138,6 @@ def _ints(values: Any, code: str, low: int, high: int, no_bool: bool) -> bool:
     return set(map(type, values)) == {int} and min(values) >= low and max(values) <= high
 
 
-def request_fields(d: dict[str, Any]) -> Fields | None:
-    """``(model_name, routing_group, request_id)``; the caller checked the key set."""
-    model = d.get("model_name")
-    group = d.get("routing_group", DEFAULT_GROUP)
-    rid = d.get("request_id")
-    if type(model) is not str or type(group) is not str or type(rid) is not str:
-        return None
-    return model, group, rid
-
-
-def add_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> Fields | None:
-    """An add's fields in ``SlotTrackerService.add_fields`` order, hashes already unsigned;
-    the caller checked the key set."""
-    model = d.get("model_name")
-    group = d.get("routing_group", DEFAULT_GROUP)
-    rid = d.get("request_id")
-    wid = d.get("worker_id")
-    rank = d.get("dp_rank")
-    if (
-        type(model) is not str
-        or type(group) is not str
-        or type(rid) is not str
-        or type(wid) is not int
-        or not 0 <= wid <= U64_MAX
-        or type(rank) is not int
-        or not 0 <= rank <= U32_MAX
-    ):
-        return None
-    prompt = prompt_fields(d, no_bool, signed)
-    if prompt is None:
-        return None
-    hashes, tokens = prompt
-    isl = d.get("new_isl_tokens", 0)
-    ms = d.get("expected_prefill_ms")
-    track = d.get("track_prefill_tokens")
-    eot = d.get("expected_output_tokens")
-    lora = d.get("lora_name")
-    if (
-        type(isl) is not int
-        or not 0 <= isl <= U64_MAX
-        or (ms is not None and not (type(ms) in _NUMBER and 0 <= ms <= _MAX_PREFILL_MS))
-        or (track is not None and type(track) is not bool)
-        or (eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX))
-        or (lora is not None and type(lora) is not str)
-    ):
-        return None
-    return model, group, hashes, tokens, lora, rid, wid, rank, isl, ms, track, eot
-
-
 def prompt_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> tuple[Any, Any] | None:
     """``(sequence_hashes, token_ids)``, exactly one of them given (hashes made unsigned;
     ``signed``: whether any may be negative)."""
@@ -298,6 +237,111 @@ class _Batch(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _decode_batch = msgspec.json.Decoder(_Batch).decode
+
+
+# -- single calls --------------------------------------------------------------------------
+# ``/add``, ``/free`` and ``/prefill_complete`` bodies decoded the same way, except that a key
+# given twice must take the validating path (its answer is 422), so every optional field
+# defaults to UNSET: the fields given and their string values tell how many quotes the body
+# has when no key repeats (``plain_object``).
+
+
+class PlainAdd(msgspec.Struct, forbid_unknown_fields=True):
+    model_name: str
+    request_id: str
+    worker_id: _Unsigned
+    dp_rank: _U32
+    routing_group: str | UnsetType = UNSET
+    sequence_hashes: list[_Hash] | UnsetType = UNSET
+    token_ids: list[_U32] | UnsetType = UNSET
+    new_isl_tokens: _Unsigned | UnsetType = UNSET
+    expected_prefill_ms: _Ms | None | UnsetType = UNSET
+    track_prefill_tokens: bool | None | UnsetType = UNSET
+    expected_output_tokens: _U32 | None | UnsetType = UNSET
+    lora_name: str | None | UnsetType = UNSET
+
+
+class PlainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model_name: str
+    request_id: str
+    routing_group: str | UnsetType = UNSET
+
+
+_decode_add = msgspec.json.Decoder(PlainAdd).decode
+_decode_request = msgspec.json.Decoder(PlainRequest).decode
+_astuple = msgspec.structs.astuple
+
+
+def _single(raw: bytes, decode: Any) -> Any:
+    """The body decoded by ``decode`` when it is plain and no key repeats, else None."""
+    if b"\\" in raw:
+        return None
+    try:
+        o = decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    values = _astuple(o)
+    given = len(values) - values.count(UNSET)
+    if raw.count(b'"') != 2 * (given + list(map(type, values)).count(str)):
+        return None  # a key given twice
+    return o
+
+
+def add_body(raw: bytes) -> Fields | None:
+    """A plain ``/add`` body's fields in ``SlotTrackerService.add_fields`` order, hashes
+    already unsigned; None for any other body."""
+    o = _single(raw, _decode_add)
+    if o is None:
+        return None
+    hashes, tokens = o.sequence_hashes, o.token_ids
+    if hashes is UNSET:
+        if tokens is UNSET:
+            return None
+        hashes = None
+    elif tokens is not UNSET:
+        return None  # both forms: the validating path answers
+    else:
+        tokens = None
+        if b"-" in raw:
+            hashes = hashes_u64(hashes, look=False)
+    isl = o.new_isl_tokens
+    if isl is UNSET:
+        isl = 0
+    elif isl > U64_MAX:
+        return None
+    if o.worker_id > U64_MAX:
+        return None
+    group = o.routing_group
+    ms, track, eot, lora = (
+        o.expected_prefill_ms,
+        o.track_prefill_tokens,
+        o.expected_output_tokens,
+        o.lora_name,
+    )
+    return (
+        o.model_name,
+        DEFAULT_GROUP if group is UNSET else group,
+        hashes,
+        tokens,
+        None if lora is UNSET else lora,
+        o.request_id,
+        o.worker_id,
+        o.dp_rank,
+        isl,
+        None if ms is UNSET else ms,
+        None if track is UNSET else track,
+        None if eot is UNSET else eot,
+    )
+
+
+def request_body(raw: bytes) -> Fields | None:
+    """A plain ``/free`` or ``/prefill_complete`` body's ``(model_name, routing_group,
+    request_id)``; None for any other body."""
+    o = _single(raw, _decode_request)
+    if o is None:
+        return None
+    group = o.routing_group
+    return o.model_name, DEFAULT_GROUP if group is UNSET else group, o.request_id
 
 
 def batch_operations(raw: bytes) -> list[BatchOperation] | None:

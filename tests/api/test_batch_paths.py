@@ -27,6 +27,7 @@ from app.http.operations import (
 from app.service import SlotTrackerService
 from app.service import commands as c
 
+ADD_KEYS = frozenset(plain_body.PlainAdd.__struct_fields__)  # the helpers take any key set
 REGISTER = [
     {"model_name": "m", "worker_id": w, "block_size": 2, "dp_start": 0, "dp_size": 2}
     for w in (1, 2)
@@ -306,9 +307,9 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
 
 
 def test_a_key_given_twice_is_found_however_it_is_written() -> None:
-    """Quotes are counted against the decoded object (``plain.plain_object``): a repeated key
-    leaves the plain path whatever its value and spacing, and strings that hold colons,
-    brackets or braces do not."""
+    """Quotes are counted against the decoded body (``plain.add_body``, ``request_body``): a
+    repeated key leaves the plain path whatever its value and spacing, and strings that hold
+    colons, brackets or braces do not."""
     ops = fresh()
     start = b'{"model_name":"m","request_id":"a"'
     for tail in [
@@ -321,7 +322,7 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b',"routing_group":"g","routing_group":"g"}',
     ]:
         raw = start + tail
-        assert plain_body.plain_object(raw, plain_body.REQUEST_KEYS) is None, raw
+        assert plain_body.request_body(raw) is None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     for raw in [
         b'{"model_name":":m","request_id":"a:"}',
@@ -329,11 +330,11 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b'{"model_name":"{a:1}","request_id":"]["}',
         b'{"request_id":"x","routing_group":"g:","model_name":"true, false"}',
     ]:
-        assert plain_body.plain_object(raw, plain_body.REQUEST_KEYS) is not None, raw
+        assert plain_body.request_body(raw) is not None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     add = (b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
            b'"sequence_hashes":[1,2],"lora_name":"x","sequence_hashes":[3]}')  # fmt: skip
-    assert plain_body.plain_object(add, plain_body.ADD_KEYS) is None
+    assert plain_body.add_body(add) is None
     assert ops.get("add")(add) == validating_call(fresh(), "add", add)
 
 
@@ -361,11 +362,13 @@ def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
         assert plain_body.no_bools(raw) is no_bool, raw
         if b"\\" not in raw:
             for span in ((0, 0), plain_body.number_span(raw)):
-                d = plain_body.plain_object(raw, plain_body.ADD_KEYS, span)
+                d = plain_body.plain_object(raw, ADD_KEYS, span)
                 assert (d is not None) is unique_keys, raw
-            found = plain_body.prompt_object(raw, plain_body.ADD_KEYS)
+            found = plain_body.prompt_object(raw, ADD_KEYS)
             expected = (json.loads(raw), no_bool, b"-" in raw) if unique_keys else None
             assert found == expected, raw
+        if not unique_keys:
+            assert plain_body.add_body(raw) is None, raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
     potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
     assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
