@@ -106,17 +106,6 @@ class BlockTracker:
     def count(self, h: int) -> int:
         return self.refcount.get(h, 0)
 
-    def __contains__(self, h: object) -> bool:
-        return h in self.refcount
-
-    def first_absent(self, hashes: Sequence[int]) -> int:
-        """Index of the first hash of ``hashes`` that is not present, or -1."""
-        refcount = self.refcount
-        for i, h in enumerate(hashes):
-            if h not in refcount:
-                return i
-        return -1
-
     def set_fraction(self, h: int, fraction: float) -> None:
         self.drop_fraction(h)
         self._fraction[h] = fraction

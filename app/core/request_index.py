@@ -35,13 +35,10 @@ class RequestIndex:
 
     def set(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
         """``set_request``: map the id to the rank, replacing any earlier mapping and LoRA."""
-        self.workers[request_id] = worker
         old = self.loras.pop(request_id, None)
         if old is not None:
             self._lora_dec(old)
-        if lora is not None:
-            self.loras[request_id] = lora
-            self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1
+        self.add(request_id, worker, lora)
 
     def add(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
         """``set`` for an id that is not mapped (the lifecycle hot path)."""

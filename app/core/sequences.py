@@ -137,7 +137,8 @@ class ActiveSequences:
         if track_prefill_tokens and prefill_load_hint is not None:
             tokens = prefill_load_hint.initial_effective_prefill_tokens
             duration_ns = prefill_load_hint.expected_prefill_duration_ns
-        first_new = self.blocks.first_absent(prompt)
+        refcount = self.blocks.refcount
+        first_new = next((i for i, h in enumerate(prompt) if h not in refcount), -1)
         self.admit(
             request_id,
             prompt,
@@ -203,7 +204,8 @@ class ActiveSequences:
             for edge in self.trie.remove(self.key, prompt):
                 blocks.unhold(edge)
             last = {h: i for i, h in enumerate(prompt)}
-            start = min((i for h, i in last.items() if h not in blocks), default=-1)
+            refcount = blocks.refcount
+            start = min((i for h, i in last.items() if h not in refcount), default=-1)
             if start >= 0:
                 delta.removes.append(PromptMembershipRemove(prompt[start:]))
         if state._outputs:
@@ -225,10 +227,9 @@ class ActiveSequences:
             self._release_outputs(state)
 
     def _release_outputs(self, state: RequestState) -> None:
-        if state._outputs:
-            release = self.blocks.release_and_try_remove
-            for h in state._outputs:
-                release(h)
+        release = self.blocks.release_and_try_remove
+        for h in state._outputs or ():
+            release(h)
 
     def unindex_all(self) -> None:
         """Take every prompt of the rank out of the trie (the rank is going away)."""
@@ -305,11 +306,7 @@ class ActiveSequences:
 
         Indexes and holds the prompt as if the request had been added.
         """
-        if prompt:
-            hold = self.blocks.hold
-            for edge in self.trie.add(self.key, prompt):
-                hold(edge)
-        self.requests[request_id] = RequestState(prompt, started_at, eot)
+        self.admit(request_id, prompt, eot, 0, None, 0, started_at)
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -210,10 +210,10 @@ def test_unhold_drops_the_fractions_of_the_hashes_that_go() -> None:
     bt.assert_consistent()
 
 
-def test_first_absent_and_membership() -> None:
+def test_hold_and_touch_make_hashes_present() -> None:
     bt = BlockTracker()
     bt.hold((1, 2))
     bt.touch(2)
-    assert 2 in bt and 1 in bt and 3 not in bt
-    assert bt.first_absent([1, 2, 3, 1]) == 2
-    assert bt.first_absent([2, 1]) == -1
+    assert 2 in bt.refcount and 1 in bt.refcount and 3 not in bt.refcount
+    assert bt.refcount == {1: 1, 2: 2}
+    bt.assert_consistent()
