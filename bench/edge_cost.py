@@ -3,8 +3,9 @@
 Runs the lean path's operations directly on request bodies like ``bench/http_bench.py``'s
 (16 workers x 4 ranks, 200 active requests; add+free of 32-block prompts sharing a 16-block
 prefix; potential loads of a 256-block prompt; ``/batch`` bodies of 100 operations like
-``bench/wrk/batch.lua``'s, 50 adds and the 50 frees of an earlier batch's adds, and a mix with
-prefill completions) and reports microseconds of CPU per call (per operation for a batch).
+``bench/wrk/batch.lua``'s, 50 adds and the 50 frees of an earlier batch's adds, a mix with
+prefill completions, and ``batch_signed``: the same with full 64-bit hashes, about half of them
+negative, as a real prompt's are on the wire) and reports microseconds of CPU per call (per operation for a batch).
 ``direct`` feeds the same /add and /free calls as raw HTTP requests through the direct protocol
 (``app.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
 adds, without sockets. With
@@ -141,6 +142,7 @@ def bodies(n: int) -> dict[str, list[bytes]]:
         out["free"].append(json.dumps({"model_name": "bench", "request_id": f"r{i}"}).encode())
     out["batch"] = batches(n, mix=False)
     out["batch_mix"] = batches(n, mix=True)
+    out["batch_signed"] = batches(n, mix=False, signed=True)
     query = prefix + [rng.getrandbits(62) for _ in range(128)]
     out["potential"] = [
         json.dumps(
@@ -154,29 +156,38 @@ BATCH = 100  # operations per /batch call
 LAG = 2  # a batch frees the adds of the batch LAG calls before it
 
 
-def batches(n: int, *, mix: bool) -> list[bytes]:
+def batches(n: int, *, mix: bool, signed: bool = False) -> list[bytes]:
     """``n`` operations as /batch bodies of 100: half adds, half frees of earlier adds; with
-    ``mix``, a third each of adds, prefill completions of the previous batch's adds and frees."""
+    ``mix``, a third each of adds, prefill completions of the previous batch's adds and frees.
+    ``signed``: every hash a full signed 64-bit number, about half of them negative (as a real
+    prompt's hashes are on the wire) instead of small positive ones."""
     rng = random.Random(7)
     prefix = [1000003 * i for i in range(1, 17)]
+    tail = (lambda: rng.getrandbits(64) - 2**63) if signed else (lambda: rng.getrandbits(62))
+    if signed:
+        prefix = [rng.getrandbits(64) - 2**63 for _ in range(16)]
     per = BATCH // 3 if mix else BATCH // 2
+
+    def rid(k: int) -> str:  # never negative: a body's only minus signs are its hashes'
+        return f"b{k + 2 * LAG * BATCH}"
+
     out = []
     for b in range(-LAG, max(1, n // BATCH)):  # the first LAG bodies are set-up
         ops: list[dict] = []
         for j in range(per):
             k = b * per + j
             rank = k % 64
-            ops.append({"op": "add", "model_name": "bench", "request_id": f"b{k}",
+            ops.append({"op": "add", "model_name": "bench", "request_id": rid(k),
                 "worker_id": rank // 4, "dp_rank": rank % 4,
-                "sequence_hashes": prefix + [rng.getrandbits(62) for _ in range(16)],
+                "sequence_hashes": prefix + [tail() for _ in range(16)],
                 "new_isl_tokens": 512})  # fmt: skip
         if mix:
             for j in range(per):
                 k = (b - 1) * per + j
-                ops.append({"op": "prefill_complete", "model_name": "bench", "request_id": f"b{k}"})
+                ops.append({"op": "prefill_complete", "model_name": "bench", "request_id": rid(k)})
         for j in range(BATCH - len(ops)):
             k = (b - LAG) * per + j
-            ops.append({"op": "free", "model_name": "bench", "request_id": f"b{k}"})
+            ops.append({"op": "free", "model_name": "bench", "request_id": rid(k)})
         out.append(json.dumps({"operations": ops}).encode())
     return out
 
@@ -226,7 +237,7 @@ def run(repo: Path, what: str, n: int, counts: Tracer | None = None) -> float:
         query = b["potential"][0]
         for _ in range(n):
             potential(query)
-    elif what in ("batch", "batch_mix"):
+    elif what in ("batch", "batch_mix", "batch_signed"):
         for raw in b[what][LAG:]:
             assert batch(raw)[0] == 200
     sys.settrace(None)
@@ -291,7 +302,7 @@ def main() -> None:
     ap.add_argument("--opcodes", action="store_true", help="count Python opcodes per function")
     ap.add_argument(
         "--only",
-        default="lifecycle,direct,potential,batch,batch_mix",
+        default="lifecycle,direct,potential,batch,batch_mix,batch_signed",
         help="workloads, comma-separated",
     )
     ap.add_argument("--inner", help=argparse.SUPPRESS)
@@ -299,7 +310,14 @@ def main() -> None:
     if args.inner:
         run(args.repo, args.inner, args.n)
         return
-    work = (("lifecycle", 2), ("direct", 2), ("potential", 1), ("batch", 1), ("batch_mix", 1))
+    work = (
+        ("lifecycle", 2),
+        ("direct", 2),
+        ("potential", 1),
+        ("batch", 1),
+        ("batch_mix", 1),
+        ("batch_signed", 1),
+    )
     for what, per in work:
         if what not in args.only.split(","):
             continue

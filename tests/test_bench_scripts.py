@@ -57,6 +57,7 @@ def test_edge_cost_runs_every_workload() -> None:
         "potential",
         "batch",
         "batch_mix",
+        "batch_signed",
     ]
 
 
