@@ -155,12 +155,9 @@ class ActiveSequences:
             )
         return outcome
 
-    def expiry_due(self, now: int) -> bool:
-        """Whether ``force_expiry`` would run its sweep now (the cheap rate check, which the
-        lifecycle hot path reads as ``now >= next_expiry_check``)."""
-        return now >= self.next_expiry_check
-
     def _next_check(self) -> int:
+        """When ``force_expiry`` may next sweep (``next_expiry_check``: its rate check, which
+        the tracker's lifecycle hot path reads before calling it)."""
         if self.expiry_ns is None:
             return _NEVER
         return self.last_expiry_check + self.check_interval_ns
@@ -277,7 +274,7 @@ class ActiveSequences:
         if self.expiry_ns is None:
             return outcome
         now = self.clock()
-        if now < self.last_expiry_check + self.check_interval_ns:
+        if now < self.next_expiry_check:
             return outcome
         self.last_expiry_check = now
         self.next_expiry_check = self._next_check()

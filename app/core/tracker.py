@@ -334,7 +334,7 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             )
         else:
             now = self.clock()
-            if now >= slot.next_expiry_check:  # slot.expiry_due(now), without the call
+            if now >= slot.next_expiry_check:  # force_expiry's rate check, before its call
                 self._after_expiry(worker, slot.force_expiry())
             slot.admit(
                 request_id,

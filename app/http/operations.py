@@ -175,7 +175,7 @@ class Operations:
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        fields = self._plain_request(raw)
+        fields = p.request_body(raw)
         if fields is None:
             self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
         else:
@@ -183,16 +183,12 @@ class Operations:
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        fields = self._plain_request(raw)
+        fields = p.request_body(raw)
         if fields is None:
             self.service.free(free_command(parse_json(raw, s.RequestBody)))
         else:
             self.service.free_fields(*fields)
         return 200, OK
-
-    @staticmethod
-    def _plain_request(raw: bytes) -> p.Fields | None:
-        return p.request_body(raw)
 
     def output_block(self, raw: bytes) -> Result:
         self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))
