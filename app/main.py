@@ -27,7 +27,7 @@ from app.observability import build_registry, watch_consistency, watch_selection
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
-from app.service.selection import SelectionService
+from app.service.selection.service import SelectionService
 from app.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from app.service import SlotTrackerService
 from app.service.commands import Key
 from app.service.consistency import ConsistencyCounters
 from app.service.replica import Replica
-from app.service.selection import SelectionService
-from app.service.selection_types import SELECTION_OUTCOMES
+from app.service.selection.service import SelectionService
+from app.service.selection.types import SELECTION_OUTCOMES
 
 RANK_LABELS = ["model_name", "routing_group", "worker_id", "dp_rank"]
 KEY_LABELS = ["model_name", "routing_group"]

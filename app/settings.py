@@ -78,6 +78,7 @@ class Settings(BaseSettings):
     log_level: LogLevel = "info"
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
+    max_batch_operations: int = Field(default=10_000, gt=0)
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True

@@ -29,7 +29,6 @@ from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
 from app.http.operations import Operations
 from app.http.replicated import ReplicatedOperations
-from app.http.replicated_selection import ReplicatedSelectionOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
@@ -39,12 +38,13 @@ from app.http.routes import (
     fastapi_route_args,
     query_endpoint,
 )
-from app.http.selection_operations import SelectionOperations, SelectionQueries
+from app.http.selection.operations import SelectionOperations, SelectionQueries
+from app.http.selection.replicated import ReplicatedSelectionOperations
 from app.observability import HttpMetrics
 from app.replication.port import Replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
-from app.service.selection import SelectionService
+from app.service.selection.service import SelectionService
 from app.settings import Settings
 
 DESCRIPTION = (
@@ -101,7 +101,7 @@ def build_http_app(
     _install_error_handlers(app)
 
     gate = None
-    slot_operations = Operations(service, settings.max_hashes_per_request)
+    slot_operations = Operations(service, settings.max_batch_operations)
     selection_operations = SelectionOperations(selection)
     if consistency is not None:
         gate = ReadinessGate(replication)
@@ -109,7 +109,7 @@ def build_http_app(
             settings.replication_ack_timeout_ms if settings.replication_ack == "redis" else None
         )
         slot_operations = ReplicatedOperations(
-            service, settings.max_hashes_per_request, gate, consistency, ack_timeout_ms
+            service, settings.max_batch_operations, gate, consistency, ack_timeout_ms
         )
         selection_operations = ReplicatedSelectionOperations(
             selection, gate, consistency, ack_timeout_ms

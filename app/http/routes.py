@@ -4,7 +4,7 @@ A ``Route`` names its path, method, operation, summary, body and response models
 parameters and documented errors. From this one table ``app.http.app`` builds both the FastAPI
 routes (and so the OpenAPI document and ``/docs``) and the lean dispatcher's table of hot routes.
 A route belongs to one API (``api``): the slot tracker's (``app.http.operations`` and
-``Queries``) or the selection service's under ``/selection`` (``app.http.selection_operations``).
+``Queries``) or the selection service's under ``/selection`` (``app.http.selection.operations``).
 *Call* routes (a body or path parameters) run an operation ``op(body, *path parameters)``;
 *query* routes run a queries method on the query string.
 """
@@ -23,10 +23,10 @@ from starlette.datastructures import QueryParams
 
 from app.core.types import U64_MAX
 from app.http import schemas as s
-from app.http import selection_schemas as ss
 from app.http.body import read_asgi_body
 from app.http.errors import EXPECTED, HttpError, error_result, query_error
 from app.http.responses import JSON, json_response, raw_response
+from app.http.selection import schemas as ss
 from app.replication.port import Replication
 from app.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
 

@@ -24,7 +24,7 @@ still unknown after the read barrier is kept and sent as an ``early`` record; ev
 applies it to the add when that arrives (a tombstone cancels it, a pending mark completes its
 prefill), or at once to a copy it already holds.
 
-Selection state (``app.service.selection_replica``): the selection service publishes its
+Selection state (``app.service.selection.replica``): the selection service publishes its
 changes through ``emit_selection`` as ``{"selection": ...}`` records, applied here in stream
 order among the lifecycle records they belong with.
 
@@ -69,7 +69,7 @@ class Replicator(Protocol):
 
 
 class SharedSelection(Protocol):
-    """The selection service's side of replication (``app.service.selection_replica``)."""
+    """The selection service's side of replication (``app.service.selection.replica``)."""
 
     publish: Callable[[dict[str, Any]], None] | None
 

@@ -933,3 +933,20 @@ async def test_the_lifespan_sweeper_runs_the_expiry(make_client, clock: FakeCloc
             await asyncio.sleep(0.05)
         assert (await load(client))["active_requests"] == 0
         assert expired_total((await client.get("/metrics")).text) == 1
+
+
+async def test_batch_operation_cap_is_its_own_setting(make_client) -> None:
+    """``max_batch_operations`` bounds a batch; ``max_hashes_per_request`` does not."""
+    async with make_client(max_batch_operations=3, max_hashes_per_request=1_000) as (_, c):
+        assert (await post_json(c, "/register", reg(1))).status_code == 201
+        ops = [op("add", add(f"r{i}")) for i in range(4)]
+        r = await post_json(c, "/batch", {"operations": ops})
+        assert r.status_code == 422 and r.json() == {"error": "too many operations in one batch"}
+        assert all(row["active_decode_blocks"] == 0 for row in (await c.get("/loads")).json())
+        r = await post_json(c, "/batch", {"operations": ops[:3]})
+        assert [x["status"] for x in r.json()["results"]] == [201, 201, 201]
+    async with make_client(max_batch_operations=5_000, max_hashes_per_request=10) as (_, c):
+        assert (await post_json(c, "/register", reg(1))).status_code == 201
+        ops = [op("add", add(f"r{i}")) for i in range(2_000)]
+        r = await post_json(c, "/batch", {"operations": ops})
+        assert r.status_code == 200 and len(r.json()["results"]) == 2_000

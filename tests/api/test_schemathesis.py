@@ -29,7 +29,7 @@ from schemathesis.specs.openapi.checks import (
 
 from app.core.selection.catalog import WorkerSpec
 from app.main import create_app
-from app.service.selection_commands import DeleteWorker, UpsertWorker
+from app.service.selection.commands import DeleteWorker, UpsertWorker
 from app.settings import load_settings
 from tests.calls import AddCall, reconcile
 

@@ -15,8 +15,8 @@ from app.core.selection.catalog import WorkerSpec
 from app.core.selection.errors import ReservationNotFound
 from app.core.types import WorkerWithDpRank
 from app.service import SlotTrackerService
-from app.service import selection_commands as sc
-from app.service.selection import SelectionService
+from app.service.selection import commands as sc
+from app.service.selection.service import SelectionService
 from tests.fakes import FakeClock
 
 S = 1_000_000_000

@@ -18,10 +18,10 @@ from app.core.selection.errors import (
     SchedulableWorkerNotFound,
 )
 from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
-from app.service import selection_commands as sc
-from app.service import selection_mutations as m
 from app.service.commands import Key
-from app.service.selection_types import Booked, Reservation
+from app.service.selection import commands as sc
+from app.service.selection import mutations as m
+from app.service.selection.types import Booked, Reservation
 
 
 class ReservationsMixin:

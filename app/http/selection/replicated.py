@@ -34,9 +34,9 @@ from app.core.selection.errors import (
 )
 from app.http.gate import ReadinessGate
 from app.http.replicated import DurableAcks, run_replicated
-from app.http.selection_operations import Result, SelectionOperations
+from app.http.selection.operations import Result, SelectionOperations
 from app.service.consistency import Consistency
-from app.service.selection import SelectionService
+from app.service.selection.service import SelectionService
 
 # Not found here, but perhaps made on a peer a moment ago. (A 503 for a partition without
 # schedulable workers does not wait: it already tells the client to try again.)

@@ -10,8 +10,8 @@ and a reservation is a request of that tracker (its id is the selection id), so 
 Every public method first decides (checks in the reference's order, the random pick, a generated
 id) and raises domain errors (``app.core.selection.errors``, ``app.service.errors``) without
 changing anything; then it changes state only through ``commit`` with one record of
-``app.service.selection_mutations``. ``commit`` is also the one place selection state is
-published to the other instances from (``app.service.selection_replica``): the catalog,
+``app.service.selection.mutations``. ``commit`` is also the one place selection state is
+published to the other instances from (``app.service.selection.replica``): the catalog,
 reservations, approximate caches and pending selections are shared like the trackers.
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
@@ -55,14 +55,14 @@ from app.core.selection.errors import (
 )
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
-from app.service import selection_commands as sc
-from app.service import selection_mutations as m
 from app.service.commands import Key
 from app.service.errors import TooManyHashes
 from app.service.registry import TrackerRegistry
-from app.service.selection_replica import SelectionReplicaMixin
-from app.service.selection_reservations import ReservationsMixin
-from app.service.selection_types import (
+from app.service.selection import commands as sc
+from app.service.selection import mutations as m
+from app.service.selection.replica import SelectionReplicaMixin
+from app.service.selection.reservations import ReservationsMixin
+from app.service.selection.types import (
     Candidates,
     LoadRow,
     OverlapScores,

@@ -4,8 +4,8 @@ Why records: ``SelectionService`` first decides (validation, the random pick, th
 and only then changes its state, by handing one of these to its single ``commit`` method. A
 record carries everything the change needs, so applying it is deterministic: the same record on
 another instance would leave the same catalog, reservations, approximate cache and pending
-selections. ``commit`` publishes the records other instances need (``app.service.selection_wire``
-is their wire form, ``app.service.selection_replica`` applies a peer's). Nothing here knows HTTP.
+selections. ``commit`` publishes the records other instances need (``app.service.selection.wire``
+is their wire form, ``app.service.selection.replica`` applies a peer's). Nothing here knows HTTP.
 """
 
 from __future__ import annotations

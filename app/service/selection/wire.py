@@ -1,13 +1,13 @@
 """Selection records on the replica stream, and the selection state in a snapshot.
 
 A selection record is the service's envelope plus ``{"selection": <one mutation>}``: the
-changes of ``app.service.selection_mutations`` that other instances must repeat (a worker put
+changes of ``app.service.selection.mutations`` that other instances must repeat (a worker put
 or removed, a booking's reservation entry and approximate-cache write, a pending selection, a
 release). Decoding checks every field's type: a malformed record raises ``ValueError``, which
 the replica counts and skips like any record it cannot apply.
 
 The snapshot form (``export_selection`` / ``restore_selection`` in
-``app.service.selection_replica``) reuses the same encoders for specs and pending entries;
+``app.service.selection.replica``) reuses the same encoders for specs and pending entries;
 instants travel as wall-clock nanoseconds.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from app.core.selection.catalog import WorkerSpec
 from app.core.selection.pending import PendingSelection
 from app.core.types import WorkerWithDpRank
-from app.service import selection_mutations as m
+from app.service.selection import mutations as m
 
 U64 = 1 << 64
 U32 = 1 << 32

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.selection import ApproximateCache
 from app.core.selection.catalog import SCHEDULABLE, WorkerRecord
-from app.service import selection_mutations as m
-from app.service import selection_wire as w
-from app.service.selection_types import Partition, Reservation
+from app.service.selection import mutations as m
+from app.service.selection import wire as w
+from app.service.selection.types import Partition, Reservation
 
 if TYPE_CHECKING:
-    from app.service.selection import SelectionService
+    from app.service.selection.service import SelectionService
 
 SELECTION_FORMAT = 1
 

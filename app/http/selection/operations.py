@@ -1,7 +1,7 @@
 """The selection API's operations: body bytes and path parameters in, ``(status, JSON)`` out.
 
 Each operation validates its body (``app.http.body`` with the models of
-``app.http.selection_schemas``), builds the service's command (``app.service.selection_commands``),
+``app.http.selection.schemas``), builds the service's command (``app.service.selection.commands``),
 runs it on ``SelectionService`` and encodes the answer in the reference's field order. The GET
 routes are ``SelectionQueries`` methods. Expected errors become their status through the one
 error table (``app.http.errors``), whichever path (lean or FastAPI) serves the route.
@@ -21,13 +21,13 @@ from starlette.datastructures import QueryParams
 from app.core.selection import RouterConfigOverride, to_i64
 from app.core.selection.catalog import WorkerRecord, WorkerSpec
 from app.core.types import U32_MAX, WorkerWithDpRank
-from app.http import selection_schemas as ss
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
 from app.http.responses import json_response, load_rows_json
 from app.http.routes import _single
-from app.service import selection_commands as sc
-from app.service.selection import OverlapScores, SelectionService, SelectOutcome
+from app.http.selection import schemas as ss
+from app.service.selection import commands as sc
+from app.service.selection.service import OverlapScores, SelectionService, SelectOutcome
 
 Result = tuple[int, bytes]
 

@@ -1,0 +1,1 @@
+"""The selection API's HTTP edge: request schemas, operations, and the replicated variant."""
