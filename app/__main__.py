@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from collections.abc import Sequence
 
 import uvicorn
@@ -14,7 +13,7 @@ from app import __version__
 from app.gc_tuning import tune_gc
 from app.http.direct import direct_protocol
 from app.main import create_app
-from app.settings import load_settings
+from app.settings import ConfigFileError, describe_config_error, load_settings, unknown_environment
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -41,9 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(
             args.config, host=args.host, port=args.port, log_level=args.log_level
         )
-    except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
-        print(f"invalid configuration: {exc}", file=sys.stderr)
+    except (OSError, ConfigFileError, ValidationError) as exc:
+        print(f"invalid configuration:\n{describe_config_error(exc)}", file=sys.stderr)
         return 2
+    for warning in unknown_environment():
+        print(f"warning: {warning}", file=sys.stderr)
 
     app = create_app(settings)
     tune_gc()

@@ -13,14 +13,16 @@ Use :func:`load_settings`; ``Settings()`` alone reads sources 1, 3 and 4.
 
 from __future__ import annotations
 
+import difflib
+import os
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -39,9 +41,16 @@ _config_files: ContextVar[tuple[Path, ...]] = ContextVar(
 )
 
 
+class ConfigFileError(ValueError):
+    """A configuration file that is not valid TOML; the message names the file."""
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
-        return tomllib.load(f)
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
 
 
 class _TomlFilesSource(PydanticBaseSettingsSource):
@@ -130,6 +139,22 @@ class Settings(BaseSettings):
             raise ValueError("must be empty or start with redis://, rediss:// or unix://")
         return value
 
+    @model_validator(mode="after")
+    def _check_together(self) -> Settings:
+        """Rules between settings, checked at start rather than discovered in production."""
+        if self.tombstone_ttl_seconds < self.expiry_seconds:
+            raise ValueError(
+                f"tombstone_ttl_seconds ({self.tombstone_ttl_seconds}) must be at least "
+                f"expiry_seconds ({self.expiry_seconds}): a late add of a freed id would come "
+                "back to life after its tombstone went"
+            )
+        if self.expiry_check_seconds > self.expiry_seconds:
+            raise ValueError(
+                f"expiry_check_seconds ({self.expiry_check_seconds}) must be at most "
+                f"expiry_seconds ({self.expiry_seconds})"
+            )
+        return self
+
     @property
     def embedded(self) -> bool:
         """True when no Redis is configured: a single instance with in-process replication."""
@@ -172,3 +197,36 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
     given = {name: value for name, value in overrides.items() if value is not None}
     with _reading(tuple(files)):
         return Settings(**given)
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``SLOT_TRACKER_*`` variable that names no setting (a typo such as
+    ``SLOT_TRACKER_PROT`` would otherwise be ignored without a word), with the closest name."""
+    environ = os.environ if environ is None else environ
+    fields = list(Settings.model_fields)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        field = upper.removeprefix(ENV_PREFIX).lower()
+        if upper.startswith(ENV_PREFIX) and field not in Settings.model_fields:
+            close = difflib.get_close_matches(field, fields, n=1)
+            hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
+            warnings.append(f"{name} is set but names no setting; it is ignored{hint}")
+    return warnings
+
+
+def describe_config_error(exc: Exception) -> str:
+    """One line per problem, naming the setting, without pydantic's links or secret values."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in err.get("loc", ())) or "settings"
+        message = err["msg"].removeprefix("Value error, ")
+        shown = err.get("input")
+        secret = "key" in where or "password" in where or "url" in where
+        given = (
+            "" if secret or isinstance(shown, dict) or where == "settings" else f" (got {shown!r})"
+        )
+        lines.append(f"{where}: {message}{given}")
+    return "\n".join(lines)
