@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
+from app.core.limits import MAX_RANKS_PER_TRACKER
 from app.core.selection import (
     ApproximateCache,
     Prompt,
@@ -79,7 +80,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
 
 # Most ranks one tracker may hold (the slot-tracker routes' limit).
-MAX_RANKS_PER_PARTITION = 16_384
+MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
 
 
 class SelectionService(ReservationsMixin, SelectionReplicaMixin):
