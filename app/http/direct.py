@@ -52,7 +52,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
     # error to answer instead of running it (a bad parameter, content type or size)
     _route: LeanRoute | None = None
     _args: list[Any]
-    _body: bytes
+    _body: bytes | bytearray  # the first chunk as given; a bytearray once a second one comes
     _error: HttpError | None
     _start: float
     # uvicorn's default headers (date, server) as bytes, for the list they were made from
@@ -150,8 +150,14 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
         if self._route is None:
             super().on_body(body)
         elif self._error is None:
-            self._body += body
-            if len(self._body) > self.lean.max_body:
+            buf = self._body
+            if not buf:
+                buf = self._body = body  # the usual body: one chunk, kept without a copy
+            else:  # appending to bytes would copy the whole body per chunk
+                if type(buf) is bytes:
+                    buf = self._body = bytearray(buf)
+                buf += body
+            if len(buf) > self.lean.max_body:
                 self._error, self._body = HttpError(413, TOO_LARGE), b""
 
     def on_message_complete(self) -> None:
@@ -161,6 +167,8 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             return
         self._route = None
         body, self._body = self._body, b""
+        if type(body) is bytearray:
+            body = bytes(body)
         if self._error is not None:
             result = error_result(self._error)
         else:
