@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
+    # Limits of one connection and of the server (app.http.connection)
+    http_max_header_bytes: int = Field(default=65_536, gt=0)
+    http_header_timeout_seconds: int = Field(default=10, gt=0)
+    http_body_timeout_seconds: int = Field(default=30, gt=0)
+    http_keep_alive_seconds: int = Field(default=5, gt=0)
+    http_max_connections: int = Field(default=4096, gt=0)
 
     # Active request expiry
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
