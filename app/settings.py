@@ -24,6 +24,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from app.core.types import NS_PER_S, U64_MAX
 
@@ -79,6 +80,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
     max_batch_operations: int = Field(default=10_000, gt=0)
+    max_trackers: int = Field(default=DEFAULT_MAX_TRACKERS, gt=0)
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True

@@ -20,3 +20,7 @@ MAX_RANKS_PER_TRACKER = 16_384
 
 # Block sizes are u32 and never 0.
 MAX_BLOCK_SIZE = U32_MAX
+
+# Most trackers (model name, routing group) one process holds by default (``max_trackers``): a
+# fleet has a few hundred; a client inventing names must meet a limit, not exhaust memory.
+DEFAULT_MAX_TRACKERS = 4096

@@ -490,7 +490,7 @@ class Replica:
                 if type(key[0]) is not str or type(key[1]) is not str:
                     raise ValueError(f"snapshot tracker key {key!r:.120} is not two strings")
                 data = entry["tracker"]
-                registry.create(key, data["block_size"]).restore(data, from_wall)
+                registry.create(key, data["block_size"], capped=False).restore(data, from_wall)
             if self.early is not None:
                 self.early.restore(early or [], self.wall_clock())
             if self.selection is not None:
@@ -498,6 +498,7 @@ class Replica:
         except Exception:
             registry.replace_all(previous)
             raise
+        registry.prune_counters()
         # own records not in the snapshot are applied like peers' when read back
         self._own_adds.clear()
         self._superseded.clear()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core.hashing import sequence_hashes_for_tokens
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
 from app.core.types import (
@@ -45,6 +46,7 @@ class SlotTrackerService:
         expiry_check_seconds: int = CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S,
         instance_id: int = 0,
         max_hashes_per_request: int = 1_048_576,
+        max_trackers: int = DEFAULT_MAX_TRACKERS,
         replicator: Replicator | None = None,
     ) -> None:
         self.clock = clock
@@ -60,6 +62,7 @@ class SlotTrackerService:
             replicated=replicator is not None,
             publisher_for=self.replica.publisher_for,
         )
+        self.registry.max_trackers = max_trackers
         self.replica.bind(self.registry)
 
     # -- the registry ----------------------------------------------------------------------
@@ -76,7 +79,7 @@ class SlotTrackerService:
         return self.replica.replicator
 
     def counters(self) -> list[tuple[Key, KeyCounters]]:
-        """Added/freed/expired counts per key, sorted (kept after a tracker is dropped)."""
+        """Added/freed/expired counts per live tracker, sorted (they go with the tracker)."""
         return sorted(self.registry.counters.items())
 
     # -- topology --------------------------------------------------------------------------
