@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from app import __version__
 from app.gc_tuning import tune_gc
+from app.http.connection import ConnectionLimits, limited_protocol
 from app.http.direct import direct_protocol
 from app.main import create_app
 from app.settings import ConfigFileError, describe_config_error, load_settings, unknown_environment
@@ -48,15 +49,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = create_app(settings)
     tune_gc()
-    direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
+    limits = ConnectionLimits(
+        settings.http_max_header_bytes,
+        settings.http_header_timeout_seconds,
+        settings.http_body_timeout_seconds,
+    )
+    if settings.http_direct and app.lean:
+        protocol = direct_protocol(app.lean, limits)
+    else:
+        protocol = limited_protocol(limits)
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=direct or "httptools",
+        http=protocol,
         log_level=settings.log_level,
         access_log=False,
+        limit_concurrency=settings.http_max_connections,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
     )
     return 0
 

@@ -26,6 +26,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from app.core.types import NS_PER_S, U64_MAX
 
@@ -88,9 +89,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
     max_batch_operations: int = Field(default=10_000, gt=0)
+    max_trackers: int = Field(default=DEFAULT_MAX_TRACKERS, gt=0)
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
+    # Limits of one connection and of the server (app.http.connection)
+    http_max_header_bytes: int = Field(default=65_536, gt=0)
+    http_header_timeout_seconds: int = Field(default=10, gt=0)
+    http_body_timeout_seconds: int = Field(default=30, gt=0)
+    http_keep_alive_seconds: int = Field(default=5, gt=0)
+    http_max_connections: int = Field(default=4096, gt=0)
 
     # Active request expiry
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)

@@ -4,7 +4,7 @@ Wiring is one-phase: the composition root builds the replication from settings f
 the instance id), then the service with ``instance_id=replication.instance_id`` and, unless the
 mode is embedded, ``replicator=replication``; ``start(service)`` then hands it the service as
 its ``ReplicaTarget``. The service only ever calls ``publish``; replication only ever calls the
-three ``ReplicaTarget`` methods.
+``ReplicaTarget`` methods.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ class ReplicaTarget(Protocol):
 
     def export_state(self) -> list[dict[str, Any]]:
         """Every tracker's state, for a snapshot."""
+        ...
+
+    def rejections(self) -> tuple[dict[str, int], int | None]:
+        """Peers' records refused by ``apply_remote`` so far, by reason, and the wall-clock
+        time (ns) of the newest refusal (None: none yet)."""
         ...
 
     def export_early(self) -> list[list[Any]]:
@@ -114,6 +119,7 @@ class ReplicationStatus:
     applied: int = 0
     duplicates: int = 0
     dropped: int = 0
+    records_rejected: dict[str, int] = field(default_factory=dict)  # peers' records, by reason
     gaps: int = 0
     resets: int = 0
     resent: int = 0

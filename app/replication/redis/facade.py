@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.core.types import NS_PER_MS
+from app.core.types import NS_PER_MS, NS_PER_S
 from app.replication.metrics import (
     ReplicationCounters,
     group_commit_histogram,
@@ -42,6 +42,8 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 STOP_FLUSH_TIMEOUT_S = 2.0
+REJECTED_RECENT_NS = 300 * NS_PER_S  # degraded this long after a peer's record was rejected
+UNDECODABLE = "undecodable"  # the reason label of stream entries that are not records
 
 
 class RedisReplication:
@@ -91,7 +93,10 @@ class RedisReplication:
         self.outbox.group_commit = group_commit_histogram(registry).observe
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
-        register_collector(registry, self.counters, self.outbox.pending, self.connected)
+        self._target: ReplicaTarget | None = None
+        register_collector(
+            registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
+        )
         self._clients: RedisClients | None = None
         self._tasks: list[asyncio.Task] = []
         self._publisher: asyncio.Task | None = None
@@ -107,6 +112,7 @@ class RedisReplication:
         Never raises for Redis trouble: when Redis is unreachable, bootstrap keeps being retried
         in the background and ``ready()`` stays False until it succeeds.
         """
+        self._target = target
         clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
         store = SnapshotStore(clients.commands, self.me.keys)
         self.outbox.connect(clients.commands)
@@ -195,9 +201,24 @@ class RedisReplication:
     def connected(self) -> bool:
         return bool(self.reader.connected) and self.outbox.connected is not False
 
+    def rejected_records(self) -> dict[str, int]:
+        """Peers' records rejected so far, by reason: entries that are not records (the
+        reader's), then what the service refused."""
+        counts = {UNDECODABLE: self.counters.malformed}
+        if self._target is not None:
+            counts.update(self._target.rejections()[0])
+        return counts
+
     def degraded_reasons(self) -> list[str]:
         reasons = [] if self.connected() else ["Redis unreachable"]
         reasons += self.outbox.degraded_reasons()
+        last = self.counters.last_malformed_ns
+        if self._target is not None:
+            newest = self._target.rejections()[1]
+            if newest is not None and (last is None or newest > last):
+                last = newest
+        if last is not None and self.me.wall_clock() - last < REJECTED_RECENT_NS:
+            reasons.append("replica records rejected in the last 5 minutes")
         return reasons
 
     def status(self) -> ReplicationStatus:
@@ -220,6 +241,7 @@ class RedisReplication:
             applied=c.applied,
             duplicates=c.duplicates,
             dropped=c.dropped,
+            records_rejected=self.rejected_records(),
             gaps=c.gaps,
             resets=c.resets,
             resent=c.resent,

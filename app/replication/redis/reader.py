@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 READ_COUNT = 1_000
 LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
+MALFORMED_LOG_INTERVAL_NS = 60 * NS_PER_S
 
 
 class StreamReader:
@@ -77,6 +78,7 @@ class StreamReader:
         self.connected: bool | None = None  # None until the first read was tried
         self.last_lag_ms: float | None = None
         self._seqs = SeqLedger()
+        self._malformed_logged_ns: int | None = None
         self._client: Redis | None = None
         self._store: SnapshotStore | None = None
         self._target: ReplicaTarget | None = None
@@ -254,8 +256,7 @@ class StreamReader:
             try:
                 record = decode_record(fields[RECORD_FIELD])
             except (KeyError, MalformedRecord) as e:
-                self.counters.malformed += 1
-                log.warning("skipping stream entry %s: %s", eid, e)
+                self._malformed(eid, e, now)
                 position = eid
                 continue
             key = (record["origin"], record["incarnation"])
@@ -286,6 +287,16 @@ class StreamReader:
         if own_read > marked:
             batch.append({"own_seq": own_read})
         self._apply(batch, position, now)
+
+    def _malformed(self, eid: str, error: Exception, now: int) -> None:
+        """Count a stream entry that is not a record; log it at most once a minute."""
+        c = self.counters
+        c.malformed += 1
+        c.last_malformed_ns = now
+        last = self._malformed_logged_ns
+        if last is None or now - last >= MALFORMED_LOG_INTERVAL_NS:
+            self._malformed_logged_ns = now
+            log.warning("skipping stream entry %s (%d such so far): %s", eid, c.malformed, error)
 
     def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
         assert self._target is not None
