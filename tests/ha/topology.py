@@ -45,6 +45,7 @@ class RedisProcess:
         self.args = list(args)
         self.conf: str | None = None  # a config file (Sentinels need one they may rewrite)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.port_args = ["--port", str(self.port)]  # TLS only: --port 0 --tls-port PORT
 
     def start(self, *extra: str) -> None:
         command = [self.binary]
@@ -52,7 +53,7 @@ class RedisProcess:
             path = self.dir / "redis.conf"
             path.write_text(self.conf)
             command.append(str(path))
-        command += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        command += [*self.port_args, "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no", "--dir", str(self.dir),
                     "--logfile", str(self.dir / "log"), *self.args, *extra]  # fmt: skip
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
