@@ -201,7 +201,8 @@ class LocalCluster:
         self.cli = cli
         self.nodes = [
             RedisProcess(binary, f"node-{i}", self.root, "--cluster-enabled", "yes",
-                         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+                         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
+                         "--cluster-port", str(free_port()))
             for i in range(3)
         ]  # fmt: skip
 
