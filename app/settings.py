@@ -106,11 +106,24 @@ class Settings(BaseSettings):
     force_expiry_interval_seconds: int = Field(default=60, gt=0)
 
     # Replication between instances
-    redis_url: str = ""
+    redis_url: str = Field(default="", repr=False)  # may carry a password
+    redis_sentinels: str = ""
+    redis_sentinel_master: str = "mymaster"
+    redis_cluster: bool = False
+    redis_username: str = ""
+    redis_password: SecretStr = Field(default=SecretStr(""), repr=False)
+    redis_password_file: str = ""
+    redis_sentinel_password: SecretStr = Field(default=SecretStr(""), repr=False)
+    redis_tls: bool = False
+    redis_tls_ca_file: str = ""
+    redis_tls_cert_file: str = ""
+    redis_tls_key_file: str = ""
+    redis_tls_check_hostname: bool = True
     namespace: str = Field(default="kv-slot-tracker", min_length=1, pattern=r"^[^\s{}]+$")
     instance_id: int = Field(default=0, ge=0, le=U64_MAX)
     outbox_capacity: int = Field(default=100_000, gt=0)
     stream_retention_seconds: int = Field(default=3600, gt=0)
+    stream_max_entries: int = Field(default=1_000_000, ge=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)
@@ -119,6 +132,7 @@ class Settings(BaseSettings):
     consistency_wait_ms: int = Field(default=500, ge=0)
     replication_ack: Literal["local", "redis"] = "local"
     replication_ack_timeout_ms: int = Field(default=2000, gt=0)
+    replication_ack_replicas: int = Field(default=0, ge=0)
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
 
@@ -143,8 +157,18 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
-        if value and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be empty or start with redis://, rediss:// or unix://")
+        schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+        if value and not value.startswith(schemes):
+            raise ValueError("must be empty or start with " + ", ".join(schemes))
+        return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _check_sentinels(cls, value: str) -> str:
+        for address in filter(None, (a.strip() for a in value.split(","))):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {address!r}")
         return value
 
     @model_validator(mode="after")
@@ -166,7 +190,7 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         """True when no Redis is configured: a single instance with in-process replication."""
-        return not self.redis_url
+        return not self.redis_url and not self.redis_sentinels.strip()
 
     @classmethod
     def settings_customise_sources(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from app.settings import (
     DEFAULT_CONFIG_FILE,
@@ -46,7 +46,9 @@ def test_defaults_come_from_default_toml() -> None:
 def test_class_defaults_mirror_default_toml() -> None:
     from_file = read_toml(DEFAULT_CONFIG_FILE)
     class_defaults = {
-        name: field.default.get_secret_value() if name == "api_key" else field.default
+        name: field.default.get_secret_value()
+        if isinstance(field.default, SecretStr)
+        else field.default
         for name, field in Settings.model_fields.items()
     }
     assert from_file == class_defaults

@@ -107,6 +107,7 @@ class ReplicationStatus:
     mode: str
     instance_id: int
     namespace: str | None = None
+    redis: str | None = None  # where Redis is (password masked)
     ready: bool = True
     not_ready_reason: str | None = None
     connected: bool | None = None

@@ -27,6 +27,7 @@ from app.replication.records import random_id, resolve_instance_id
 from app.replication.redis.barrier import ReadBarrier
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
 from app.replication.redis.connection import RedisClients
+from app.replication.redis.endpoint import RedisEndpoint
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
 from app.replication.redis.reader import StreamReader
@@ -58,9 +59,12 @@ class RedisReplication:
         clock: Callable[[], int] = time.monotonic_ns,
         wall_clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        if not settings.redis_url:
-            raise ValueError("RedisReplication needs settings.redis_url")
+        if settings.embedded:
+            raise ValueError("RedisReplication needs settings.redis_url or redis_sentinels")
         self.settings = settings
+        self.endpoint = RedisEndpoint.of(settings)
+        if self.endpoint.kind == "cluster" and settings.replication_ack_replicas:
+            raise ValueError("replication_ack_replicas needs one server or Sentinel, not Cluster")
         self.instance_id = resolve_instance_id(settings.instance_id)
         self.incarnation = random_id()
         self.counters = ReplicationCounters()
@@ -113,9 +117,10 @@ class RedisReplication:
         in the background and ``ready()`` stays False until it succeeds.
         """
         self._target = target
-        clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
+        clients = self._clients = RedisClients(self.endpoint, self.instance_id)
+        log.info("replication through %s", self.endpoint.describe())
         store = SnapshotStore(clients.commands, self.me.keys)
-        self.outbox.connect(clients.commands)
+        self.outbox.connect(clients.publish)
         self.barrier.connect(clients.commands)
         self.reader.connect(clients.reads, store, target)
         self.snapshots.connect(store, target)
@@ -229,6 +234,7 @@ class RedisReplication:
             mode=self.mode,
             instance_id=self.instance_id,
             namespace=self.settings.namespace,
+            redis=self.endpoint.describe(),
             ready=ready,
             not_ready_reason=None if ready else self.bootstrap.not_ready_reason,
             connected=self.connected(),
