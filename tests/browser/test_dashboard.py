@@ -120,6 +120,8 @@ return [...node.querySelectorAll(".row.rank")].map((row) => ({
       text: cell.querySelector(".num").textContent,
       pct: parseFloat(bar.style.width) || 0,
       px: bar.getBoundingClientRect().width,
+      trackPx: bar.parentElement.getBoundingClientRect().width,
+      transition: getComputedStyle(bar).transitionDuration,
     }];
   })),
 }));
@@ -159,6 +161,24 @@ def wait_for(driver: Any, what: str, check: Callable[[], bool]) -> None:
 
 def metric(driver: Any, key: tuple[str, str], worker: int, dp: int, name: str) -> dict:
     return read_group(driver, key)[(str(worker), dp)]["metrics"][name]
+
+
+def bars_match_numbers(driver: Any, key: tuple[str, str]) -> None:
+    """Every bar of the group is as wide as its value of the group's maximum, right now.
+
+    Read in one go right after a refresh: a bar that still moved towards its value (a width
+    transition) would be off here.
+    """
+    rows = read_group(driver, key) or {}
+    for rank, row in rows.items():
+        values = {name: int(m["text"].replace(",", "")) for name, m in row["metrics"].items()}
+        for name, m in row["metrics"].items():
+            assert m["transition"] == "0s", (rank, name, m["transition"])
+            top = max(int(r["metrics"][name]["text"].replace(",", "")) for r in rows.values())
+            want = m["trackPx"] * values[name] / top if top else 0
+            if values[name] > 0 and want < 3:
+                want = 3  # the smallest visible bar
+            assert abs(m["px"] - want) <= 1, (rank, name, m["px"], want)
 
 
 def shows(driver: Any, worker: int, dp: int, *, blocks: int, prefill: int, requests: int) -> bool:
@@ -239,7 +259,7 @@ def save_screenshot(driver: Any) -> None:
         {"width": 1280, "height": int(height), "deviceScaleFactor": 1, "mobile": False},
     )
     try:
-        time.sleep(0.7)  # let the bar transitions settle
+        time.sleep(0.7)  # a refresh at the new size
         if os.environ.get("SLOT_TRACKER_UPDATE_SCREENSHOT") == "1":
             path = SCREENSHOT
         else:
@@ -332,6 +352,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         },
     )
     wait_for(d, "a1 on 1/0", lambda: shows(d, 1, 0, blocks=4, prefill=64, requests=1))
+    bars_match_numbers(d, LLAMA)  # at once, not after an animation
     wait_for(
         d,
         "1/0 blocks bar at full width",
@@ -381,6 +402,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         },
     )
     wait_for(d, "b1+b2 on 2/0", lambda: shows(d, 2, 0, blocks=12, prefill=384, requests=2))
+    bars_match_numbers(d, LLAMA)
     wait_for(
         d,
         "2/0 bars grown to full width",
@@ -495,6 +517,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     wait_for(d, "b1 freed", lambda: shows(d, 2, 0, blocks=8, prefill=128, requests=1))
     api("/free", {**llama, "request_id": "b2"})
     wait_for(d, "b2 freed", lambda: shows(d, 2, 0, blocks=0, prefill=0, requests=0))
+    bars_match_numbers(d, LLAMA)
     wait_for(
         d, "2/0 blocks bar empty", lambda: metric(d, LLAMA, 2, 0, "active_decode_blocks")["px"] == 0
     )
