@@ -215,6 +215,24 @@ return {
 """
 
 
+HISTORY_TEXT = "since the page opened, at most the last 5 minutes"
+
+
+def chart_span(driver: Any, key: tuple[str, str]) -> dict[str, Any]:
+    """What a group's charts say they cover, the footer's words, and the page's age in s."""
+    return driver.execute_script(
+        """
+        const [model, group] = arguments;
+        const node = [...document.querySelectorAll("section.group")].find(
+          (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+        const span = node.querySelector(".row.history .span");
+        return {text: span.textContent, title: span.title, age: performance.now() / 1000,
+                footer: document.querySelector("footer").textContent.replace(/\\s+/g, " ")};
+        """,
+        *key,
+    )
+
+
 def history(driver: Any, key: tuple[str, str], name: str) -> dict[str, Any]:
     """One chart of a group's history, with the points of its line as (x, y) pairs."""
     h = driver.execute_script(READ_HISTORY, *key, name)
@@ -338,6 +356,13 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     idle = history(d, LLAMA, "active_requests")
     assert (idle["peak"], idle["last"], idle["shown"], idle["peakText"]) == (0, 0, "0", "peak 0")
     assert {y for _, y in idle["xy"]} == {chart_y(0, 0)}
+    # The charts say what they cover as the footer does: the time since the page opened.
+    span = chart_span(d, LLAMA)
+    assert HISTORY_TEXT in span["footer"], span
+    assert span["title"] == f"The charts cover the time {HISTORY_TEXT}.", span
+    shown = re.fullmatch(r"since the page opened \((\d+) s\)", span["text"])
+    assert shown, span
+    assert span["age"] - 2 <= int(shown[1]) <= span["age"] + 1, span
 
     # One request on worker 1 / dp 0: its bars appear, at full scale.
     api(
