@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from selenium.webdriver.support.select import Select
 
 from tests.servers import live_server
 
@@ -187,6 +188,32 @@ def shows(driver: Any, worker: int, dp: int, *, blocks: int, prefill: int, reque
         m["active_decode_blocks"]["text"] == f"{blocks:,}"
         and m["active_prefill_tokens"]["text"] == f"{prefill:,}"
         and m["active_requests"]["text"] == f"{requests:,}"
+    )
+
+
+def column(driver: Any, key: tuple[str, str], name: str) -> list[int]:
+    """The numbers shown for one metric, in the order of the rows."""
+    rows = read_group(driver, key) or {}
+    return [int(r["metrics"][name]["text"].replace(",", "")) for r in rows.values()]
+
+
+def control_state(driver: Any) -> dict[str, Any]:
+    """The sort and idle controls, and the address's query."""
+    return driver.execute_script(
+        """return {sort: document.getElementById("sort").value,
+                   hideIdle: document.getElementById("hide-idle").checked,
+                   query: location.search};"""
+    )
+
+
+def idle_note(driver: Any, key: tuple[str, str]) -> list[str]:
+    """A group header's note on hidden idle ranks, and their count."""
+    return driver.execute_script(
+        """const [model, group] = arguments;
+        const node = [...document.querySelectorAll("section.group")].find(
+          (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+        return [node.querySelector(".idle-note").textContent, node.dataset.hiddenIdle];""",
+        *key,
     )
 
 
@@ -561,6 +588,57 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     assert h["xy"][-1] == (300.0, chart_y(2, 4)) == (300.0, 20.0)
     assert max(y for _, y in h["xy"]) == chart_y(0, 4)  # it started idle
     assert min(y for _, y in h["xy"]) == chart_y(4, 4)
+
+    # Sorting and hiding idle ranks, kept in the address. Worker 2 is idle now (all three 0).
+    assert control_state(d) == {"sort": "worker", "hideIdle": False, "query": ""}
+    Select(d.find_element("id", "sort")).select_by_value("blocks")
+    wait_for(d, "sorted by blocks", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0), ("2", 0)])
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 4, 0]  # the numbers shown, descending
+    assert control_state(d)["query"] == "?sort=blocks"
+    Select(d.find_element("id", "sort")).select_by_value("prefill")
+    wait_for(d, "sorted by prefill", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0), ("2", 0)])
+    assert column(d, LLAMA, "active_prefill_tokens") == [96, 0, 0]
+    d.find_element("id", "hide-idle").click()
+    wait_for(d, "idle ranks hidden", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    assert control_state(d)["query"] == "?sort=prefill&idle=hide"
+    assert idle_note(d, LLAMA) == ["1 idle rank hidden", "1"]
+    assert idle_note(d, MISTRAL) == ["", "0"]  # both mistral ranks are busy
+    assert len(read_group(d, MISTRAL)) == 2
+    # The choice survives a reload, also with a key in the address (which still goes away).
+    d.get(f"{server}/dashboard?sort=blocks&key={API_KEY}&idle=hide")
+    wait_for(d, "the reloaded page", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    assert control_state(d) == {
+        "sort": "blocks",
+        "hideIdle": True,
+        "query": "?sort=blocks&idle=hide",
+    }
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 4]
+    assert idle_note(d, LLAMA) == ["1 idle rank hidden", "1"]
+    # A request on the idle rank shows it again, sorted in by its blocks; freed, it hides again.
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "d1",
+            "worker_id": 2,
+            "dp_rank": 0,
+            "sequence_hashes": [401, 402, 403, 404, 405],
+            "new_isl_tokens": 80,
+        },
+    )
+    wait_for(d, "2/0 back, between", lambda: rank_order(d, LLAMA) == [("1", 1), ("2", 0), ("1", 0)])
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 5, 4]
+    assert idle_note(d, LLAMA) == ["", "0"]
+    bars_match_numbers(d, LLAMA)
+    api("/free", {**llama, "request_id": "d1"})
+    wait_for(d, "2/0 hidden again", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    d.find_element("id", "hide-idle").click()
+    Select(d.find_element("id", "sort")).select_by_value("worker")
+    wait_for(
+        d, "worker order again", lambda: rank_order(d, LLAMA) == [("1", 0), ("1", 1), ("2", 0)]
+    )
+    assert control_state(d)["query"] == ""
+    assert idle_note(d, LLAMA) == ["", "0"]
 
     # A worker that goes away takes its row with it.
     api("/unregister", {**llama, "worker_id": 2})
