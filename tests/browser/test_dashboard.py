@@ -217,6 +217,78 @@ def idle_note(driver: Any, key: tuple[str, str]) -> list[str]:
     )
 
 
+SEL_MAIN = {"model_name": "qwen-2.5-7b", "routing_group": "default"}
+SEL_CANARY = {"model_name": "qwen-2.5-7b", "routing_group": "canary"}
+MAIN_KEY, CANARY_KEY = "qwen-2.5-7b/default", "qwen-2.5-7b/canary"
+SEL_BOOKED = 3  # reservations the selection test leaves booked (they show in the screenshot)
+
+READ_SELECTION = """
+const texts = arguments[0];
+return [...document.querySelectorAll("#sel-rows > tr")].map((row) => {
+  const pill = (lc) => row.querySelector(`.pill[data-lifecycle="${lc}"]`);
+  const cell = (f) => row.querySelector(`td[data-field="${f}"]`);
+  const out = {
+    key: row.dataset.model + "/" + row.dataset.routingGroup,
+    schedulable: Number(pill("schedulable").dataset.count),
+    incomplete: Number(pill("incomplete").dataset.count),
+    unschedulable: Number(pill("unschedulable").dataset.count),
+    reservations: Number(cell("reservations").dataset.value),
+    pending: Number(cell("pending").dataset.value),
+    pending_tokens: Number(cell("pending").querySelector(".sub").dataset.value),
+    prefill: Number(cell("prefill").dataset.value),
+    decode: Number(cell("decode").dataset.value),
+  };
+  if (texts) {
+    out.texts = [pill("schedulable"), pill("incomplete"), pill("unschedulable"),
+                 cell("reservations"), cell("prefill"), cell("decode")].map((n) => n.textContent);
+    out.incompleteTitle = pill("incomplete").title;
+  }
+  return out;
+});
+"""
+
+
+def read_selection(driver: Any, *, texts: bool = False) -> dict[str, dict[str, Any]]:
+    """The selection section's rows, by "model/group", as counts (and texts)."""
+    rows = driver.execute_script(READ_SELECTION, texts)
+    shown = {r.pop("key"): r for r in rows}
+    if texts:
+        for r in shown.values():  # the numbers as shown agree with the values read
+            assert r["texts"][3:] == [f"{r[f]:,}" for f in ("reservations", "prefill", "decode")]
+    return shown
+
+
+def selection_answers(client: httpx.Client, *, reservations: int) -> dict[str, dict[str, int]]:
+    """What the section should show, per partition, from the instance's own answers.
+
+    Waits until the instance holds ``reservations`` bookings in all (the writes replicate).
+    """
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        loads = client.get("/loads").json()
+        workers = client.get("/workers").json()
+        booked = sum(r["active_requests"] for p in loads for r in p["loads"])
+        if booked == reservations and len(workers) == 3:
+            break
+        assert time.monotonic() < deadline, (loads, workers)
+        time.sleep(0.1)
+    out: dict[str, dict[str, int]] = {}
+    for p in loads:
+        out[f"{p['model_name']}/{p['routing_group']}"] = {
+            "schedulable": 0,
+            "incomplete": 0,
+            "unschedulable": 0,
+            "reservations": sum(r["active_requests"] for r in p["loads"]),
+            "pending": p["pending_count"],
+            "pending_tokens": p["pending_isl_tokens"],
+            "prefill": sum(r["potential_prefill_tokens"] for r in p["loads"]),
+            "decode": sum(r["potential_decode_blocks"] for r in p["loads"]),
+        }
+    for w in workers:
+        out[f"{w['model_name']}/{w['routing_group']}"][w["lifecycle"]] += 1
+    return out
+
+
 def text_of(driver: Any, element_id: str) -> str:
     return driver.execute_script(f"return document.getElementById('{element_id}').textContent")
 
@@ -334,6 +406,78 @@ def test_dashboard_html_is_open_and_api_stays_protected(server: str) -> None:
     assert "/dashboard" not in doc["paths"]
 
 
+def test_selection_section(pair: tuple[str, str], server: str, browser: Any) -> None:
+    """The selection section follows ``/selection/workers`` and ``/selection/loads``."""
+    d = browser
+    d.get(f"{server}/dashboard?key={API_KEY}")
+    wait_for(
+        d,
+        "the page to load /loads",
+        lambda: d.find_element("tag name", "body").get_attribute("data-state") == "live",
+    )
+    assert "key=" not in d.current_url, "the key must be removed from the address bar"
+    # Nothing registered yet: the empty-state message, and no selection section.
+    wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
+    assert "No worker ranks registered yet" in text_of(d, "empty")
+    assert not visible(d, "selection")
+
+    with (
+        httpx.Client(base_url=f"{pair[0]}/selection", headers=KEYED) as writer,
+        httpx.Client(base_url=f"{server}/selection", headers=KEYED) as reader,
+    ):
+
+        def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+            resp = writer.request(method, path, json=body)
+            assert resp.status_code in (200, 201), (method, path, resp.status_code, resp.text)
+            return resp.json()
+
+        # Schedulable in either routing mode: an endpoint and a KV events endpoint.
+        reachable = {"endpoint": "http://10.0.0.71:8000", "kv_events_endpoint": "tcp://127.0.0.1:9"}
+        call("POST", "/workers", {**SEL_MAIN, "worker_id": 71, **reachable, "block_size": 16,
+                                  "data_parallel_size": 2})  # fmt: skip
+        incomplete = call("POST", "/workers", {**SEL_MAIN, "worker_id": 72, "block_size": 16})
+        assert incomplete["lifecycle"] == "incomplete"
+        assert incomplete["not_schedulable_reasons"] == ["endpoint is required"]
+        call("POST", "/workers", {**SEL_CANARY, "worker_id": 73, **reachable, "block_size": 16})
+        for sid, n, where in [("s1", 40, SEL_MAIN), ("s2", 64, SEL_MAIN), ("s3", 24, SEL_MAIN),
+                              ("s4", 33, SEL_CANARY)]:  # fmt: skip
+            body = {"model_name": where["model_name"], "routing_group": where["routing_group"],
+                    "selection_id": sid, "token_ids": list(range(n * 10, n * 11))}  # fmt: skip
+            assert call("POST", "/select_and_reserve", body)["selection_id"] == sid
+
+        expected = selection_answers(reader, reservations=4)
+        assert expected[MAIN_KEY]["schedulable"] == 1 and expected[MAIN_KEY]["incomplete"] == 1
+        assert expected[MAIN_KEY]["reservations"] == 3 and expected[CANARY_KEY]["reservations"] == 1
+        assert expected[MAIN_KEY]["prefill"] == 40 + 64 + 24
+        wait_for(d, "the selection section", lambda: read_selection(d) == expected)
+        assert visible(d, "selection")
+        rows = read_selection(d, texts=True)
+        assert rows[MAIN_KEY]["texts"][:4] == [
+            "1 schedulable",
+            "1 incomplete",
+            "0 unschedulable",
+            "3",
+        ]
+        assert rows[MAIN_KEY]["incompleteTitle"] == "worker 72: endpoint is required"
+        assert rows[CANARY_KEY]["texts"][:4] == [
+            "1 schedulable",
+            "0 incomplete",
+            "0 unschedulable",
+            "1",
+        ]
+        assert list(rows) == [CANARY_KEY, MAIN_KEY]  # sorted by model, then group
+        assert "2 partitions · 3 workers" in text_of(d, "sel-facts")
+
+        # A reservation freed: its partition's counts follow.
+        call("DELETE", "/reservations/s2")
+        after = selection_answers(reader, reservations=3)
+        assert after[MAIN_KEY]["reservations"] == 2
+        assert after[MAIN_KEY]["prefill"] == expected[MAIN_KEY]["prefill"] - 64
+        assert after[CANARY_KEY] == expected[CANARY_KEY]
+        wait_for(d, "the freed reservation", lambda: read_selection(d) == after)
+        assert sum(p["reservations"] for p in after.values()) == SEL_BOOKED
+
+
 def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     d = browser
     d.get(f"{server}/dashboard?key={API_KEY}")
@@ -343,8 +487,6 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         lambda: d.find_element("tag name", "body").get_attribute("data-state") == "live",
     )
     assert "key=" not in d.current_url, "the key must be removed from the address bar"
-    wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
-    assert "No worker ranks registered yet" in text_of(d, "empty")
     wait_for(d, "readiness in the header", lambda: text_of(d, "ready") == "ready")
     assert text_of(d, "mode").startswith("redis")
     wait_for(d, "the replication panel", lambda: panel(d)["visible"])
@@ -529,7 +671,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
             == ["2", "1"]
         ),
     )
-    assert text_of(d, "sum-requests") == "7"
+    assert text_of(d, "sum-requests") == str(7 + SEL_BOOKED)  # and the selection test's
     etas = d.execute_script(
         "return [...document.querySelectorAll("
         "'section.group[data-model=\"mistral-7b\"] .row.rank .eta')]"
@@ -688,6 +830,7 @@ def test_page_asks_for_the_key(embedded: str, browser: Any) -> None:
     # embedded: the header says so, and there is no replication panel
     wait_for(d, "the mode with the key", lambda: "embedded" in text_of(d, "mode"))
     assert panel(d)["mode"] == "embedded" and not panel(d)["visible"]
+    assert not visible(d, "selection")  # no selection partition here
     assert not visible(d, "replication")
 
     d.find_element("id", "keyclear").click()
