@@ -531,7 +531,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     assert span["title"] == f"The charts cover the time {HISTORY_TEXT}.", span
     shown = re.fullmatch(r"since the page opened \((\d+) s\)", span["text"])
     assert shown, span
-    assert span["age"] - 2 <= int(shown[1]) <= span["age"] + 1, span
+    assert span["age"] - 5 <= int(shown[1]) <= span["age"] + 1, span  # a refresh may be late
 
     # One request on worker 1 / dp 0: its bars appear, at full scale.
     api(
