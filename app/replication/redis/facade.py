@@ -31,12 +31,8 @@ from app.replication.redis.endpoint import RedisEndpoint
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
 from app.replication.redis.reader import StreamReader
-from app.replication.redis.snapshots import (
-    Snapshot,
-    SnapshotSchedule,
-    SnapshotStore,
-    SnapshotWriter,
-)
+from app.replication.redis.schedule import SnapshotSchedule
+from app.replication.redis.snapshots import Snapshot, SnapshotStore, SnapshotWriter
 from app.replication.redis.stream import NamespaceKeys
 from app.settings import Settings
 

@@ -43,7 +43,7 @@ from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueEr
 from app.replication.records import encode_record
 from app.replication.redis.connection import IO_ERRORS, backoff_delay, honour_cancellation
 from app.replication.redis.instance import Instance
-from app.replication.redis.snapshots import SnapshotSchedule
+from app.replication.redis.schedule import SnapshotSchedule
 from app.replication.redis.stream import APPEND_SCRIPT, id_text
 
 log = logging.getLogger(__name__)

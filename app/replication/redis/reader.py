@@ -47,7 +47,8 @@ from app.replication.redis.connection import (
 )
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
-from app.replication.redis.snapshots import Snapshot, SnapshotSchedule, SnapshotStore, gc_paused
+from app.replication.redis.schedule import SnapshotSchedule
+from app.replication.redis.snapshots import Snapshot, SnapshotStore, gc_paused
 from app.replication.redis.stream import START_ID, id_text, parse_id
 
 log = logging.getLogger(__name__)
