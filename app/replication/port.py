@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from pydantic import ConfigDict
+
 
 class ReplicaTarget(Protocol):
     """What replication needs of the service whose state it keeps in agreement."""
@@ -103,6 +105,9 @@ class Replication(Protocol):
 class ReplicationStatus:
     """``GET /replication``: the fields in the order they are answered. The defaults are what
     embedded mode answers (a single instance: nothing to connect to, publish or apply)."""
+
+    # the HTTP edge documents this class as the answer's schema: every field is always answered
+    __pydantic_config__ = ConfigDict(json_schema_serialization_defaults_required=True)
 
     mode: str
     instance_id: int

@@ -420,3 +420,30 @@ async def test_error_examples_are_real_answers(document: dict[str, Any], make_cl
         assert (shape.status_code, shape.json()["error"]) == (422, examples[422])
         text = await c.post("/free", content=b"{}", headers={**auth, "content-type": "text/plain"})
         assert (text.status_code, text.json()["error"]) == (415, examples[415])
+
+
+async def test_the_replication_status_schema_is_the_answer(
+    document: dict[str, Any], make_client, redis_url: str, redis_namespace: str
+) -> None:
+    """``GET /replication`` answers exactly the documented fields, embedded and replicated."""
+    schema = document["components"]["schemas"]["ReplicationStatus"]
+    assert set(schema["required"]) == set(schema["properties"])
+    assert len(schema["properties"]) >= 20
+    types = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
+    types |= {"object": dict, "array": list, "null": type(None)}
+
+    def check(answer: dict[str, Any]) -> None:
+        assert set(answer) == set(schema["properties"])
+        for name, value in answer.items():
+            prop = schema["properties"][name]
+            allowed = [p["type"] for p in prop.get("anyOf", [prop])]
+            assert isinstance(value, tuple(types[t] for t in allowed)), (name, value, allowed)
+
+    async with make_client() as (_, c):
+        embedded = (await c.get("/replication")).json()
+        check(embedded)
+        assert embedded["mode"] == "embedded"
+    async with make_client(redis_url=redis_url, namespace=redis_namespace) as (_, c):
+        replicated = (await c.get("/replication")).json()
+        check(replicated)
+        assert replicated["mode"] == "redis" and replicated["connected"] is True
