@@ -372,8 +372,23 @@ class StreamReader:
             if was is False:
                 log.info("replication reader reconnected to Redis; resuming from %s", self.position)
             return
+        ready = self.bootstrap.ready()
         self.bootstrap.unreachable(error)
         if was is not False:
             log.warning(
-                "replication reader lost Redis (%s); local state keeps serving, retrying", error
+                "replication reader cannot reach Redis (%s); %s",
+                error,
+                _serving(ready, self.me.settings.replication_ack),
             )
+
+
+def _serving(ready: bool, ack: str) -> str:
+    """What the instance does while Redis is unreachable, as the routes will answer it."""
+    if not ready:
+        return (
+            "the shared state is not loaded yet: /ready and every state route answer 503 "
+            "'not ready' until it is; retrying"
+        )
+    if ack == "redis":
+        return "reads are answered from local state, changes are refused with 503; retrying"
+    return "reads and changes are served from local state and sent once it is back; retrying"
