@@ -48,6 +48,7 @@ def create_app(
         expiry_check_seconds=settings.expiry_check_seconds,
         max_hashes_per_request=settings.max_hashes_per_request,
         max_trackers=settings.max_trackers,
+        worker_ttl_seconds=settings.worker_ttl_seconds,
         instance_id=replication.instance_id,  # the replication owns the instance id
         replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
@@ -61,16 +62,21 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(
-            _expiry_sweeper(service, selection, settings), name="expiry-sweep"
-        )
+        sweepers = [
+            asyncio.create_task(_expiry_sweeper(service, selection, settings), name="expiry-sweep")
+        ]
+        if settings.worker_ttl_seconds:
+            sweepers.append(
+                asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
+            )
         await replication.start(service)
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for sweeper in sweepers:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
             await replication.stop()
 
     app = build_http_app(
@@ -144,6 +150,27 @@ def build_selection(
     )
     service.replica.bind_selection(selection)
     return selection
+
+
+async def _lease_sweeper(
+    service: SlotTrackerService, replication: Replication, settings: Settings
+) -> None:
+    """Unregister the workers whose lease ran out, checked ten times per ttl (at least every
+    second); not before the instance holds the shared state."""
+    interval = min(1.0, settings.worker_ttl_seconds / 10)
+    while True:
+        await asyncio.sleep(interval)
+        if not replication.ready():
+            continue
+        try:
+            for key, worker_id in service.expire_leases():
+                log.info(
+                    "worker %d of model=%s routing_group=%s removed: its lease ran out",
+                    worker_id,
+                    *key,
+                )
+        except Exception:  # never let the sweeper die
+            log.exception("lease sweep failed")
 
 
 async def _expiry_sweeper(

@@ -89,6 +89,18 @@ class TrackerCollector(Collector):
             expired.add_metric([model, group], c.expired)
         yield from (added, freed, expired)
 
+        leases = svc.registry.leases
+        held = GaugeMetricFamily(
+            "kv_slot_tracker_worker_leases", "Workers holding a lease (worker_ttl_seconds)"
+        )
+        held.add_metric([], len(leases))
+        lost = CounterMetricFamily(
+            "kv_slot_tracker_workers_expired",
+            "Workers unregistered by this instance because their lease ran out",
+        )
+        lost.add_metric([], svc.registry.workers_expired)
+        yield from (held, lost)
+
 
 class SelectionCollector(Collector):
     """The selection API's state, read at scrape time: O(catalog workers + partitions) per

@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
     expiry_check_seconds: int = Field(default=CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S, gt=0)
     force_expiry_interval_seconds: int = Field(default=60, gt=0)
+    # Worker leases: a worker not renewed (register, upsert, POST /heartbeat) within this many
+    # seconds is unregistered. 0: no lease (a worker stays until it is unregistered).
+    worker_ttl_seconds: int = Field(default=0, ge=0)
 
     # Replication between instances
     redis_url: str = Field(default="", repr=False)  # may carry a password

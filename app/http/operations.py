@@ -152,6 +152,15 @@ class Operations:
         )
         return 200, OK
 
+    def heartbeat(self, raw: bytes) -> Result:
+        b = parse_json(raw, s.HeartbeatBody)
+        self.service.heartbeat(
+            c.Heartbeat(
+                model_name=b.model_name, routing_group=b.routing_group, worker_id=b.worker_id
+            )
+        )
+        return 200, OK
+
     def reconcile(self, raw: bytes) -> Result:
         b = parse_json(raw, s.ReconcileBody)
         added, removed = self.service.reconcile(

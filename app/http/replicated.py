@@ -45,7 +45,7 @@ Lifecycle = c.PrefillComplete | c.Free | c.OutputBlock
 Deferred = Result | Awaitable[Result]
 
 # operations that may queue replica records: with durable acknowledgements they wait for them
-MUTATING = frozenset({"register", "upsert", "unregister", "reconcile", "add",
+MUTATING = frozenset({"register", "upsert", "unregister", "heartbeat", "reconcile", "add",
                       "prefill_complete", "free", "output_block", "batch"})  # fmt: skip
 
 

@@ -255,6 +255,11 @@ ROUTES: tuple[Route, ...] = (
     Route("/unregister", "POST", "unregister", "Remove a worker with all its ranks and requests",
           s.UnregisterBody, s.StatusOk, tag="topology",
           description="Removes the worker's ranks and frees their active requests."),
+    Route("/heartbeat", "POST", "heartbeat", "Renew a worker's lease", s.HeartbeatBody,
+          s.StatusOk, 200, BODY_ERRORS, tag="topology",
+          description="With `worker_ttl_seconds` set, a worker that is not renewed within that "
+          "many seconds (by this call, `/register` or `/upsert`) is unregistered on every "
+          "instance. Without it the call changes nothing. 404 for an unknown worker."),
     Route("/reconcile", "POST", "reconcile",
           "Make a list of workers the whole topology of a tracker", s.ReconcileBody,
           s.ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",

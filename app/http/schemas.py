@@ -105,6 +105,14 @@ class UnregisterBody(_Keyed):
     )
 
 
+class HeartbeatBody(_Keyed):
+    worker_id: U64 = Field(description="Registered worker whose lease is renewed.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"worker_id": 1, "model_name": "llama"}]}
+    )
+
+
 class ReconcileWorker(_Body):
     worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")

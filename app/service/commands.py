@@ -49,6 +49,13 @@ class Unregister(Command):
 
 
 @dataclass(slots=True, kw_only=True)
+class Heartbeat(Command):
+    """Renew a worker's lease (``worker_ttl_seconds``)."""
+
+    worker_id: int
+
+
+@dataclass(slots=True, kw_only=True)
 class Reconcile(Command):
     """Make ``workers`` (``(worker_id, dp_start, dp_size)``) the whole topology of a tracker."""
 

@@ -60,7 +60,8 @@ def check_envelope(rec: dict[str, Any]) -> str:
 
 def check_topology(op: Any) -> tuple[str, Any]:
     """A topology change's kind and, typed, what the service's topology methods take:
-    ``(worker_id, dp_start, dp_size)`` for an upsert, ``worker_id`` for an unregister and a
+    ``(worker_id, dp_start, dp_size)`` for an upsert, ``worker_id`` for an unregister or a
+    lease renewal and a
     list of those triples for a reconcile. The ranges and caps are the service's own checks
     (``topology_rules``), run by the caller with the tracker at hand."""
     if type(op) is not dict:
@@ -68,7 +69,7 @@ def check_topology(op: Any) -> tuple[str, Any]:
     kind = op.get("op")
     if kind == "upsert":
         return kind, _triple([op.get("worker_id"), op.get("dp_start"), op.get("dp_size")])
-    if kind == "unregister":
+    if kind in ("unregister", "renew"):
         wid = op.get("worker_id")
         if not _uint(wid, U64_MAX):
             raise RejectedRecord(TOPOLOGY, f"worker_id {wid!r:.80} is not a u64")

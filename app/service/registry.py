@@ -16,6 +16,7 @@ from app.core.publisher import ReplicaWorkerPolicy, SequencePublisher
 from app.core.tracker import ActiveSequencesMultiWorker
 from app.service.commands import Key
 from app.service.errors import NoTracker, TooManyTrackers
+from app.service.leases import Leases
 
 WORKER_TYPE = "standalone"
 
@@ -47,6 +48,8 @@ class TrackerRegistry:
         self.trackers: dict[Key, ActiveSequencesMultiWorker] = {}
         self.counters: dict[Key, KeyCounters] = {}
         self.max_trackers = DEFAULT_MAX_TRACKERS
+        self.leases = Leases(0)  # worker leases (``worker_ttl_seconds``; off: 0)
+        self.workers_expired = 0  # workers removed because their lease ran out
 
     def check_room(self, key: Key) -> None:
         """``TooManyTrackers`` when ``key`` has no tracker and there is no room for one."""
@@ -114,8 +117,14 @@ class TrackerRegistry:
         return sorted(keys)
 
     def replace_all(self, trackers: dict[Key, ActiveSequencesMultiWorker]) -> None:
-        """Replace the trackers; the counters of keys still present are kept (``prune``)."""
+        """Replace the trackers; the counters of keys still present are kept (``prune``).
+        Every worker gets a full lease from now: a snapshot carries no lease deadlines, and a
+        worker that is really gone expires one ttl later."""
         self.trackers = trackers
+        now = self.clock()
+        for key, t in trackers.items():
+            for r in t.worker_ranges():
+                self.leases.renew(key, r.worker_id, now)
 
     def prune_counters(self) -> None:
         """Forget the counters of keys without a tracker (after ``replace_all``)."""

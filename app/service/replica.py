@@ -56,6 +56,7 @@ from app.service import early as e
 from app.service import record_check as rc
 from app.service.commands import Key
 from app.service.errors import ServiceError
+from app.service.leases import renew_listed
 from app.service.topology_rules import check_range, check_reconcile, check_upsert
 
 if TYPE_CHECKING:
@@ -212,6 +213,9 @@ class Replica:
             {"op": "upsert", "worker_id": worker_id, "dp_start": dp_start, "dp_size": dp_size},
         )
 
+    def emit_renew(self, key: Key, block_size: int, worker_id: int) -> None:
+        self._emit_topology(key, block_size, {"op": "renew", "worker_id": worker_id})
+
     def emit_unregister(self, key: Key, block_size: int, worker_id: int) -> None:
         self._emit_topology(key, block_size, {"op": "unregister", "worker_id": worker_id})
 
@@ -265,7 +269,7 @@ class Replica:
         key = (rec["model_name"], rec["routing_group"])
         block_size = rec["block_size"]
         if kind == "topology":
-            return self._apply_topology(key, block_size, rec["topology"])
+            return self._apply_topology(key, block_size, rec["topology"], rec["ts"])
         if kind == "early":
             return self._apply_early(key, rec["early"], rec["ts"], effects)
         event = rc.check_event(rec["event"], self.max_hashes)
@@ -376,8 +380,9 @@ class Replica:
         if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
             self.early.counters.marks_applied += 1  # type: ignore[union-attr]
 
-    def _apply_topology(self, key: Key, block_size: int, op: Any) -> bool:
-        """A peer's topology change, after the checks its HTTP call passed on the peer."""
+    def _apply_topology(self, key: Key, block_size: int, op: Any, ts: int) -> bool:
+        """A peer's topology change, after the checks its HTTP call passed on the peer; leases
+        are renewed from the producer's instant, as the call renewed them there."""
         kind, arg = rc.check_topology(op)
         try:
             if kind == "upsert":
@@ -402,11 +407,18 @@ class Replica:
                 t.upsert_worker(r)
             finally:
                 registry.drop_if_empty(key)  # a refused first range leaves no empty tracker
+            registry.leases.renew(key, r.worker_id, self.producer_instant(ts))
+            return True
+        if kind == "renew":
+            if t is None or not t.has_worker(arg):
+                return False
+            registry.leases.renew(key, arg, self.producer_instant(ts))
             return True
         if kind == "unregister":
             if t is None or not t.has_worker(arg):
                 return False
             t.unregister_worker(arg)
+            registry.leases.forget(key, arg)
             registry.drop_if_empty(key)
             return True
         if kind == "reconcile":
@@ -416,9 +428,10 @@ class Replica:
                     return False
                 t = registry.create(key, block_size)
             try:
-                t.reconcile_workers(ranges)
+                change = t.reconcile_workers(ranges)
             finally:
                 registry.drop_if_empty(key)
+            renew_listed(registry.leases, key, arg, change.removed, self.producer_instant(ts))
             return True
         raise AssertionError(kind)  # check_topology knows no other kind
 

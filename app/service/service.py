@@ -29,6 +29,7 @@ from app.service.errors import (
     UnknownWorker,
     WorkerExists,
 )
+from app.service.leases import Leases, renew_listed
 from app.service.registry import KeyCounters, TrackerRegistry
 from app.service.replica import Replica, Replicator
 from app.service.topology_rules import check_capacity, check_range, check_reconcile, check_upsert
@@ -47,6 +48,7 @@ class SlotTrackerService:
         instance_id: int = 0,
         max_hashes_per_request: int = 1_048_576,
         max_trackers: int = DEFAULT_MAX_TRACKERS,
+        worker_ttl_seconds: int = 0,
         replicator: Replicator | None = None,
     ) -> None:
         self.clock = clock
@@ -63,6 +65,7 @@ class SlotTrackerService:
             publisher_for=self.replica.publisher_for,
         )
         self.registry.max_trackers = max_trackers
+        self.registry.leases = Leases(worker_ttl_seconds * NS_PER_S)
         self.replica.bind(self.registry)
 
     # -- the registry ----------------------------------------------------------------------
@@ -100,6 +103,7 @@ class SlotTrackerService:
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        self.registry.leases.renew(key, cmd.worker_id, self.clock())
         self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
 
     def upsert(self, cmd: c.Upsert) -> bool:
@@ -112,9 +116,40 @@ class SlotTrackerService:
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        leases = self.registry.leases
+        leases.renew(key, cmd.worker_id, self.clock())
         if not change.is_empty() or created:
             self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+        elif leases.enabled:  # nothing changed but the lease: peers renew it too
+            self.replica.emit_renew(key, cmd.block_size, cmd.worker_id)
         return created
+
+    def heartbeat(self, cmd: c.Heartbeat) -> None:
+        """Renew a worker's lease (``worker_ttl_seconds``); accepted, changing nothing, when
+        leases are off."""
+        key = cmd.key
+        t = self.registry.find(key)
+        if t is None or not t.has_worker(cmd.worker_id):
+            raise UnknownWorker(key, cmd.worker_id)
+        leases = self.registry.leases
+        if leases.enabled:
+            leases.renew(key, cmd.worker_id, self.clock())
+            self.replica.emit_renew(key, t.block_size, cmd.worker_id)
+
+    def expire_leases(self) -> list[tuple[Key, int]]:
+        """Unregister every worker whose lease ran out (each a replicated unregister); returns
+        them. Cost: the workers that expired, not the workers registered."""
+        expired = []
+        for key, worker_id in self.registry.leases.due(self.clock()):
+            t = self.registry.find(key)
+            if t is None or not t.has_worker(worker_id):
+                continue
+            self.unregister(
+                c.Unregister(model_name=key[0], routing_group=key[1], worker_id=worker_id)
+            )
+            self.registry.workers_expired += 1
+            expired.append((key, worker_id))
+        return expired
 
     def unregister(self, cmd: c.Unregister) -> None:
         key = cmd.key
@@ -122,6 +157,7 @@ class SlotTrackerService:
         if t is None or not t.has_worker(cmd.worker_id):
             raise UnknownWorker(key, cmd.worker_id)
         t.unregister_worker(cmd.worker_id)
+        self.registry.leases.forget(key, cmd.worker_id)
         self.registry.drop_if_empty(key)
         self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
 
@@ -135,6 +171,7 @@ class SlotTrackerService:
                 return [], []
             t = self.registry.create(key, block_size)
         change = t.reconcile_workers([WorkerDpRange(*w) for w in workers])
+        renew_listed(self.registry.leases, key, workers, change.removed, self.clock())
         self.registry.drop_if_empty(key)
         self.replica.emit_reconcile(key, block_size, workers)
         return change.added, change.removed

@@ -950,3 +950,38 @@ async def test_batch_operation_cap_is_its_own_setting(make_client) -> None:
         ops = [op("add", add(f"r{i}")) for i in range(2_000)]
         r = await post_json(c, "/batch", {"operations": ops})
         assert r.status_code == 200 and len(r.json()["results"]) == 2_000
+
+
+async def test_worker_leases_over_http(make_client, clock: FakeClock) -> None:
+    """``/heartbeat`` renews; the lease sweep removes a worker whose lease ran out."""
+    async with make_client(worker_ttl_seconds=2) as (_, c):
+        await ok(lambda p, b: post_json(c, p, b), "/register", reg(1), 201)
+        await ok(lambda p, b: post_json(c, p, b), "/register", reg(2), 201)
+        r = await post_json(c, "/heartbeat", {"model_name": "m", "worker_id": 9})
+        assert r.status_code == 404
+        assert r.json() == {"error": "worker 9 not found for model=m routing_group=default"}
+        r = await post_json(c, "/heartbeat", {"model_name": "m"})
+        assert r.status_code == 422
+        clock.advance(1.5)
+        r = await post_json(c, "/heartbeat", {"model_name": "m", "worker_id": 1})
+        assert (r.status_code, r.json()) == (200, OK)
+        clock.advance(0.5)  # worker 2's lease ran out, worker 1's runs until 3.5 s
+
+        async def ids() -> list[int]:
+            return [w["worker_id"] for w in (await c.get("/workers")).json()]
+
+        for _ in range(300):  # the sweep runs every 0.2 s of real time here
+            if await ids() == [1]:
+                break
+            await asyncio.sleep(0.01)
+        assert await ids() == [1]
+        metrics = (await c.get("/metrics")).text
+        assert "kv_slot_tracker_workers_expired_total 1.0" in metrics
+        assert "kv_slot_tracker_worker_leases 1.0" in metrics
+    async with make_client() as (_, c):  # no ttl: heartbeats are accepted and change nothing
+        await ok(lambda p, b: post_json(c, p, b), "/register", reg(1), 201)
+        r = await post_json(c, "/heartbeat", {"model_name": "m", "worker_id": 1})
+        assert r.status_code == 200
+        clock.advance(10**6)
+        await asyncio.sleep(0.3)
+        assert [w["worker_id"] for w in (await c.get("/workers")).json()] == [1]

@@ -169,7 +169,7 @@ def test_every_post_has_a_required_json_body_with_described_fields_and_an_exampl
     document: dict[str, Any],
 ) -> None:
     posts = body_operations(document)
-    assert len(posts) == 18
+    assert len(posts) == 19
     for path, op in posts:
         body = op.get("requestBody")
         assert body is not None and body.get("required") is True, path
@@ -257,6 +257,7 @@ for _path, _setup, _status in [
     ("/upsert", [], 201),
     ("/reconcile", [], 200),
     ("/unregister", [("/register", _LLAMA)], 200),
+    ("/heartbeat", [("/register", _LLAMA)], 200),
     ("/add", [("/register", _LLAMA)], 201),
     ("/prefill_complete", [("/register", _LLAMA), ("/add", _R1)], 200),
     ("/free", [("/register", _LLAMA), ("/add", _R1)], 200),
@@ -341,6 +342,7 @@ SUCCESS_CODES = {
     "/upsert": {"200", "201"},
     "/add": {"201"},
     "/unregister": {"200"},
+    "/heartbeat": {"200"},
     "/reconcile": {"200"},
     "/prefill_complete": {"200"},
     "/free": {"200"},
@@ -375,7 +377,7 @@ def test_operations_are_grouped_named_and_described(document: dict[str, Any]) ->
         assert (op["tags"][0] == "selection") == path.startswith("/selection/"), (method, path)
         assert len(op.get("description", "")) > 40, f"{method} {path} has no description"
         ids.append(op["operationId"])
-    assert len(set(ids)) == len(ids) == 34
+    assert len(set(ids)) == len(ids) == 35
     assert all(i.replace("_", "").isalnum() and i.islower() and len(i) <= 40 for i in ids), ids
     paths = document["paths"]
     assert paths["/add"]["post"]["operationId"] == "add"

@@ -31,6 +31,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "register": ((1, "m", 4), {}),
     "upsert": ((1, "m", 4), {}),
     "unregister": ((1, "m"), {}),
+    "heartbeat": ((1, "m"), {}),
     "reconcile": (("m", 4, [(1, 0, 1)]), {}),
     "workers": ((), {}),
     "add": (("m", "r", 1, 0, [1]), {}),
@@ -140,14 +141,14 @@ def test_the_table_names_every_method() -> None:
         AsyncSelectionClient, "selection."
     )
     assert set(CALLS) == sync == async_
-    assert len(CALLS) == 21 + 18
+    assert len(CALLS) == 22 + 18
 
 
 def test_every_documented_route_is_called(openapi: dict[str, Any]) -> None:
     documented = {
         (method.upper(), path) for path, item in openapi["paths"].items() for method in item
     }
-    assert len(documented) == 34
+    assert len(documented) == 35
     failing = Failing()
     raised = call_every_method(failing)
     assert raised == len(CALLS) - PROBES

@@ -102,11 +102,13 @@ class Cluster:
     async def node(self, *, start: bool = True, clocks: Clocks | None = None, **overrides) -> Node:
         clocks = clocks or self.clocks
         registry = CollectorRegistry()
-        rep = RedisReplication(self.settings(**overrides), registry)
+        settings = self.settings(**overrides)
+        rep = RedisReplication(settings, registry)
         service = SlotTrackerService(
             clock=clocks.mono.now,
             wall_clock=clocks.wall.now,
             instance_id=rep.instance_id,
+            worker_ttl_seconds=settings.worker_ttl_seconds,
             replicator=rep,
         )
         node = Node(service, rep, registry)

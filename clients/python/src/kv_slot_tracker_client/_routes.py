@@ -210,6 +210,17 @@ class Routes:
         body = {"worker_id": worker_id, "model_name": model_name, "routing_group": routing_group}
         return c.post("/unregister", body, c.no_content)
 
+    def heartbeat(
+        self, worker_id: int, model_name: str, *, routing_group: str = DEFAULT_ROUTING_GROUP
+    ) -> Call[None]:
+        """Renew a worker's lease (``NotFound`` when not registered).
+
+        A service run with ``worker_ttl_seconds`` unregisters a worker not renewed (by this,
+        ``register`` or ``upsert``) within that many seconds: call it every third of the ttl.
+        """
+        body = {"worker_id": worker_id, "model_name": model_name, "routing_group": routing_group}
+        return c.post("/heartbeat", body, c.no_content)
+
     def reconcile(
         self,
         model_name: str,

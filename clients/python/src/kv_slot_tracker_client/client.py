@@ -249,6 +249,7 @@ class SlotTrackerClient:
     register = _blocking(Routes.register)
     upsert = _blocking(Routes.upsert)
     unregister = _blocking(Routes.unregister)
+    heartbeat = _blocking(Routes.heartbeat)
     reconcile = _blocking(Routes.reconcile)
     workers = _blocking(Routes.workers)
     # request lifecycle
@@ -327,6 +328,7 @@ class AsyncSlotTrackerClient:
     register = _awaiting(Routes.register)
     upsert = _awaiting(Routes.upsert)
     unregister = _awaiting(Routes.unregister)
+    heartbeat = _awaiting(Routes.heartbeat)
     reconcile = _awaiting(Routes.reconcile)
     workers = _awaiting(Routes.workers)
     # request lifecycle
