@@ -21,6 +21,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from app.core.types import U32_MAX, U64_MAX
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -29,6 +30,9 @@ U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
 Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
+Id = Annotated[StrictStr, Field(max_length=MAX_ID_LENGTH)]  # request and selection ids
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_LENGTH)]  # what a worker declares
 
 
 def number(low: float, high: float) -> Any:
@@ -62,8 +66,8 @@ class _Body(BaseModel):
 
 
 class _Keyed(_Body):
-    model_name: StrictStr = MODEL
-    routing_group: StrictStr = GROUP
+    model_name: Name = MODEL
+    routing_group: Name = GROUP
 
 
 class RegisterBody(_Keyed):
@@ -130,7 +134,7 @@ class ReconcileBody(_Keyed):
 
 
 class AddBody(_Keyed):
-    request_id: StrictStr = Field(description="Request id, unique across the tracker while active.")
+    request_id: Id = Field(description="Request id, unique across the tracker while active.")
     worker_id: U64 = Field(description="Worker the request was routed to.")
     dp_rank: U32 = Field(description="Data-parallel rank the request was routed to.")
     sequence_hashes: list[Hash] = HASHES
@@ -143,7 +147,7 @@ class AddBody(_Keyed):
         None, description="Count this request's prefill tokens (default: new_isl_tokens > 0)."
     )
     expected_output_tokens: U32 | None = Field(None, description="Stored and replicated only.")
-    lora_name: StrictStr | None = Field(None, description="LoRA adapter name, if any.")
+    lora_name: Name | None = Field(None, description="LoRA adapter name, if any.")
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -163,7 +167,7 @@ class AddBody(_Keyed):
 
 
 class RequestBody(_Keyed):
-    request_id: StrictStr = Field(description="Request id.")
+    request_id: Id = Field(description="Request id.")
 
     model_config = ConfigDict(
         json_schema_extra={"examples": [{"model_name": "llama", "request_id": "r1"}]}
@@ -185,7 +189,7 @@ class OutputBlockBody(RequestBody):
 class PotentialLoadsBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
-    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
     new_isl_tokens: U64 = Field(0, description="Prefill tokens the prompt would add on any rank.")
 
     model_config = ConfigDict(
@@ -201,7 +205,7 @@ class PotentialLoadsBody(_Keyed):
 class ProjectLoadsBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
-    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
 
     model_config = ConfigDict(
         json_schema_extra={

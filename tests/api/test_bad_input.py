@@ -454,15 +454,19 @@ async def test_a_declared_length_over_the_limit_is_413_before_reading(
     assert rejected(resp, 413) == TOO_LARGE
 
 
-async def test_huge_strings_within_the_limit_are_plain_names(
+async def test_huge_strings_within_the_body_limit_are_422_not_lookups(
     client: httpx.AsyncClient, post: PostJson, seeded: Any
 ) -> None:
-    """A long name is legal; it just names no tracker or request."""
+    """A name or id longer than its limit (``app.core.limits``) is refused before any lookup."""
     name = "n" * (BODY_LIMIT - 200)
     resp = await post("/free", {"model_name": name, "request_id": "r1"})
-    assert rejected(resp, 404).startswith("no slot tracker for model=nnnn")
+    assert (
+        rejected(resp, 422) == JSON_SHAPE + "model_name: String should have at most 1024 characters"
+    )
     resp = await post("/prefill_complete", {"model_name": "m", "request_id": name})
-    assert rejected(resp, 404) == f"Request {name} not found"
+    assert (
+        rejected(resp, 422) == JSON_SHAPE + "request_id: String should have at most 1024 characters"
+    )
 
 
 # -- malformed JSON: 400 -----------------------------------------------------------------------
