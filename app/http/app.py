@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
-from app.http.auth import OPEN_PATHS, BearerAuth
+from app.http.auth import BearerAuth, open_paths
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
 from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
@@ -150,11 +150,14 @@ def build_http_app(
     app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
 
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(
+            BearerAuth, api_key=api_key, metrics_require_key=settings.metrics_require_key
+        )
     app.add_middleware(
         HeadAsGet, templated=app.lean.matches_template
     )  # outermost: also strips the body of a 401
-    app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
+    open_without_key = open_paths(settings.metrics_require_key) if api_key else None
+    app.openapi = lambda: _openapi(app, open_without_key)  # type: ignore[method-assign]
     return app
 
 
@@ -178,7 +181,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return json_response({"error": QUERY_SHAPE + what}, 400)
 
 
-def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
+def _openapi(app: FastAPI, open_without_key: frozenset[str] | None) -> dict[str, Any]:
     """FastAPI's document, with the body routes' models and the real shape of ``/metrics``."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -209,10 +212,10 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
         for name, sub in sch.pop("$defs", {}).items():
             comps.setdefault(name, sub)
         comps[model.__name__] = sch
-    if with_key:
+    if open_without_key is not None:  # a key is set
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key
-        for path in OPEN_PATHS & doc["paths"].keys():
+        for path in open_without_key & doc["paths"].keys():
             for op in doc["paths"][path].values():
                 op["security"] = []
     app.openapi_schema = doc

@@ -235,7 +235,9 @@ class WorkerRecord(BaseModel):
 class SelectionReady(BaseModel):
     ready: bool
     schedulable_workers: int
-    workers: list[WorkerRecord]
+    workers: list[WorkerRecord] | None = Field(
+        None, description="Absent when a key is set and the caller did not send it."
+    )
 
 
 class Overlap(BaseModel):
