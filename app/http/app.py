@@ -17,13 +17,14 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
 from app.http.auth import BearerAuth, open_paths
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
-from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.errors import INTERNAL_ERROR, METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
 from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
@@ -163,15 +164,22 @@ def build_http_app(
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             return json_response({"error": ROUTE_NOT_FOUND}, 404)
         if exc.status_code == 405:
             resp = json_response({"error": METHOD_NOT_ALLOWED}, 405)
-            if exc.headers:  # the route's `Allow` header (RFC 9110 requires it on a 405)
-                resp.headers.update(exc.headers)
+            # RFC 9110 requires `Allow` on a 405, with every method of the path (Starlette
+            # gives the first route's only)
+            resp.headers["allow"] = ", ".join(_allowed_methods(request))
             return resp
         return json_response({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        """A bug: logged with its traceback (by Starlette), answered with the JSON error body
+        every other error has."""
+        return json_response({"error": INTERNAL_ERROR}, 500)
 
     @app.exception_handler(RequestValidationError)
     async def query_error(_: Request, exc: RequestValidationError) -> Response:
@@ -179,6 +187,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         field = err["loc"][-1] if err.get("loc") else ""
         what = f"missing field `{field}`" if err.get("type") == "missing" else err["msg"]
         return json_response({"error": QUERY_SHAPE + what}, 400)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the request's path serves (HEAD with GET: ``HeadAsGet``)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def _openapi(app: FastAPI, open_without_key: frozenset[str] | None) -> dict[str, Any]:

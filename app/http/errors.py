@@ -25,6 +25,7 @@ CONTENT_TYPE = "Expected request with `Content-Type: application/json`"
 TOO_LARGE = "Failed to buffer the request body: length limit exceeded"
 ROUTE_NOT_FOUND = "route not found"
 METHOD_NOT_ALLOWED = "method not allowed"
+INTERNAL_ERROR = "internal error"
 UNAUTHORIZED = "missing or invalid bearer key"
 
 

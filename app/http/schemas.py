@@ -21,7 +21,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
+from app.core.limits import MAX_DP_SIZE, MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from app.core.types import U32_MAX, U64_MAX
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -30,6 +30,12 @@ U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
 Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+# a worker's ranks: any u32 parses; the service answers 400 above the limit (its own text)
+DpSize = Annotated[
+    StrictInt,
+    Field(ge=0, le=U32_MAX),
+    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_DP_SIZE}),
+]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
 Id = Annotated[StrictStr, Field(max_length=MAX_ID_LENGTH)]  # request and selection ids
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_LENGTH)]  # what a worker declares
@@ -76,7 +82,7 @@ class RegisterBody(_Keyed):
         description="Tokens per KV block; fixed per tracker by its first worker."
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(
+    dp_size: DpSize = Field(
         description="Number of data-parallel ranks: at most 4,096 per worker, and a tracker "
         "holds at most 16,384 ranks in all."
     )
@@ -111,7 +117,7 @@ class UnregisterBody(_Keyed):
 class ReconcileWorker(_Body):
     worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(description="Number of data-parallel ranks (at most 4,096).")
+    dp_size: DpSize = Field(description="Number of data-parallel ranks (at most 4,096).")
 
 
 class ReconcileBody(_Keyed):

@@ -9,10 +9,19 @@ prompt field is optional here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    WithJsonSchema,
+)
 
+from app.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS
 from app.http.schemas import U32, U64, Hash, Id, Name, Text, TokenId
 
 USIZE = U64
@@ -67,9 +76,10 @@ class _WorkerFields(_Body):
     stable_routing_id: Text | None = Field(None, description="Accepted and echoed.")
     is_eagle: StrictBool | None = Field(None, description="Accepted and echoed.")
     kv_transfer_domain: Text | None = Field(None, description="Accepted and echoed.")
-    kv_transfer_enforcement: Text | None = Field(
-        None, description="`required` or `preferred`; accepted and echoed."
-    )
+    kv_transfer_enforcement: (
+        Annotated[Text, WithJsonSchema({"type": "string", "enum": list(KV_TRANSFER_ENFORCEMENTS)})]
+        | None
+    ) = Field(None, description="`required` or `preferred`; accepted and echoed.")
     kv_transfer_preferred_weight: StrictFloat | StrictInt | None = Field(
         None, description="f32; accepted and echoed."
     )
@@ -203,9 +213,14 @@ class ReservationBody(PromptBody):
 
 
 class ReservationOutputBlockBody(_Body):
-    decay_fraction: StrictFloat | StrictInt | None = Field(
-        None, description="0..1: weight of the blocks held only by this reservation."
-    )
+    decay_fraction: (
+        Annotated[
+            StrictFloat | StrictInt,
+            # checked by the service, with the reference's 400 text; stated here for clients
+            WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1}),
+        ]
+        | None
+    ) = Field(None, description="0..1: weight of the blocks held only by this reservation.")
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"decay_fraction": 0.5}]})
 
