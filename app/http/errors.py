@@ -67,6 +67,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     svc.TooManyTrackers: (503, _text),
     svc.WritesRefused: (503, _text),
     svc.NotAcknowledged: (503, _text),
+    core.TooManyOutputBlocks: (422, _text),
     core.PrefillTokensOverflow: (
         422,
         lambda e: f"new_isl_tokens would overflow the prefill token sum of {e.worker.debug()}",
