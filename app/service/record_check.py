@@ -112,6 +112,22 @@ def check_event(wire: Any, max_hashes: int) -> Any:
     return event
 
 
+def check_selection(change: Any, max_hashes: int) -> None:
+    """The lengths of a selection change's hash lists, as the selection routes bound them
+    (the selection wire decoder checks every field's type and string length)."""
+    if type(change) is not dict:
+        return  # the decoder rejects it
+    entry = change.get("entry")
+    lists = [change.get("bh"), change.get("ch")]
+    if type(entry) is dict:
+        lists += [entry.get("sh"), entry.get("bh")]
+    for hashes in lists:
+        if type(hashes) is list and len(hashes) > max_hashes:
+            raise RejectedRecord(
+                SELECTION, f"{len(hashes)} block hashes exceed the maximum {max_hashes}"
+            )
+
+
 def check_early(op: Any) -> tuple[str, str]:
     """A tombstone or pending mark: ``(op, request_id)``."""
     if (

@@ -96,6 +96,21 @@ BAD: list[tuple[str, Any]] = [
     ("selection", selection({"op": "put_worker", "spec": spec(endpoint="e" * 4097)})),
     ("selection", selection({"op": "put_worker", "spec": spec(kv_transfer_enforcement="x")})),
     ("selection", selection({"op": "release", "id": "s" * 1025})),
+    (
+        "selection",
+        selection(
+            {
+                "op": "book",
+                "id": "s",
+                "m": "m",
+                "g": "default",
+                "w": [77, 0],
+                "bh": list(range(65)),
+                "ch": None,
+                "cp": False,
+            }
+        ),
+    ),  # fmt: skip
     ("selection", selection({"op": "book", "id": "s"})),
     ("selection", selection({"op": "teleport"})),
     ("conflict", upsert(2, block_size=32)),  # the tracker of m/default has block size 16
