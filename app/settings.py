@@ -85,6 +85,7 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8091, ge=0, le=65535)
     api_key: SecretStr = Field(default=SecretStr(""), repr=False)
+    metrics_require_key: bool = False
     log_level: LogLevel = "info"
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)

@@ -65,6 +65,12 @@ class RequestNotFound(SequenceError):
         super().__init__(f"Request {request_id} not found")
 
 
+class TooManyOutputBlocks(SequenceError):
+    def __init__(self, request_id: str, limit: int) -> None:
+        super().__init__(f"request {request_id} already holds the most output blocks, {limit}")
+        self.request_id = request_id
+
+
 class PrefillTokensOverflow(SequenceError):
     """Tracking this request's prefill would overflow the rank's 64-bit prefill-token sum."""
 

@@ -21,6 +21,16 @@ MAX_RANKS_PER_TRACKER = 16_384
 # Block sizes are u32 and never 0.
 MAX_BLOCK_SIZE = U32_MAX
 
+# Longest strings a client may make the service keep (characters), far beyond what a fleet
+# uses. They are part of the API (the OpenAPI document states them), hence not settings.
+MAX_NAME_LENGTH = 1024  # model names, routing groups, LoRA names
+MAX_ID_LENGTH = 1024  # request ids, selection ids
+MAX_TEXT_LENGTH = 4096  # what a selection worker declares: endpoints, domains, taints, ...
+
+# Most output blocks one request may hold (each ``/output_block`` call adds one): a million
+# blocks are tens of millions of generated tokens.
+MAX_OUTPUT_BLOCKS_PER_REQUEST = 1 << 20
+
 # Most trackers (model name, routing group) one process holds by default (``max_trackers``): a
 # fleet has a few hundred; a client inventing names must meet a limit, not exhaust memory.
 DEFAULT_MAX_TRACKERS = 4096

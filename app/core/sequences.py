@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .blocks import BlockTracker
+from .errors import TooManyOutputBlocks
+from .limits import MAX_OUTPUT_BLOCKS_PER_REQUEST
 from .overlap import PromptTrie
 from .prefill import PrefillLoadTracker
 from .types import (
@@ -71,6 +73,8 @@ class ActiveSequences:
     prompts pass through it (``BlockTracker``): a prompt sharing a prefix already held costs
     block-count work only for its new positions.
     """
+
+    max_output_blocks = MAX_OUTPUT_BLOCKS_PER_REQUEST  # per request (``app.core.limits``)
 
     __slots__ = (
         "requests",
@@ -247,6 +251,9 @@ class ActiveSequences:
         if state is None:
             log.warning("Trying to add output block to non-existent request %s", request_id)
             return None
+        outputs = state._outputs
+        if outputs is not None and len(outputs) >= self.max_output_blocks:
+            raise TooManyOutputBlocks(request_id, self.max_output_blocks)
         h = self._rng.getrandbits(64)
         self.blocks.touch(h)
         if state._outputs is None:

@@ -17,13 +17,14 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from app import __version__
-from app.http.auth import OPEN_PATHS, BearerAuth
+from app.http.auth import BearerAuth, open_paths
 from app.http.dashboard import build_dashboard_router
 from app.http.docs import build_docs_router
-from app.http.errors import METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
+from app.http.errors import INTERNAL_ERROR, METHOD_NOT_ALLOWED, QUERY_SHAPE, ROUTE_NOT_FOUND
 from app.http.gate import ReadinessGate
 from app.http.lean import LeanDispatcher, LeanRoute
 from app.http.middleware import HeadAsGet
@@ -152,25 +153,35 @@ def build_http_app(
     app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
 
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(
+            BearerAuth, api_key=api_key, metrics_require_key=settings.metrics_require_key
+        )
     app.add_middleware(
         HeadAsGet, templated=app.lean.matches_template
     )  # outermost: also strips the body of a 401
-    app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
+    open_without_key = open_paths(settings.metrics_require_key) if api_key else None
+    app.openapi = lambda: _openapi(app, open_without_key)  # type: ignore[method-assign]
     return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             return json_response({"error": ROUTE_NOT_FOUND}, 404)
         if exc.status_code == 405:
             resp = json_response({"error": METHOD_NOT_ALLOWED}, 405)
-            if exc.headers:  # the route's `Allow` header (RFC 9110 requires it on a 405)
-                resp.headers.update(exc.headers)
+            # RFC 9110 requires `Allow` on a 405, with every method of the path (Starlette
+            # gives the first route's only)
+            resp.headers["allow"] = ", ".join(_allowed_methods(request))
             return resp
         return json_response({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        """A bug: logged with its traceback (by Starlette), answered with the JSON error body
+        every other error has."""
+        return json_response({"error": INTERNAL_ERROR}, 500)
 
     @app.exception_handler(RequestValidationError)
     async def query_error(_: Request, exc: RequestValidationError) -> Response:
@@ -180,7 +191,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         return json_response({"error": QUERY_SHAPE + what}, 400)
 
 
-def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the request's path serves (HEAD with GET: ``HeadAsGet``)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
+def _openapi(app: FastAPI, open_without_key: frozenset[str] | None) -> dict[str, Any]:
     """FastAPI's document, with the body routes' models and the real shape of ``/metrics``."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -221,10 +244,10 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
         for name, sub in sch.pop("$defs", {}).items():
             comps.setdefault(name, sub)
         comps[model.__name__] = sch
-    if with_key:
+    if open_without_key is not None:  # a key is set
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key
-        for path in OPEN_PATHS & doc["paths"].keys():
+        for path in open_without_key & doc["paths"].keys():
             for op in doc["paths"][path].values():
                 op["security"] = []
     app.openapi_schema = doc

@@ -116,6 +116,8 @@ def _describe(err: dict[str, Any]) -> str:
         if isinstance(value, int) and not isinstance(value, bool):
             return f"{loc}: invalid value: integer `{value}`, expected {rust}"
         return f"{loc}: invalid type: {unexpected(value)}, expected {rust}"
+    if typ == "string_too_long":  # the service's own limit (app.core.limits)
+        return f"{loc}: {err['msg']}"
     if typ.startswith("string") or typ == "literal_error":
         return f"{loc}: invalid type: {unexpected(value)}, expected a string"
     return f"{loc}: {err['msg']}" if loc else err["msg"]

@@ -25,6 +25,7 @@ CONTENT_TYPE = "Expected request with `Content-Type: application/json`"
 TOO_LARGE = "Failed to buffer the request body: length limit exceeded"
 ROUTE_NOT_FOUND = "route not found"
 METHOD_NOT_ALLOWED = "method not allowed"
+INTERNAL_ERROR = "internal error"
 UNAUTHORIZED = "missing or invalid bearer key"
 
 
@@ -66,6 +67,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     svc.TooManyTrackers: (503, _text),
     svc.WritesRefused: (503, _text),
     svc.NotAcknowledged: (503, _text),
+    core.TooManyOutputBlocks: (422, _text),
     core.PrefillTokensOverflow: (
         422,
         lambda e: f"new_isl_tokens would overflow the prefill token sum of {e.worker.debug()}",

@@ -26,6 +26,7 @@ import msgspec
 import orjson
 from msgspec import UNSET, Meta, UnsetType
 
+from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH
 from app.core.types import U32_MAX, U64_MAX
 
 DEFAULT_GROUP = "default"
@@ -164,7 +165,9 @@ def potential_fields(d: dict[str, Any], no_bool: bool, signed: bool = True) -> F
         or type(group) is not str
         or type(isl) is not int
         or not 0 <= isl <= U64_MAX
-        or (lora is not None and type(lora) is not str)
+        or (lora is not None and (type(lora) is not str or len(lora) > MAX_NAME_LENGTH))
+        or len(model) > MAX_NAME_LENGTH
+        or len(group) > MAX_NAME_LENGTH
     ):
         return None
     prompt = prompt_fields(d, no_bool, signed)
@@ -188,14 +191,16 @@ _Ms = (
     | Annotated[float, Meta(ge=0, le=_MAX_PREFILL_MS)]
 )
 _Fraction = Annotated[int, Meta(ge=0, le=1)] | Annotated[float, Meta(ge=0, le=1)]
+_Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]
+_Id = Annotated[str, Meta(max_length=MAX_ID_LENGTH)]
 
 
 class BatchAdd(msgspec.Struct, tag_field="op", tag="add", forbid_unknown_fields=True):
-    model_name: str
-    request_id: str
+    model_name: _Name
+    request_id: _Id
     worker_id: _Unsigned
     dp_rank: _U32
-    routing_group: str = DEFAULT_GROUP
+    routing_group: _Name = DEFAULT_GROUP
     # exactly one of the two; after ``batch_operations`` the other is None
     sequence_hashes: list[_Hash] | UnsetType = UNSET  # unsigned after batch_operations
     token_ids: list[_U32] | UnsetType = UNSET
@@ -203,29 +208,29 @@ class BatchAdd(msgspec.Struct, tag_field="op", tag="add", forbid_unknown_fields=
     expected_prefill_ms: _Ms | None = None
     track_prefill_tokens: bool | None = None
     expected_output_tokens: _U32 | None = None
-    lora_name: str | None = None
+    lora_name: _Name | None = None
 
 
 class BatchFree(msgspec.Struct, tag_field="op", tag="free", forbid_unknown_fields=True):
-    model_name: str
-    request_id: str
-    routing_group: str = DEFAULT_GROUP
+    model_name: _Name
+    request_id: _Id
+    routing_group: _Name = DEFAULT_GROUP
 
 
 class BatchPrefillComplete(
     msgspec.Struct, tag_field="op", tag="prefill_complete", forbid_unknown_fields=True
 ):
-    model_name: str
-    request_id: str
-    routing_group: str = DEFAULT_GROUP
+    model_name: _Name
+    request_id: _Id
+    routing_group: _Name = DEFAULT_GROUP
 
 
 class BatchOutputBlock(
     msgspec.Struct, tag_field="op", tag="output_block", forbid_unknown_fields=True
 ):
-    model_name: str
-    request_id: str
-    routing_group: str = DEFAULT_GROUP
+    model_name: _Name
+    request_id: _Id
+    routing_group: _Name = DEFAULT_GROUP
     decay_fraction: _Fraction | None = None
 
 
@@ -258,24 +263,24 @@ def _prompt_form(hashes: Any, tokens: Any, signed: bool) -> tuple[Any, Any] | No
 
 
 class PlainAdd(msgspec.Struct, forbid_unknown_fields=True):
-    model_name: str
-    request_id: str
+    model_name: _Name
+    request_id: _Id
     worker_id: _Unsigned
     dp_rank: _U32
-    routing_group: str | UnsetType = UNSET
+    routing_group: _Name | UnsetType = UNSET
     sequence_hashes: list[_Hash] | UnsetType = UNSET
     token_ids: list[_U32] | UnsetType = UNSET
     new_isl_tokens: _Unsigned | UnsetType = UNSET
     expected_prefill_ms: _Ms | None | UnsetType = UNSET
     track_prefill_tokens: bool | None | UnsetType = UNSET
     expected_output_tokens: _U32 | None | UnsetType = UNSET
-    lora_name: str | None | UnsetType = UNSET
+    lora_name: _Name | None | UnsetType = UNSET
 
 
 class PlainRequest(msgspec.Struct, forbid_unknown_fields=True):
-    model_name: str
-    request_id: str
-    routing_group: str | UnsetType = UNSET
+    model_name: _Name
+    request_id: _Id
+    routing_group: _Name | UnsetType = UNSET
 
 
 _decode_add = msgspec.json.Decoder(PlainAdd).decode

@@ -21,6 +21,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from app.core.limits import MAX_DP_SIZE, MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from app.core.types import U32_MAX, U64_MAX
 from app.replication import port
 
@@ -30,6 +31,15 @@ U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
 Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+# a worker's ranks: any u32 parses; the service answers 400 above the limit (its own text)
+DpSize = Annotated[
+    StrictInt,
+    Field(ge=0, le=U32_MAX),
+    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_DP_SIZE}),
+]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
+Id = Annotated[StrictStr, Field(max_length=MAX_ID_LENGTH)]  # request and selection ids
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_LENGTH)]  # what a worker declares
 
 
 def number(low: float, high: float) -> Any:
@@ -63,8 +73,8 @@ class _Body(BaseModel):
 
 
 class _Keyed(_Body):
-    model_name: StrictStr = MODEL
-    routing_group: StrictStr = GROUP
+    model_name: Name = MODEL
+    routing_group: Name = GROUP
 
 
 class RegisterBody(_Keyed):
@@ -73,7 +83,7 @@ class RegisterBody(_Keyed):
         description="Tokens per KV block; fixed per tracker by its first worker."
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(
+    dp_size: DpSize = Field(
         description="Number of data-parallel ranks: at most 4,096 per worker, and a tracker "
         "holds at most 16,384 ranks in all."
     )
@@ -116,7 +126,7 @@ class HeartbeatBody(_Keyed):
 class ReconcileWorker(_Body):
     worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: U32 = Field(description="Number of data-parallel ranks (at most 4,096).")
+    dp_size: DpSize = Field(description="Number of data-parallel ranks (at most 4,096).")
 
 
 class ReconcileBody(_Keyed):
@@ -139,7 +149,7 @@ class ReconcileBody(_Keyed):
 
 
 class AddBody(_Keyed):
-    request_id: StrictStr = Field(description="Request id, unique across the tracker while active.")
+    request_id: Id = Field(description="Request id, unique across the tracker while active.")
     worker_id: U64 = Field(description="Worker the request was routed to.")
     dp_rank: U32 = Field(description="Data-parallel rank the request was routed to.")
     sequence_hashes: list[Hash] = HASHES
@@ -152,7 +162,7 @@ class AddBody(_Keyed):
         None, description="Count this request's prefill tokens (default: new_isl_tokens > 0)."
     )
     expected_output_tokens: U32 | None = Field(None, description="Stored and replicated only.")
-    lora_name: StrictStr | None = Field(None, description="LoRA adapter name, if any.")
+    lora_name: Name | None = Field(None, description="LoRA adapter name, if any.")
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -172,7 +182,7 @@ class AddBody(_Keyed):
 
 
 class RequestBody(_Keyed):
-    request_id: StrictStr = Field(description="Request id.")
+    request_id: Id = Field(description="Request id.")
 
     model_config = ConfigDict(
         json_schema_extra={"examples": [{"model_name": "llama", "request_id": "r1"}]}
@@ -194,7 +204,7 @@ class OutputBlockBody(RequestBody):
 class PotentialLoadsBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
-    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
     new_isl_tokens: U64 = Field(0, description="Prefill tokens the prompt would add on any rank.")
 
     model_config = ConfigDict(
@@ -210,7 +220,7 @@ class PotentialLoadsBody(_Keyed):
 class ProjectLoadsBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
-    lora_name: StrictStr | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
 
     model_config = ConfigDict(
         json_schema_extra={

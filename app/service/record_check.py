@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.core.events import EventDecodeError, event_from_wire
-from app.core.limits import MAX_BLOCK_SIZE
+from app.core.limits import MAX_BLOCK_SIZE, MAX_ID_LENGTH, MAX_NAME_LENGTH
 from app.core.types import U32_MAX, U64_MAX
 from app.service.early import OPS
 
@@ -53,6 +53,8 @@ def check_envelope(rec: dict[str, Any]) -> str:
             f"model_name and routing_group must be strings, not "
             f"{rec.get('model_name')!r:.80}, {rec.get('routing_group')!r:.80}",
         )
+    if len(rec["model_name"]) > MAX_NAME_LENGTH or len(rec["routing_group"]) > MAX_NAME_LENGTH:
+        raise RejectedRecord(ENVELOPE, f"model_name or routing_group over {MAX_NAME_LENGTH}")
     if not _uint(rec.get("block_size"), MAX_BLOCK_SIZE):
         raise RejectedRecord(ENVELOPE, f"block_size {rec.get('block_size')!r:.80} is not a u32")
     return kinds[0]
@@ -101,14 +103,39 @@ def check_event(wire: Any, max_hashes: int) -> Any:
         event = event_from_wire(wire)
     except EventDecodeError as err:
         raise RejectedRecord(EVENT, str(err)) from None
+    if len(event.request_id) > MAX_ID_LENGTH:
+        raise RejectedRecord(EVENT, f"request_id longer than {MAX_ID_LENGTH}")
+    if event.lora_name is not None and len(event.lora_name) > MAX_NAME_LENGTH:
+        raise RejectedRecord(EVENT, f"lora_name longer than {MAX_NAME_LENGTH}")
     seq = getattr(event.data, "token_sequence", None)
     if seq is not None and len(seq) > max_hashes:
         raise RejectedRecord(EVENT, f"{len(seq)} prompt blocks exceed the maximum {max_hashes}")
     return event
 
 
+def check_selection(change: Any, max_hashes: int) -> None:
+    """The lengths of a selection change's hash lists, as the selection routes bound them
+    (the selection wire decoder checks every field's type and string length)."""
+    if type(change) is not dict:
+        return  # the decoder rejects it
+    entry = change.get("entry")
+    lists = [change.get("bh"), change.get("ch")]
+    if type(entry) is dict:
+        lists += [entry.get("sh"), entry.get("bh")]
+    for hashes in lists:
+        if type(hashes) is list and len(hashes) > max_hashes:
+            raise RejectedRecord(
+                SELECTION, f"{len(hashes)} block hashes exceed the maximum {max_hashes}"
+            )
+
+
 def check_early(op: Any) -> tuple[str, str]:
     """A tombstone or pending mark: ``(op, request_id)``."""
-    if type(op) is not dict or op.get("op") not in OPS or type(op.get("request_id")) is not str:
+    if (
+        type(op) is not dict
+        or op.get("op") not in OPS
+        or type(op.get("request_id")) is not str
+        or len(op["request_id"]) > MAX_ID_LENGTH
+    ):
         raise RejectedRecord(EARLY, f"malformed early call {op!r:.120}")
     return op["op"], op["request_id"]

@@ -264,6 +264,7 @@ class Replica:
         if "selection" in rec:
             if self.selection is None:
                 return False
+            rc.check_selection(rec["selection"], self.max_hashes)
             return self.selection.apply_peer(rec["selection"], self.producer_instant(rec["ts"]))
         kind = rc.check_envelope(rec)
         key = (rec["model_name"], rec["routing_group"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -301,3 +302,40 @@ def test_key_is_hidden_in_the_settings() -> None:
     for text in [repr(settings), str(settings), str(settings.model_dump())]:
         assert KEY not in text
     assert KEY not in settings.model_dump_json()
+
+
+async def test_selection_ready_without_the_key_tells_readiness_only(
+    client: httpx.AsyncClient,
+) -> None:
+    worker = {"worker_id": 5, "endpoint": "http://10.0.0.5:8000", "block_size": 4,
+              "kv_events_endpoint": "tcp://10.0.0.5:5557"}  # fmt: skip
+    r = await post_json(client, "/selection/workers", worker, headers=RIGHT)
+    assert r.status_code == 201
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = await client.get("/selection/ready", headers=headers)
+        assert (r.status_code, r.json()) == (200, {"ready": True, "schedulable_workers": 1})
+        assert r.headers["content-length"] == str(len(r.content))
+        assert b"10.0.0.5" not in r.content
+    r = await client.get("/selection/ready", headers=RIGHT)
+    assert r.status_code == 200
+    assert [w["endpoint"] for w in r.json()["workers"]] == ["http://10.0.0.5:8000"]
+    await client.delete("/selection/workers/5", headers=RIGHT)
+    r = await client.get("/selection/ready")
+    assert (r.status_code, r.json()) == (503, {"ready": False, "schedulable_workers": 0})
+
+
+async def test_metrics_behind_the_key_when_asked(make_client: Any) -> None:
+    async with make_client(api_key=KEY, metrics_require_key=True) as (app, client):
+        r = await client.get("/metrics")
+        assert (r.status_code, r.json()) == (401, UNAUTHORIZED)
+        assert (await client.get("/metrics", headers=RIGHT)).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+        doc = (await client.get("/openapi.json")).json()
+        assert "security" not in doc["paths"]["/metrics"]["get"]  # the document's default: key
+        assert doc["paths"]["/health"]["get"]["security"] == []
+
+
+def test_the_config_file_names_the_open_routes() -> None:
+    text = Path("config/default.toml").read_text()
+    for path in OPEN_PATHS - {"/docs/oauth2-redirect"}:
+        assert path in text, path

@@ -454,15 +454,19 @@ async def test_a_declared_length_over_the_limit_is_413_before_reading(
     assert rejected(resp, 413) == TOO_LARGE
 
 
-async def test_huge_strings_within_the_limit_are_plain_names(
+async def test_huge_strings_within_the_body_limit_are_422_not_lookups(
     client: httpx.AsyncClient, post: PostJson, seeded: Any
 ) -> None:
-    """A long name is legal; it just names no tracker or request."""
+    """A name or id longer than its limit (``app.core.limits``) is refused before any lookup."""
     name = "n" * (BODY_LIMIT - 200)
     resp = await post("/free", {"model_name": name, "request_id": "r1"})
-    assert rejected(resp, 404).startswith("no slot tracker for model=nnnn")
+    assert (
+        rejected(resp, 422) == JSON_SHAPE + "model_name: String should have at most 1024 characters"
+    )
     resp = await post("/prefill_complete", {"model_name": "m", "request_id": name})
-    assert rejected(resp, 404) == f"Request {name} not found"
+    assert (
+        rejected(resp, 422) == JSON_SHAPE + "request_id: String should have at most 1024 characters"
+    )
 
 
 # -- malformed JSON: 400 -----------------------------------------------------------------------
@@ -685,3 +689,38 @@ async def test_head_on_get_routes(client: httpx.AsyncClient, seeded: Any) -> Non
         assert (head.status_code, head.content) == (405, b"")
     head = await client.head("/workers?model_name=a&model_name=b")
     assert (head.status_code, head.content) == (400, b"")
+
+
+# -- answers of the framework: 405 and 500 ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("PUT", "/selection/workers", "GET, HEAD, POST"),
+        ("PUT", "/selection/workers/1", "DELETE, PATCH"),
+        ("POST", "/loads", "GET, HEAD"),
+        ("GET", "/add", "POST"),
+    ],
+)
+async def test_a_405_allows_every_method_of_the_path(
+    client: httpx.AsyncClient, method: str, path: str, allow: str
+) -> None:
+    r = await client.request(method, path)
+    assert (r.status_code, r.json(), r.headers["allow"]) == (
+        405,
+        {"error": "method not allowed"},
+        allow,
+    )
+
+
+async def test_an_unexpected_error_is_a_json_500(app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app.state.service, "workers", broken)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        r = await c.get("/workers")  # the FastAPI path
+        assert (r.status_code, r.json()) == (500, {"error": "internal error"})
+        assert r.headers["content-type"] == "application/json"

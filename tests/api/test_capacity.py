@@ -63,3 +63,24 @@ async def test_selection_partitions_share_the_limit_and_unused_ones_make_room(cl
     models = [p["model_name"] for p in (await client.get("/selection/loads")).json()]
     assert models == ["a", "b", "d"]
     assert 'model_name="c"' not in (await client.get("/metrics")).text
+
+
+async def test_output_blocks_per_request_are_capped(client, monkeypatch) -> None:
+    from app.core.sequences import ActiveSequences
+
+    monkeypatch.setattr(ActiveSequences, "max_output_blocks", 3)
+    assert (await post_json(client, "/register", reg("m"))).status_code == 201
+    add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,
+           "sequence_hashes": [1]}  # fmt: skip
+    assert (await post_json(client, "/add", add)).status_code == 201
+    call = {"model_name": "m", "request_id": "r"}
+    for _ in range(3):
+        assert (await post_json(client, "/output_block", call)).status_code == 200
+    r = await post_json(client, "/output_block", {**call, "decay_fraction": 0.5})
+    assert (r.status_code, r.json()) == (
+        422, {"error": "request r already holds the most output blocks, 3"})  # fmt: skip
+    r = await post_json(client, "/batch", {"operations": [{"op": "output_block", **call}]})
+    assert r.json() == {"results": [{"status": 422, "error": (
+        "request r already holds the most output blocks, 3")}]}  # fmt: skip
+    loads = (await client.get("/loads")).json()
+    assert loads[0]["active_decode_blocks"] == 4  # the prompt's block and three output blocks

@@ -75,6 +75,7 @@ BAD: list[tuple[str, Any]] = [
     ("envelope", upsert(1, routing_group=None)),
     ("envelope", upsert(1, block_size="16")),
     ("envelope", tracker_record()),  # no topology, event or early call
+    ("envelope", upsert(1, model_name="m" * 1025)),  # over HTTP a 422: at most 1,024
     ("topology", upsert(1, dp_size=200_000)),  # over HTTP a 400: at most 4,096 per worker
     ("topology", upsert(1, dp_size=0)),
     ("topology", upsert(1, block_size=0)),
@@ -86,10 +87,30 @@ BAD: list[tuple[str, Any]] = [
     ("event", tracker_record(event=add_event(5, [1, 2]))),
     ("event", tracker_record(event=add_event("r", [1, 2], rank="0"))),
     ("event", tracker_record(event=add_event("r", list(range(65))))),  # max_hashes_per_request
+    ("event", tracker_record(event=add_event("r" * 1025, [1]))),
     ("early", tracker_record(early={"op": "explode", "request_id": "r"})),
     ("early", tracker_record(early={"op": "free", "request_id": 3})),
+    ("early", tracker_record(early={"op": "free", "request_id": "r" * 1025})),
     ("selection", selection({"op": "put_worker", "spec": spec(model_name=3)})),
     ("selection", selection({"op": "put_worker", "spec": {"worker_id": 1}})),
+    ("selection", selection({"op": "put_worker", "spec": spec(endpoint="e" * 4097)})),
+    ("selection", selection({"op": "put_worker", "spec": spec(kv_transfer_enforcement="x")})),
+    ("selection", selection({"op": "release", "id": "s" * 1025})),
+    (
+        "selection",
+        selection(
+            {
+                "op": "book",
+                "id": "s",
+                "m": "m",
+                "g": "default",
+                "w": [77, 0],
+                "bh": list(range(65)),
+                "ch": None,
+                "cp": False,
+            }
+        ),
+    ),  # fmt: skip
     ("selection", selection({"op": "book", "id": "s"})),
     ("selection", selection({"op": "teleport"})),
     ("conflict", upsert(2, block_size=32)),  # the tracker of m/default has block size 16

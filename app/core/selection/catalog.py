@@ -24,6 +24,9 @@ DEFAULT_GROUP = "default"
 DEFAULT_MODEL = "default"
 
 
+# what ``kv_transfer_enforcement`` may be (the reference's variants)
+KV_TRANSFER_ENFORCEMENTS = ("required", "preferred")
+
 ENDPOINT_REQUIRED = "endpoint is required"
 BLOCK_SIZE_ZERO = "block_size must be greater than 0"
 DP_SIZE_ZERO = "data_parallel_size must be greater than 0"

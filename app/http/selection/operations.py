@@ -19,7 +19,7 @@ from fastapi import Response
 from starlette.datastructures import QueryParams
 
 from app.core.selection import RouterConfigOverride, to_i64
-from app.core.selection.catalog import WorkerRecord, WorkerSpec
+from app.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS, WorkerRecord, WorkerSpec
 from app.core.types import U32_MAX, WorkerWithDpRank
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
@@ -33,7 +33,7 @@ Result = tuple[int, bytes]
 
 OK = b'{"status":"ok"}'
 _SHARED_CACHE_OFF = {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None}
-_ENFORCEMENTS = ("required", "preferred")
+_ENFORCEMENTS = KV_TRANSFER_ENFORCEMENTS
 _U32_KEY = re.compile(r"\+?[0-9]+")
 _F32 = struct.Struct("<f")
 _F32_MAX = 3.4028234663852886e38

@@ -9,11 +9,20 @@ prompt field is optional here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    WithJsonSchema,
+)
 
-from app.http.schemas import U32, U64, Hash, TokenId
+from app.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS
+from app.http.schemas import U32, U64, Hash, Id, Name, Text, TokenId
 
 USIZE = U64
 
@@ -46,13 +55,13 @@ class _Body(BaseModel):
 
 
 class _WorkerFields(_Body):
-    endpoint: StrictStr | None = Field(None, description="Where the worker serves; required to "
+    endpoint: Text | None = Field(None, description="Where the worker serves; required to "
                                        "be schedulable.")  # fmt: skip
-    kv_events_endpoint: StrictStr | None = Field(None, description="Accepted and echoed.")
-    kv_events_endpoints: dict[StrictStr, StrictStr] | None = Field(
+    kv_events_endpoint: Text | None = Field(None, description="Accepted and echoed.")
+    kv_events_endpoints: dict[Text, Text] | None = Field(
         None, description="Per dp rank (keys are numbers in quotes); accepted and echoed."
     )
-    replay_endpoint: StrictStr | None = Field(None, description="Accepted and echoed.")
+    replay_endpoint: Text | None = Field(None, description="Accepted and echoed.")
     block_size: U32 | None = Field(
         None,
         description="Tokens per KV block (> 0); the first schedulable worker of a "
@@ -64,12 +73,13 @@ class _WorkerFields(_Body):
         None, description="Reported as `prefill_token_capacity` by advisory selections."
     )
     total_kv_blocks: U64 | None = Field(None, description="Reported by advisory selections.")
-    stable_routing_id: StrictStr | None = Field(None, description="Accepted and echoed.")
+    stable_routing_id: Text | None = Field(None, description="Accepted and echoed.")
     is_eagle: StrictBool | None = Field(None, description="Accepted and echoed.")
-    kv_transfer_domain: StrictStr | None = Field(None, description="Accepted and echoed.")
-    kv_transfer_enforcement: StrictStr | None = Field(
-        None, description="`required` or `preferred`; accepted and echoed."
-    )
+    kv_transfer_domain: Text | None = Field(None, description="Accepted and echoed.")
+    kv_transfer_enforcement: (
+        Annotated[Text, WithJsonSchema({"type": "string", "enum": list(KV_TRANSFER_ENFORCEMENTS)})]
+        | None
+    ) = Field(None, description="`required` or `preferred`; accepted and echoed.")
     kv_transfer_preferred_weight: StrictFloat | StrictInt | None = Field(
         None, description="f32; accepted and echoed."
     )
@@ -77,10 +87,10 @@ class _WorkerFields(_Body):
 
 class WorkerBody(_WorkerFields):
     worker_id: U64 = Field(description="Service-wide worker id.")
-    model_name: StrictStr = MODEL
-    routing_group: StrictStr = GROUP
-    taints: list[StrictStr] = Field(default_factory=list, description="Accepted and echoed.")
-    topology_domains: dict[StrictStr, StrictStr] = Field(
+    model_name: Name = MODEL
+    routing_group: Name = GROUP
+    taints: list[Text] = Field(default_factory=list, description="Accepted and echoed.")
+    topology_domains: dict[Text, Text] = Field(
         default_factory=dict, description="Accepted and echoed."
     )
 
@@ -103,8 +113,8 @@ class WorkerPatchBody(_WorkerFields):
     """Only the non-null fields change; `worker_id`, `model_name` and `routing_group` are
     ignored (a worker moves partition with `POST /selection/workers`)."""
 
-    taints: list[StrictStr] | None = Field(None, description="Replaces the taints when given.")
-    topology_domains: dict[StrictStr, StrictStr] | None = Field(
+    taints: list[Text] | None = Field(None, description="Replaces the taints when given.")
+    topology_domains: dict[Text, Text] | None = Field(
         None, description="Replaces the topology domains when given."
     )
 
@@ -122,14 +132,14 @@ class PinnedWorker(_Body):
 
 
 class PromptBody(_Body):
-    model_name: StrictStr = MODEL
-    routing_group: StrictStr = GROUP
+    model_name: Name = MODEL
+    routing_group: Name = GROUP
     token_ids: list[TokenId] | None = TOKEN_IDS
     block_hashes: list[Hash] | None = BLOCK_HASHES
     sequence_hashes: list[Hash] | None = SEQUENCE_HASHES
     isl_tokens: USIZE | None = ISL
-    lora_name: StrictStr | None = Field(None, description="LoRA adapter; changes token hashes.")
-    cache_salt: StrictStr | None = Field(None, description="Accepted; not used.")
+    lora_name: Name | None = Field(None, description="LoRA adapter; changes token hashes.")
+    cache_salt: Text | None = Field(None, description="Accepted; not used.")
     router_config_override: dict[str, Any] | None = Field(
         None,
         description="Per-request knobs, validated as the reference does: `overlap_score_credit`, "
@@ -153,12 +163,12 @@ class PromptBody(_Body):
 
 
 class SelectBody(PromptBody):
-    selection_id: StrictStr | None = Field(
+    selection_id: Id | None = Field(
         None,
         description="Caches the pick for a later `POST /selection/reservations` "
         "(on select) or names the reservation (select_and_reserve; a UUID when absent).",
     )
-    session_id: StrictStr | None = Field(None, description="Accepted; not used.")
+    session_id: Text | None = Field(None, description="Accepted; not used.")
     expected_output_tokens: U32 | None = Field(None, description="Stored with a booking.")
     pinned_worker: PinnedWorker | None = Field(None, description="Forces this rank.")
     allowed_worker_ids: list[U64] | None = Field(
@@ -168,7 +178,7 @@ class SelectBody(PromptBody):
 
 
 class ReservationBody(PromptBody):
-    selection_id: StrictStr = Field(description="The reservation id (global across models).")
+    selection_id: Id = Field(description="The reservation id (global across models).")
     worker_id: U64 | None = Field(
         None,
         description="Explicit form: book on this worker; absent or null: replay the "
@@ -203,9 +213,14 @@ class ReservationBody(PromptBody):
 
 
 class ReservationOutputBlockBody(_Body):
-    decay_fraction: StrictFloat | StrictInt | None = Field(
-        None, description="0..1: weight of the blocks held only by this reservation."
-    )
+    decay_fraction: (
+        Annotated[
+            StrictFloat | StrictInt,
+            # checked by the service, with the reference's 400 text; stated here for clients
+            WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1}),
+        ]
+        | None
+    ) = Field(None, description="0..1: weight of the blocks held only by this reservation.")
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"decay_fraction": 0.5}]})
 
@@ -235,7 +250,9 @@ class WorkerRecord(BaseModel):
 class SelectionReady(BaseModel):
     ready: bool
     schedulable_workers: int
-    workers: list[WorkerRecord]
+    workers: list[WorkerRecord] | None = Field(
+        None, description="Absent when a key is set and the caller did not send it."
+    )
 
 
 class Overlap(BaseModel):

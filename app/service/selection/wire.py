@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from app.core.selection.catalog import WorkerSpec
+from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
+from app.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS, WorkerSpec
 from app.core.selection.pending import PendingSelection
 from app.core.types import WorkerWithDpRank
 from app.service.selection import mutations as m
@@ -39,14 +40,25 @@ def _opt_uint(v: Any, what: str, bound: int = U64) -> int | None:
     return None if v is None else as_uint(v, what, bound)
 
 
+# the longest string each field may hold, as the HTTP models allow (``app.core.limits``)
+_LENGTH = {"model_name": MAX_NAME_LENGTH, "routing_group": MAX_NAME_LENGTH,
+           "lora_name": MAX_NAME_LENGTH, "id": MAX_ID_LENGTH}  # fmt: skip
+
+
 def as_str(v: Any, what: str) -> str:
-    if type(v) is not str:
-        raise _fail(what, v)
+    if type(v) is not str or len(v) > _LENGTH.get(what, MAX_TEXT_LENGTH):
+        raise _fail(what, f"{v!r:.80}")
     return v
 
 
 def _opt_str(v: Any, what: str) -> str | None:
     return None if v is None else as_str(v, what)
+
+
+def _enforcement(v: Any, what: str) -> str | None:
+    if v is not None and v not in KV_TRANSFER_ENFORCEMENTS:
+        raise _fail(what, v)
+    return v
 
 
 def _hashes(v: Any, what: str) -> tuple[int, ...]:
@@ -80,8 +92,11 @@ def worker_from_wire(v: Any) -> WorkerWithDpRank:
 def _str_map(v: Any, what: str) -> dict[str, str] | None:
     if v is None:
         return None
-    if type(v) is not dict or not all(type(k) is str and type(x) is str for k, x in v.items()):
-        raise _fail(what, v)
+    if type(v) is not dict or not all(
+        type(k) is str and type(x) is str and len(k) <= MAX_TEXT_LENGTH >= len(x)
+        for k, x in v.items()
+    ):
+        raise _fail(what, f"{v!r:.80}")
     return dict(v)
 
 
@@ -100,8 +115,8 @@ def _opt_float(v: Any, what: str) -> float | None:
 
 
 def _taints(v: Any, what: str) -> tuple[str, ...]:
-    if type(v) is not list or not all(type(t) is str for t in v):
-        raise _fail(what, v)
+    if type(v) is not list or not all(type(t) is str and len(t) <= MAX_TEXT_LENGTH for t in v):
+        raise _fail(what, f"{v!r:.80}")
     return tuple(v)
 
 
@@ -123,7 +138,7 @@ _SPEC_FIELDS: dict[str, Any] = {
     "taints": _taints,
     "topology_domains": _str_map,
     "kv_transfer_domain": _opt_str,
-    "kv_transfer_enforcement": _opt_str,
+    "kv_transfer_enforcement": _enforcement,
     "kv_transfer_preferred_weight": _opt_float,
 }
 assert set(_SPEC_FIELDS) == {f.name for f in fields(WorkerSpec)}, "every spec field travels"

@@ -198,7 +198,9 @@ class SelectionReady(BaseModel):
 
     ready: bool
     schedulable_workers: int
-    workers: list[WorkerRecord]
+    workers: list[WorkerRecord] | None = Field(
+        None, description="Absent when the service has a key and the client did not send it."
+    )
 
 
 class Overlap(BaseModel):
