@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.servers import Fleet, ProxyThread
+from tests.e2e.servers import Fleet
 from tests.ha.topology import LocalCluster, SentinelGroup
 
 
@@ -39,24 +39,14 @@ def redis_binary() -> str:
 
 @pytest.fixture
 def sentinel_group(request: pytest.FixtureRequest) -> Iterator[SentinelGroup]:
-    """A primary, one replica and three Sentinels, started; the replica replicates through
-    ``group.link`` (a proxy the test can cut: a replication link that breaks)."""
+    """A primary, one replica and three Sentinels, started."""
     group = SentinelGroup(redis_binary())
     request.node.ha_redis = [group]
-    proxies: list[ProxyThread] = []
-
-    def link(port: int) -> int:
-        proxies.append(ProxyThread(port))
-        return int(proxies[-1].url.rsplit(":", 1)[1].split("/")[0])
-
     try:
-        group.start(link)
-        group.link = proxies[0]
+        group.start()
         yield group
     finally:
         group.close()
-        for p in proxies:
-            p.close()
 
 
 @pytest.fixture

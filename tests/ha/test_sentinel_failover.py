@@ -77,7 +77,7 @@ def test_primary_killed_mid_traffic(
             time.sleep(0.5)
             # ... the replication link breaks (new writes reach the primary alone) and a and b
             # stall: only c and the primary see the calls now
-            group.link.cut()
+            group.cut_replication()
             for peer in (a, b):
                 os.kill(peer.proc.pid, signal.SIGSTOP)
             try:
@@ -93,7 +93,6 @@ def test_primary_killed_mid_traffic(
                 for peer in (a, b):
                     os.kill(peer.proc.pid, signal.SIGCONT)
                 traffic.balancer.urls = urls
-            group.link.restore()
             fleet.restart(c, wait=False)
             wait_for(lambda: group.primary_port() != old.port, 30, "the Sentinels to promote")
             promoted_s = time.monotonic() - killed

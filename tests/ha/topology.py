@@ -91,16 +91,12 @@ class SentinelGroup:
         self.servers = [RedisProcess(binary, "redis-a", self.root),
                         RedisProcess(binary, "redis-b", self.root)]  # fmt: skip
         self.sentinels = [RedisProcess(binary, f"sentinel-{i}", self.root) for i in range(3)]
-        self.link: Any = None  # what the replica replicates through, if not the primary itself
 
-    def start(self, link: Any = None) -> None:
-        """``link(port)``: the port the replica should replicate ``port`` through (a proxy
-        that can cut the link); the primary's own port by default."""
+    def start(self) -> None:
         first, second = self.servers
         first.start()
         first.wait_up()
-        via = link(first.port) if link is not None else first.port
-        second.start("--replicaof", "127.0.0.1", str(via))
+        second.start("--replicaof", "127.0.0.1", str(first.port))
         second.wait_up()
         wait_for(lambda: self.role(second) == "slave" and self._link_up(second), 10,
                  "the replica to sync")  # fmt: skip
@@ -139,6 +135,24 @@ class SentinelGroup:
     def _link_up(self, server: RedisProcess) -> bool:
         with server.client(decode_responses=True) as c:
             return c.info("replication").get("master_link_status") == "up"
+
+    def cut_replication(self) -> None:
+        """Break the replica's link to the primary (it cannot log in again): from now on the
+        primary alone holds new writes, what a replica that lags or a broken network means.
+        Sentinel leaves a replica's login alone, and promotes it all the same."""
+        primary = self.primary()
+        (replica,) = [s for s in self.servers if s is not primary]
+        with replica.client() as c:
+            c.config_set("masteruser", "cut-off")
+            c.config_set("masterauth", "cut-off")
+        with primary.client() as c:
+            c.client_kill_filter(_type="replica")
+
+        def down() -> bool:
+            with replica.client(decode_responses=True) as c:
+                return c.info("replication")["master_link_status"] == "down"
+
+        wait_for(down, 5, "the replication link to break")
 
     def primary_port(self) -> int:
         """The primary's port as the Sentinels see it now."""

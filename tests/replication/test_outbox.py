@@ -107,3 +107,22 @@ async def test_stop_with_redis_down_returns_promptly(
     started = time.monotonic()
     await a.rep.stop()
     assert time.monotonic() - started < 5
+
+
+async def test_stream_is_bounded_by_entries_as_well_as_age(cluster: Cluster) -> None:
+    """``stream_max_entries``: every append trims the stream to about that many entries
+    (``MAXLEN ~``: whole nodes of up to 100 entries, so never fewer than asked for)."""
+    a = await cluster.node(stream_max_entries=150, replication_batch_events=50)
+    register(a.service, KEY, 1, 4, 0, 1)
+    for i in range(1200):
+        upsert(a.service, KEY, 1, 4, 0, 2 + i % 2)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        length = client.xlen(NamespaceKeys.of(cluster.namespace).events)
+    finally:
+        client.close()
+    assert 150 <= length < 150 + 2 * 100, length
+    records = stream_records(cluster.redis_url, cluster.namespace)
+    assert records[-1]["seq"] == 1201  # the newest are kept
+    assert [r["seq"] for r in records] == list(range(1202 - len(records), 1202))

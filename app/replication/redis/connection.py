@@ -29,7 +29,7 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError, RedisError
 
 from app.replication.redis.endpoint import RedisEndpoint
 
@@ -92,6 +92,25 @@ def make_client(
     return Redis.from_url(endpoint.url, **kwargs, **endpoint.tls_kwargs())
 
 
+async def ensure_primary(client: Any) -> None:
+    """Raise ``ConnectionError`` (after dropping the pool's connections, so the next command
+    asks the Sentinels again) unless ``client`` talks to a primary.
+
+    A Sentinel that has not yet taken in a failover may still name the demoted primary, which
+    is alive as a replica and answers reads: a reader connected there would take the replica's
+    stream, a moment behind, for a rolled-back one. ``HELLO`` (no arguments: nothing changes)
+    says the role and needs no admin permission, unlike ``ROLE``.
+    """
+    reply = await client.execute_command("HELLO")
+    if isinstance(reply, list):
+        reply = dict(zip(reply[::2], reply[1::2], strict=False))
+    role = reply.get(b"role", reply.get("role"))
+    if role in (b"master", "master"):
+        return
+    await client.connection_pool.disconnect()
+    raise ConnectionError(f"connected to a {role!r}, not the primary; asking the Sentinels again")
+
+
 class RedisClients:
     """The connections of one instance: ``commands`` (snapshots, checks, the read barrier),
     ``publish`` (the outbox's appends alone, so that ``WAIT`` after an append counts the
@@ -112,6 +131,26 @@ class RedisClients:
         self.reads = make_client(
             endpoint, READ_BLOCK_MS / 1000 + COMMAND_TIMEOUT_S, name + "-rd", self.sentinel
         )
+
+    async def follow_primary(self) -> bool:
+        """Sentinel: ask where the primary is; if it moved, drop every connection (in use or
+        not) to the old one. Whether it moved.
+
+        A promoted replica is found on the next reconnect anyway, but a demoted primary stays
+        alive and keeps its clients until the Sentinels reconfigure it, about ten seconds later:
+        meanwhile appends would go to a primary that no longer counts (lost when it resyncs)
+        and the reader would wait there for records that never come."""
+        if self.sentinel is None:
+            return False
+        address = await self.sentinel.discover_master(self.endpoint.master)
+        moved = False
+        for client in (self.commands, self.publish, self.reads):
+            pool = client.connection_pool
+            if pool.master_address is not None and pool.master_address != address:
+                pool.master_address = address
+                await pool.disconnect()
+                moved = True
+        return moved
 
     async def close(self) -> None:
         for client in (self.commands, self.publish, self.reads):

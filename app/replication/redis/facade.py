@@ -26,7 +26,7 @@ from app.replication.port import ReplicaTarget, ReplicationStatus
 from app.replication.records import random_id, resolve_instance_id
 from app.replication.redis.barrier import ReadBarrier
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
-from app.replication.redis.connection import RedisClients
+from app.replication.redis.connection import IO_ERRORS, RedisClients, honour_cancellation
 from app.replication.redis.endpoint import RedisEndpoint
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 STOP_FLUSH_TIMEOUT_S = 2.0
 REJECTED_RECENT_NS = 300 * NS_PER_S  # degraded this long after a peer's record was rejected
 UNDECODABLE = "undecodable"  # the reason label of stream entries that are not records
+FOLLOW_PRIMARY_S = 1.0
 
 
 class RedisReplication:
@@ -94,6 +95,7 @@ class RedisReplication:
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
         self._target: ReplicaTarget | None = None
+        self.reader.check_role = self.endpoint.kind == "sentinel"
         register_collector(
             registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
         )
@@ -124,6 +126,19 @@ class RedisReplication:
         self._publisher = self._spawn(self.outbox.run(), "replication-publisher")
         self._spawn(self.reader.run(), "replication-reader")
         self._spawn(self.snapshots.run(), "replication-snapshots")
+        if self.endpoint.kind == "sentinel":
+            self._spawn(self._follow_primary(clients), "replication-sentinel")
+
+    async def _follow_primary(self, clients: RedisClients) -> None:
+        """Every second, ask the Sentinels whether the primary moved (``follow_primary``)."""
+        while True:
+            await asyncio.sleep(FOLLOW_PRIMARY_S)
+            honour_cancellation()
+            try:
+                if await clients.follow_primary():
+                    log.warning("the Sentinels name a new Redis primary; reconnecting to it")
+            except IO_ERRORS as e:
+                log.debug("asking the Sentinels failed: %s", e)
 
     async def settled(self, timeout_s: float = START_WAIT_S) -> None:
         """Until the bootstrap settled (ready, Redis unreachable, or failed), at most

@@ -266,7 +266,7 @@ class Outbox:
             # EVALSHA rather than the pipeline's script support, which checks every time
             pipe = self._client.pipeline(transaction=False)
             pipe.evalsha(self.append.sha, len(keys), *keys, *args)
-            pipe.wait(self.replicas, self.settings.replication_ack_timeout_ms)
+            pipe.wait(self.replicas, self._wait_ms())
             try:
                 ids, held = await pipe.execute()
             except NoScriptError:  # a new primary, or a restarted one: load it, once
@@ -275,6 +275,11 @@ class Outbox:
             self._replicas_held = int(held)
             return ids
         raise NoScriptError("the append script could not be loaded")
+
+    def _wait_ms(self) -> int:
+        """How long WAIT may wait: less than the calls' own timeout, so that when they time out
+        the publisher already knows the replicas fell short (and refuses new calls)."""
+        return max(1, self.settings.replication_ack_timeout_ms * 4 // 5)
 
     def _held_by_replicas(self) -> bool:
         """Whether the last append reached ``replication_ack_replicas`` replicas (WAIT)."""
@@ -295,7 +300,7 @@ class Outbox:
                 "acknowledged (503) until they do",
                 held,
                 self.replicas,
-                self.settings.replication_ack_timeout_ms,
+                self._wait_ms(),
             )
         return False
 

@@ -43,6 +43,7 @@ from app.replication.redis.connection import (
     IO_ERRORS,
     READ_BLOCK_MS,
     backoff_delay,
+    ensure_primary,
     honour_cancellation,
 )
 from app.replication.redis.instance import Instance
@@ -80,6 +81,7 @@ class StreamReader:
         self.last_lag_ms: float | None = None
         self._seqs = SeqLedger()
         self._malformed_logged_ns: int | None = None
+        self.check_role = False  # Sentinel: make sure a (re)connection reached the primary
         self._client: Redis | None = None
         self._store: SnapshotStore | None = None
         self._target: ReplicaTarget | None = None
@@ -143,8 +145,10 @@ class StreamReader:
         return len(entries)
 
     async def _bootstrap(self) -> None:
-        assert self._store is not None
+        assert self._store is not None and self._client is not None
         self.bootstrap.loading()
+        if self.check_role:
+            await ensure_primary(self._client)
         started = self.me.clock()
         # checked before loading: a snapshot written in between clears the marker
         why = (
@@ -208,6 +212,8 @@ class StreamReader:
         our own last entry? The last catches a stream that a peer's re-sent records recreated
         meanwhile: its ids are newer than our position, but it holds nothing from before."""
         assert self._client is not None and self._store is not None
+        if self.check_role:
+            await ensure_primary(self._client)
         try:
             info = await self._client.xinfo_stream(self.me.keys.events)
             last = id_text(info["last-generated-id"])
