@@ -1,15 +1,15 @@
-"""Command line: ``python -m app [--host H] [--port P] [--config FILE] [--log-level L]``."""
+"""Command line: ``python -m app [--config FILE] [--SETTING VALUE ...] [--check-config]``
+(``app.cli`` lists the flags)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
 import uvicorn
 from pydantic import ValidationError
 
-from app import __version__
+from app import cli
 from app.gc_tuning import tune_gc
 from app.http.connection import ConnectionLimits, limited_protocol
 from app.http.direct import direct_protocol
@@ -17,35 +17,19 @@ from app.main import create_app
 from app.settings import ConfigFileError, describe_config_error, load_settings, unknown_environment
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m app",
-        description="kv-slot-tracker HTTP service. Flags override SLOT_TRACKER_* environment "
-        "variables, which override the config file, which overrides config/default.toml.",
-    )
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="TCP port to listen on (default 8091)")
-    parser.add_argument("--config", metavar="FILE", help="TOML file with settings")
-    parser.add_argument(
-        "--log-level",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="server log level (default info)",
-    )
-    parser.add_argument("--version", action="version", version=f"kv-slot-tracker {__version__}")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = cli.parse_args(argv)
     try:
-        settings = load_settings(
-            args.config, host=args.host, port=args.port, log_level=args.log_level
-        )
+        settings = load_settings(args.config, **cli.overrides(args))
     except (OSError, ConfigFileError, ValidationError) as exc:
         print(f"invalid configuration:\n{describe_config_error(exc)}", file=sys.stderr)
         return 2
-    for warning in unknown_environment():
+    warnings = unknown_environment()
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if args.check_config:
+        print(cli.describe(settings))
+        return 0
 
     app = create_app(settings)
     tune_gc()

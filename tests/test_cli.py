@@ -1,0 +1,81 @@
+"""The command line: every setting is a flag, documented from config/default.toml; secrets come
+from files; ``--check-config`` shows what the service would run with."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from app import cli
+from app.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+def test_every_setting_but_the_secrets_is_a_documented_flag() -> None:
+    parser = cli.build_parser()
+    flags = {a.dest: a for a in parser._actions}  # noqa: SLF001 - reading what argparse built
+    helps = cli.setting_help()
+    assert {"api_key"} <= cli.SECRETS
+    for name in Settings.model_fields:
+        if name in cli.SECRETS:
+            assert name not in flags
+            continue
+        action = flags[name]
+        assert "--" + name.replace("_", "-") in action.option_strings
+        assert helps[name] and action.help.startswith(helps[name]), name
+    assert "--selection-cache-ttl-secs" in flags["selection_cache_ttl_seconds"].option_strings
+
+
+def test_flags_override_the_environment_and_take_the_settings_checks(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k-from-file\n")
+    args = cli.parse_args(
+        ["--port", "9005", "--http-direct", "false", "--router-ttl-secs", "30.5",
+         "--api-key-file", str(key)]
+    )  # fmt: skip
+    settings = load_settings(None, **cli.overrides(args))
+    assert settings.port == 9005 and settings.http_direct is False
+    assert settings.router_ttl_seconds == 30.5
+    assert settings.api_key.get_secret_value() == "k-from-file"
+    assert load_settings(None, **cli.overrides(cli.parse_args([]))).port == 8091
+
+
+def test_check_config_prints_the_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    result = run_app(
+        "--check-config", "--api-key-file", str(key), "--port", "9100",
+        env={"SLOT_TRACKER_REDIS_URL": "redis://user:pw@redis:6379/0",
+             "SLOT_TRACKER_EXPIRY_SECONDS": "600", "SLOT_TRACKER_TOMBSTONE_TTL_SECONDS": "600"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ['host = "127.0.0.1"', "port = 9100"]
+    assert 'api_key = "***"' in lines
+    assert 'redis_url = "redis://user:***@redis:6379/0"' in lines
+    assert "expiry_seconds = 600" in lines
+    assert len(lines) == len(Settings.model_fields)
+    assert "s3cret" not in result.stdout + result.stderr and ":pw@" not in result.stdout
+
+
+def test_check_config_fails_on_an_invalid_setting() -> None:
+    result = run_app("--check-config", "--port", "70000")
+    assert result.returncode == 2
+    assert "port: Input should be less than or equal to 65535 (got '70000')" in result.stderr
+    missing = run_app("--check-config", "--api-key-file", "/nonexistent/key")
+    assert missing.returncode == 2 and "/nonexistent/key" in missing.stderr
