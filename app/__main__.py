@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
+import uvicorn.config
 from pydantic import ValidationError
+from uvicorn.logging import TRACE_LOG_LEVEL
 
 from app import cli
 from app.gc_tuning import tune_gc
@@ -15,6 +19,18 @@ from app.http.connection import ConnectionLimits, limited_protocol
 from app.http.direct import direct_protocol
 from app.main import create_app
 from app.settings import ConfigFileError, describe_config_error, load_settings, unknown_environment
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging, with the service's own loggers (``app.*``) printed the same way at
+    ``level``: without it their INFO lines (the start-up summary, replication) went nowhere."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["app"] = {
+        "handlers": ["default"],
+        "level": TRACE_LOG_LEVEL if level == "trace" else level.upper(),
+        "propagate": False,
+    }
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop="uvloop",
         http=protocol,
         log_level=settings.log_level,
+        log_config=log_config(settings.log_level),
         access_log=False,
         limit_concurrency=settings.http_max_connections,
         timeout_keep_alive=settings.http_keep_alive_seconds,

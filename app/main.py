@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from app import __version__
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
@@ -70,6 +71,7 @@ def create_app(
                 asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
             )
         await replication.start(service)
+        log.info("%s", startup_summary(settings, replication))
         try:
             yield
         finally:
@@ -150,6 +152,24 @@ def build_selection(
     )
     service.replica.bind_selection(selection)
     return selection
+
+
+def startup_summary(settings: Settings, replication: Replication) -> str:
+    """The one line that says what this instance is: address, docs, mode, key."""
+    where = f"http://{settings.host}:{settings.port}"
+    if replication.mode == "embedded":
+        mode = "embedded mode (one instance, state in this process, no Redis)"
+    else:
+        status = replication.status()
+        ack = settings.replication_ack
+        if ack == "redis" and settings.replication_ack_replicas:
+            ack += f" + {settings.replication_ack_replicas} replica(s)"
+        mode = (
+            f"replicated through {status.redis}, namespace {status.namespace}, "
+            f"instance {status.instance_id}, acknowledgements {ack}"
+        )
+    key = "an API key is required" if settings.api_key.get_secret_value() else "no API key (open)"
+    return f"kv-slot-tracker {__version__} on {where} (docs {where}/docs): {mode}; {key}"
 
 
 async def _lease_sweeper(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from app import __version__ as app_version
 from app import cli
 from app.settings import Settings, load_settings
 
@@ -79,3 +80,35 @@ def test_check_config_fails_on_an_invalid_setting() -> None:
     assert "port: Input should be less than or equal to 65535 (got '70000')" in result.stderr
     missing = run_app("--check-config", "--api-key-file", "/nonexistent/key")
     assert missing.returncode == 2 and "/nonexistent/key" in missing.stderr
+
+
+def test_start_up_says_what_the_instance_is(tmp_path: Path) -> None:
+    """One INFO line: version, address, docs, mode and whether a key is needed."""
+    from tests.servers import free_port
+
+    port = free_port()
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--api-key-file", str(key)],
+        env=clean,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            seen.append(line)
+            if "Application startup complete" in line or len(seen) > 50:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    summary = [line for line in seen if "kv-slot-tracker" in line and " on http://" in line]
+    assert summary == [
+        f"INFO:     kv-slot-tracker {app_version} on http://127.0.0.1:{port} "
+        f"(docs http://127.0.0.1:{port}/docs): embedded mode (one instance, state in this "
+        "process, no Redis); an API key is required\n"
+    ], seen
