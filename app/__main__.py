@@ -1,8 +1,15 @@
-"""Command line: ``python -m app [--host H] [--port P] [--config FILE] [--log-level L]``."""
+"""Command line: ``python -m app [--host H] [--port P] [--workers N] [--config FILE]
+[--log-level L]``.
+
+With one worker (the default) this process serves. With more it supervises that many server
+processes on the port (``app.workers``), each started as ``python -m app --listen-fd FD``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import socket
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -14,7 +21,12 @@ from app import __version__
 from app.gc_tuning import tune_gc
 from app.http.direct import direct_protocol
 from app.main import create_app
-from app.settings import load_settings
+from app.settings import Settings, load_settings
+from app.workers import Supervisor, worker_count
+
+# A process started by the supervisor waits this long for the shared state before it accepts
+# connections (then it serves, answering 503 "not ready" until caught up).
+WORKER_READY_WAIT_S = 30.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -25,6 +37,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="TCP port to listen on (default 8091)")
+    parser.add_argument(
+        "--workers",
+        help="server processes on the port, sharing one state: a number or auto (default 1)",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML file with settings")
     parser.add_argument(
         "--log-level",
@@ -32,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="server log level (default info)",
     )
     parser.add_argument("--version", action="version", version=f"kv-slot-tracker {__version__}")
+    # set by the supervisor for the processes it starts: the listening socket to accept from
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -39,11 +58,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         settings = load_settings(
-            args.config, host=args.host, port=args.port, log_level=args.log_level
+            args.config,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            workers=args.workers,
         )
     except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         return 2
+
+    if args.listen_fd is not None:
+        return serve_worker(settings, args.listen_fd)
+    count = worker_count(settings.workers)
+    if count > 1:
+        return supervise(settings, count, args)
 
     app = create_app(settings)
     tune_gc()
@@ -57,6 +86,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level=settings.log_level,
         access_log=False,
     )
+    return 0
+
+
+def supervise(settings: Settings, count: int, args: argparse.Namespace) -> int:
+    """``workers`` > 1: bind the port and run ``count`` server processes on it."""
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(levelname)s:     supervisor: %(message)s",
+    )
+    child_args = []
+    if args.config is not None:
+        child_args += ["--config", args.config]
+    if args.log_level is not None:
+        child_args += ["--log-level", args.log_level]
+    supervisor = Supervisor(
+        host=settings.host,
+        port=settings.port,
+        count=count,
+        redis_url=settings.redis_url,
+        instance_id=settings.instance_id,
+        child_args=child_args,
+    )
+    try:
+        return supervisor.run()
+    except (OSError, RuntimeError) as exc:
+        print(f"cannot start the workers: {exc}", file=sys.stderr)
+        return 1
+
+
+def serve_worker(settings: Settings, fd: int) -> int:
+    """One of the supervisor's processes: serve on the listening socket ``fd`` it inherited,
+    once the shared state is loaded."""
+    sock = socket.socket(fileno=fd)
+    app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S)
+    tune_gc()
+    direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http=direct or "httptools",
+        log_level=settings.log_level,
+        access_log=False,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

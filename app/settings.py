@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
+    # Server processes on the one port, sharing one state (app.workers); "auto" = the cores this
+    # process may use (CPU affinity and cgroup quota).
+    workers: int | Literal["auto"] = 1
 
     # Active request expiry
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
@@ -122,6 +125,16 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        number = int(value)  # "2" from an environment variable; a non-number is an error
+        if number < 1:
+            raise ValueError("must be auto or a whole number of at least 1")
+        return number
 
     @field_validator("redis_url")
     @classmethod

@@ -57,11 +57,13 @@ def honour_cancellation() -> None:
 
 
 def make_client(url: str, socket_timeout: float, name: str) -> Redis:
+    # TCP keepalive means nothing on a Unix socket, and redis-py refuses it there
+    keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
     return Redis.from_url(
         url,
         socket_timeout=socket_timeout,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_keepalive=True,
+        **keepalive,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(NoBackoff(), 0),  # see the module docstring: the loops retry
         client_name=name,
