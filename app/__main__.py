@@ -8,7 +8,9 @@ processes on the port (``app.workers``), each started as ``python -m app --liste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import socket
 import sys
 import tomllib
@@ -50,7 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"kv-slot-tracker {__version__}")
     # set by the supervisor for the processes it starts: the listening socket to accept from
     parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    # ... and a Unix socket where this process alone serves too (its siblings reach it there)
+    parser.add_argument("--control-socket", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -69,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     if args.listen_fd is not None:
-        return serve_worker(settings, args.listen_fd)
+        return serve_worker(settings, args.listen_fd, args.control_socket)
     count = worker_count(settings.workers)
     if count > 1:
         return supervise(settings, count, args)
@@ -115,10 +118,17 @@ def supervise(settings: Settings, count: int, args: argparse.Namespace) -> int:
         return 1
 
 
-def serve_worker(settings: Settings, fd: int) -> int:
-    """One of the supervisor's processes: serve on the listening socket ``fd`` it inherited,
-    once the shared state is loaded."""
-    sock = socket.socket(fileno=fd)
+def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int:
+    """One of the supervisor's processes: serve on the listening socket ``fd`` it inherited
+    and on its own ``control_socket``, once the shared state is loaded."""
+    sockets = [socket.socket(fileno=fd)]
+    if control_socket:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(control_socket)  # left by this process's previous life
+        own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        own.bind(control_socket)
+        own.listen(64)
+        sockets.append(own)
     app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S)
     tune_gc()
     direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
@@ -129,7 +139,7 @@ def serve_worker(settings: Settings, fd: int) -> int:
         log_level=settings.log_level,
         access_log=False,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 

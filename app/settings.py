@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     def _check_workers(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
-        number = int(value)  # "2" from an environment variable; a non-number is an error
+        number = int(str(value))  # "2" from an environment variable; 1.5 or "many": an error
         if number < 1:
             raise ValueError("must be auto or a whole number of at least 1")
         return number

@@ -58,6 +58,7 @@ RESTART_DELAY_MAX_S = 5.0
 YOUNG_S = 5.0  # a process that ends sooner than this after its start counts as dying young
 REDIS_START_TIMEOUT_S = 10.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROL_SOCKET_PREFIX = "worker-"
 
 
 # -- how many ----------------------------------------------------------------------------------
@@ -123,9 +124,9 @@ class PrivateRedis:
     TCP port, no persistence (the state lives in the processes; this only carries it between
     them and for a restarted one)."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, directory: Path) -> None:
         self.binary = binary
-        self.dir = Path(tempfile.mkdtemp(prefix="kv-slot-tracker-"))
+        self.dir = directory
         self.path = self.dir / "redis.sock"
         self.proc: subprocess.Popen | None = None
 
@@ -175,7 +176,6 @@ class PrivateRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
@@ -209,6 +209,7 @@ class Supervisor:
     redis_binary: str | None = None
     workers: list[Worker] = field(default_factory=list)
     sock: socket.socket | None = None
+    run_dir: Path | None = None  # the private Redis's socket and the processes' own sockets
     redis: PrivateRedis | None = None
     _stopping: bool = False
 
@@ -226,12 +227,13 @@ class Supervisor:
         """Bind, start the private Redis if needed, start every process."""
         if self.sock is None:
             self.bind()
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kv-slot-tracker-"))
         url = self.redis_url
         if not url:
             binary = self.redis_binary or shutil.which("redis-server")
             if not binary:
                 raise RuntimeError("workers > 1 without redis_url needs redis-server on PATH")
-            self.redis = PrivateRedis(binary)
+            self.redis = PrivateRedis(binary, self.run_dir)
             self.redis.start()
             url = self.redis.url
         self.redis_url_in_use = url
@@ -245,7 +247,13 @@ class Supervisor:
         assert self.sock is not None
         return [sys.executable, "-m", "app", *self.child_args,
                 "--listen-fd", str(self.sock.fileno()),
-                "--worker-index", str(worker.index)]  # fmt: skip
+                "--control-socket", str(self.control_socket(worker.index))]  # fmt: skip
+
+    def control_socket(self, index: int) -> Path:
+        """The Unix socket where process ``index`` also serves, alone: how its siblings (and
+        an operator) reach one process in particular."""
+        assert self.run_dir is not None
+        return self.run_dir / f"{CONTROL_SOCKET_PREFIX}{index}.sock"
 
     def _child_env(self, worker: Worker) -> dict[str, str]:
         env = dict(self.env)
@@ -302,6 +310,8 @@ class Supervisor:
             self.sock.close()
         if self.redis is not None:
             self.redis.stop()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def run(self, sleep: Callable[[float], None] = time.sleep) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,158 @@
+"""``--workers 2``: two server processes behind one port, answering as one instance.
+
+``python -m app`` with ``workers = 2`` and no ``redis_url`` (a private redis-server of the
+supervisor's), durable acknowledgements. Six clients send lifecycle calls with a new connection
+for every call, so the calls of one request reach whichever process accepts each connection,
+and keep a ground truth of what was acknowledged (``tests/e2e/consistency.py``). Meanwhile one
+process is killed with SIGKILL; the supervisor must start it again and the new process must load
+the shared state from its sibling. At the end every process, reached alone on its own Unix
+socket, and the port itself report exactly the ground truth; no client saw a spurious 404 or an
+undocumented 5xx.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.consistency import Traffic, load_view, register_topology
+from tests.e2e.servers import ENV_PREFIX, ServerProcess, wait_until
+from tests.e2e.test_consistency import check_answers
+from tests.replication.helpers import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+
+CONVERGE_S = 15.0
+
+
+class Children:
+    """The server processes of one supervisor, found from ``/proc``: index -> (pid, the Unix
+    socket where that process alone serves)."""
+
+    def __init__(self, supervisor: ServerProcess) -> None:
+        self.supervisor = supervisor
+
+    def find(self) -> dict[int, tuple[int, str]]:
+        assert self.supervisor.proc is not None
+        pid = self.supervisor.proc.pid
+        try:
+            pids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return {}
+        found = {}
+        for child in pids:
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue  # ended meanwhile
+            if "--control-socket" in argv:
+                path = argv[argv.index("--control-socket") + 1]
+                index = int(Path(path).stem.rsplit("-", 1)[1])
+                found[index] = (int(child), path)
+        return found
+
+    def get(self, index: int, route: str) -> httpx.Response | None:
+        found = self.find()
+        if index not in found:
+            return None
+        transport = httpx.HTTPTransport(uds=found[index][1])
+        try:
+            with httpx.Client(transport=transport, base_url="http://worker", timeout=5) as c:
+                return c.get(route)
+        except httpx.TransportError:
+            return None
+
+    def ready(self, index: int) -> bool:
+        r = self.get(index, "/ready")
+        return r is not None and r.status_code == 200
+
+    def loads(self, index: int) -> list[dict[str, int]] | None:
+        r = self.get(index, "/loads")
+        return load_view(r.json()) if r is not None and r.status_code == 200 else None
+
+    def status(self, index: int) -> dict:
+        r = self.get(index, "/replication")
+        return r.json() if r is not None else {}
+
+
+def public_loads(url: str) -> list[dict[str, int]] | None:
+    try:
+        r = httpx.get(url + "/loads", timeout=5)  # a new connection: either process
+    except httpx.TransportError:
+        return None
+    return load_view(r.json()) if r.status_code == 200 else None
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> ServerProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    binary = os.environ.get("SLOT_TRACKER_TEST_REDIS_SERVER")
+    if binary:  # the supervisor finds redis-server on PATH
+        env["PATH"] = f"{Path(binary).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    settings = {"WORKERS": "2", "REPLICATION_ACK": "redis", "SNAPSHOT_INTERVAL_SECONDS": "2",
+                "REPLICATION_BATCH_MS": "0", "LOG_LEVEL": "info"}  # fmt: skip
+    env.update({ENV_PREFIX + k: v for k, v in settings.items()})
+    server = ServerProcess("workers", free_port(), env, tmp_path / "workers.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> None:
+    children = Children(workers)
+    wait_until(lambda: len(children.find()) == 2 and all(children.ready(i) for i in (0, 1)),
+               30, "both processes ready", 0.05, workers.log_tail)  # fmt: skip
+    register_topology(workers.url)
+    wait_until(lambda: children.loads(0) == children.loads(1) and children.loads(1), 10,
+               "the topology in both processes")  # fmt: skip
+
+    traffic = Traffic([workers.url], clients=6, seed=28, fresh_connections=True)
+    traffic.start()
+    try:
+        time.sleep(2.0)
+        victim, _ = children.find()[1]
+        os.kill(victim, signal.SIGKILL)
+        calls_at_kill = sum(traffic.tally.calls.values())
+        wait_until(lambda: children.find().get(1, (victim,))[0] != victim and children.ready(1),
+                   30, "the killed process restarted and ready", 0.05, workers.log_tail)  # fmt: skip
+        time.sleep(2.0)
+    finally:
+        traffic.stop()
+    assert sum(traffic.tally.calls.values()) > calls_at_kill + 20, traffic.tally.summary()
+
+    want = traffic.truth.loads()
+
+    def describe() -> str:
+        return (f"expected {want}\n0: {children.loads(0)}\n1: {children.loads(1)}\n"
+                f"{children.status(0)}\n{children.status(1)}\n{traffic.tally.summary()}\n"
+                f"{workers.log_tail()}")  # fmt: skip
+
+    wait_until(lambda: children.loads(0) == want and children.loads(1) == want, CONVERGE_S,
+               "the ground truth in both processes", 0.01, describe)  # fmt: skip
+    for _ in range(10):  # and through the port, whichever process answers
+        assert public_loads(workers.url) == want
+    check_answers(traffic)
+
+    survivor, restarted = children.status(0), children.status(1)
+    # both processes took writes: the survivor published its own records and applied its
+    # siblings' (the killed process's and its successor's)
+    assert survivor["published"] > 0 and survivor["applied"] > 0, survivor
+    for status in (survivor, restarted):
+        assert status["dropped"] == 0 and status["ready"], status
+    assert survivor["instance_id"] != restarted["instance_id"]
+    log = workers.log_path.read_text()
+    assert f"worker 1 (pid {victim}) ended with -9" in log, workers.log_tail()
+
+    # SIGTERM stops the processes, then the private Redis, and removes the run directory
+    run_dir = Path(children.find()[0][1]).parent
+    workers.kill(signal.SIGTERM)
+    assert "ended with 0" in workers.log_path.read_text().splitlines()[-1]
+    assert not run_dir.exists()
