@@ -15,6 +15,7 @@ import socket
 import sys
 import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
@@ -22,9 +23,10 @@ from pydantic import ValidationError
 from app import __version__
 from app.gc_tuning import tune_gc
 from app.http.direct import direct_protocol
+from app.http.workers import WorkerGroupViews
 from app.main import create_app
 from app.settings import Settings, load_settings
-from app.workers import Supervisor, worker_count
+from app.workers import Supervisor, control_socket_index, control_sockets, worker_count
 
 # A process started by the supervisor waits this long for the shared state before it accepts
 # connections (then it serves, answering 503 "not ready" until caught up).
@@ -130,6 +132,13 @@ def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int
         own.listen(64)
         sockets.append(own)
     app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S)
+    if control_socket:  # /metrics and /replication of every process, from any of them
+        run_dir = Path(control_socket).parent
+        app.add_middleware(
+            WorkerGroupViews,
+            index=control_socket_index(control_socket),
+            siblings=lambda: control_sockets(run_dir),
+        )
     tune_gc()
     direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
     config = uvicorn.Config(

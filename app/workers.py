@@ -97,6 +97,21 @@ def worker_count(setting: int | str) -> int:
 # -- the processes -------------------------------------------------------------------------
 
 
+def control_sockets(run_dir: Path) -> dict[int, str]:
+    """The Unix sockets of the processes of the supervisor whose run directory is ``run_dir``,
+    by process index (a process being restarted may have none for a moment)."""
+    found = {}
+    for path in run_dir.glob(f"{CONTROL_SOCKET_PREFIX}*.sock"):
+        with contextlib.suppress(ValueError):
+            found[int(path.stem.removeprefix(CONTROL_SOCKET_PREFIX))] = str(path)
+    return found
+
+
+def control_socket_index(path: str | Path) -> int:
+    """The process index in the name of a control socket."""
+    return int(Path(path).stem.removeprefix(CONTROL_SOCKET_PREFIX))
+
+
 def _die_with_parent() -> None:
     """In a child before exec: SIGKILL when the supervisor dies, whatever killed it."""
     with contextlib.suppress(AttributeError, OSError):

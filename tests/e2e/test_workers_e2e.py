@@ -7,7 +7,7 @@ and keep a ground truth of what was acknowledged (``tests/e2e/consistency.py``).
 process is killed with SIGKILL; the supervisor must start it again and the new process must load
 the shared state from its sibling. At the end every process, reached alone on its own Unix
 socket, and the port itself report exactly the ground truth; no client saw a spurious 404 or an
-undocumented 5xx.
+undocumented 5xx; ``/replication`` and ``/metrics`` through the port cover both processes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.consistency import Traffic, load_view, register_topology
 from tests.e2e.servers import ENV_PREFIX, ServerProcess, wait_until
@@ -28,6 +29,7 @@ from tests.replication.helpers import free_port
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 CONVERGE_S = 15.0
+LOCAL = {"x-slot-tracker-local": "1"}
 
 
 class Children:
@@ -63,7 +65,7 @@ class Children:
         transport = httpx.HTTPTransport(uds=found[index][1])
         try:
             with httpx.Client(transport=transport, base_url="http://worker", timeout=5) as c:
-                return c.get(route)
+                return c.get(route, headers=LOCAL)  # this process's own view
         except httpx.TransportError:
             return None
 
@@ -148,6 +150,20 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     for status in (survivor, restarted):
         assert status["dropped"] == 0 and status["ready"], status
     assert survivor["instance_id"] != restarted["instance_id"]
+    # the port reports the instance as one, whichever process answers
+    for _ in range(4):
+        whole = httpx.get(workers.url + "/replication", timeout=5).json()
+        assert [w["worker"] for w in whole["workers"]] == [0, 1], whole
+        assert whole["workers_missing"] == [] and whole["ready"], whole
+        assert whole["published"] == survivor["published"] + restarted["published"], whole
+        text = httpx.get(workers.url + "/metrics", timeout=5).text
+        published = {
+            s.labels["worker"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "kv_slot_tracker_replication_published_total"
+        }
+        assert published == {"0": survivor["published"], "1": restarted["published"]}, published
     log = workers.log_path.read_text()
     assert f"worker 1 (pid {victim}) ended with -9" in log, workers.log_tail()
 
