@@ -293,11 +293,12 @@ class Supervisor:
             proc = worker.proc
             if proc is not None and proc.poll() is not None:
                 lived = now - worker.started_at
-                worker.delay_s = (
-                    min(worker.delay_s * 2, RESTART_DELAY_MAX_S) if lived < YOUNG_S
-                    else RESTART_DELAY_S
-                )  # fmt: skip
-                worker.due_at = now + (worker.delay_s if lived < YOUNG_S else 0.0)
+                if lived < YOUNG_S:  # dying young again and again: wait longer each time
+                    worker.due_at = now + worker.delay_s
+                    worker.delay_s = min(worker.delay_s * 2, RESTART_DELAY_MAX_S)
+                else:
+                    worker.due_at = now
+                    worker.delay_s = RESTART_DELAY_S
                 log.error("worker %d (pid %d) ended with %s after %.1f s; restarting",
                           worker.index, proc.pid, proc.returncode, lived)  # fmt: skip
                 worker.proc = None

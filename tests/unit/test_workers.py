@@ -1,15 +1,26 @@
-"""How many processes ``workers`` means (``app.workers``), and the setting's forms."""
+"""How many processes ``workers`` means, the setting's forms, and the supervisor's restarts
+(``app.workers``; with sleeping processes in place of servers)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from app.settings import load_settings
-from app.workers import usable_cores, worker_count
+from app.workers import (
+    RESTART_DELAY_S,
+    Supervisor,
+    Worker,
+    control_socket_index,
+    usable_cores,
+    worker_count,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -59,3 +70,95 @@ def test_workers_setting_forms(given: object, value: object) -> None:
 def test_workers_setting_refuses_the_rest(given: object) -> None:
     with pytest.raises(ValidationError):
         load_settings(workers=given)
+
+
+class Sleepers(Supervisor):
+    """A supervisor whose processes sleep (``exit_at_once``: end at once) instead of serving."""
+
+    exit_at_once = False
+
+    def _command(self, worker: Worker) -> list[str]:
+        code = "pass" if self.exit_at_once else "import time; time.sleep(60)"
+        return [sys.executable, "-c", code]
+
+
+def supervisor(exit_at_once: bool = False, **kwargs: object) -> Sleepers:
+    # a Redis URL given: no private redis-server is started
+    s = Sleepers(host="127.0.0.1", port=0, count=2, redis_url="redis://unused", **kwargs)
+    s.exit_at_once = exit_at_once
+    s.start()
+    return s
+
+
+def restarted(s: Supervisor, worker: Worker) -> None:
+    """Supervise until ``worker`` has a process again (bounded)."""
+    deadline = time.monotonic() + 10
+    while worker.proc is None or worker.proc.poll() is not None:
+        assert time.monotonic() < deadline, "not restarted"
+        s.check()
+        time.sleep(0.01)
+
+
+def test_a_killed_process_is_started_again_with_its_instance_id() -> None:
+    s = supervisor(instance_id=500)
+    try:
+        assert [w.instance_id for w in s.workers] == [500, 501]
+        first = s.workers[1].proc
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        restarted(s, s.workers[1])
+        again = s.workers[1].proc
+        assert again is not None and again.pid != first.pid and again.poll() is None
+        assert s.workers[1].restarts == 1 and s.workers[1].instance_id == 501
+        assert s.workers[0].restarts == 0
+    finally:
+        s.stop()
+    assert all(w.proc is None or w.proc.poll() is not None for w in s.workers)
+    assert s.run_dir is not None and not s.run_dir.exists()
+
+
+def test_random_instance_ids_are_kept_across_restarts() -> None:
+    s = supervisor(instance_id=0)
+    try:
+        ids = [w.instance_id for w in s.workers]
+        assert all(ids) and ids[0] != ids[1]
+    finally:
+        s.stop()
+
+
+def test_a_process_dying_young_is_restarted_later_and_later() -> None:
+    s = supervisor(exit_at_once=True, instance_id=1)
+    try:
+        worker = s.workers[0]
+        delays = []
+        for _ in range(3):
+            assert worker.proc is not None
+            worker.proc.wait()
+            s.check()  # notices: due after a delay
+            assert worker.proc is None
+            delays.append(round(worker.due_at - time.monotonic(), 2))
+            restarted(s, worker)
+        assert delays[0] <= RESTART_DELAY_S < delays[1] <= 2 * RESTART_DELAY_S < delays[2]
+        assert worker.restarts == 3
+    finally:
+        s.stop()
+
+
+def test_processes_get_the_listening_socket_and_their_control_socket() -> None:
+    s = Supervisor(host="127.0.0.1", port=0, count=2, redis_url="redis://r:6379/0", instance_id=7)
+    s.bind()
+    s.run_dir = Path("/run/x")
+    s.redis_url_in_use = s.redis_url
+    try:
+        worker = Worker(1, 8)
+        command = s._command(worker)
+        assert command[-4:] == ["--listen-fd", str(s.sock.fileno()), "--control-socket",
+                                "/run/x/worker-1.sock"]  # fmt: skip
+        env = s._child_env(worker)
+        assert env["SLOT_TRACKER_WORKERS"] == "1"
+        assert env["SLOT_TRACKER_INSTANCE_ID"] == "8"
+        assert env["SLOT_TRACKER_REDIS_URL"] == "redis://r:6379/0"
+        assert control_socket_index("/run/x/worker-1.sock") == 1
+    finally:
+        s.sock.close()
