@@ -8,6 +8,9 @@ process is killed with SIGKILL; the supervisor must start it again and the new p
 the shared state from its sibling. At the end every process, reached alone on its own Unix
 socket, and the port itself report exactly the ground truth; no client saw a spurious 404 or an
 undocumented 5xx; ``/replication`` and ``/metrics`` through the port cover both processes.
+
+The same with two supervisors on one shared Redis (``redis_url`` set): 2 processes x 2 hosts,
+calls alternating between the hosts' ports, a process of one host killed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.conftest import _drop_namespace
 from tests.e2e.consistency import Traffic, load_view, register_topology
 from tests.e2e.servers import ENV_PREFIX, ServerProcess, wait_until
 from tests.e2e.test_consistency import check_answers
@@ -90,17 +96,22 @@ def public_loads(url: str) -> list[dict[str, int]] | None:
     return load_view(r.json()) if r.status_code == 200 else None
 
 
-@pytest.fixture
-def workers(tmp_path: Path) -> ServerProcess:
+def supervisor_env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     binary = os.environ.get("SLOT_TRACKER_TEST_REDIS_SERVER")
     if binary:  # the supervisor finds redis-server on PATH
         env["PATH"] = f"{Path(binary).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
-    settings = {"WORKERS": "2", "REPLICATION_ACK": "redis", "SNAPSHOT_INTERVAL_SECONDS": "2",
-                "REPLICATION_BATCH_MS": "0", "LOG_LEVEL": "info"}  # fmt: skip
-    env.update({ENV_PREFIX + k: v for k, v in settings.items()})
-    server = ServerProcess("workers", free_port(), env, tmp_path / "workers.log")
+    base = {"WORKERS": "2", "REPLICATION_ACK": "redis", "SNAPSHOT_INTERVAL_SECONDS": "2",
+            "REPLICATION_BATCH_MS": "0", "LOG_LEVEL": "info"}  # fmt: skip
+    env.update({ENV_PREFIX + k: v for k, v in {**base, **settings}.items()})
+    return env
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[ServerProcess]:
+    """``--workers 2`` with no ``redis_url``: a private redis-server."""
+    server = ServerProcess("workers", free_port(), supervisor_env(), tmp_path / "workers.log")
     server.start()
     try:
         yield server
@@ -108,10 +119,41 @@ def workers(tmp_path: Path) -> ServerProcess:
         server.close()
 
 
+@pytest.fixture
+def two_hosts(tmp_path: Path, redis_url: str) -> Iterator[list[ServerProcess]]:
+    """Two ``--workers 2`` supervisors on one Redis namespace: 2 processes x 2 hosts."""
+    namespace = f"e2e-workers-{uuid.uuid4().hex[:10]}"
+    env = supervisor_env(REDIS_URL=redis_url, NAMESPACE=namespace)
+    hosts = [ServerProcess(f"host-{name}", free_port(), env, tmp_path / f"host-{name}.log")
+             for name in "ab"]  # fmt: skip
+    for host in hosts:
+        host.start()
+    try:
+        yield hosts
+    finally:
+        for host in hosts:
+            host.close()
+        _drop_namespace(redis_url, namespace)
+
+
+def all_ready(children: Children) -> bool:
+    return len(children.find()) == 2 and all(children.ready(i) for i in (0, 1))
+
+
+def kill_and_wait_restart(children: Children, index: int, log_tail: Callable[[], str]) -> int:
+    """SIGKILL process ``index``; wait until the supervisor started it again and it is
+    ready. Returns the killed pid."""
+    victim, _ = children.find()[index]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: children.find().get(index, (victim,))[0] != victim
+               and children.ready(index), 30, "the killed process restarted and ready",
+               0.05, log_tail)  # fmt: skip
+    return victim
+
+
 def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> None:
     children = Children(workers)
-    wait_until(lambda: len(children.find()) == 2 and all(children.ready(i) for i in (0, 1)),
-               30, "both processes ready", 0.05, workers.log_tail)  # fmt: skip
+    wait_until(lambda: all_ready(children), 30, "both processes ready", 0.05, workers.log_tail)
     register_topology(workers.url)
     wait_until(lambda: children.loads(0) == children.loads(1) and children.loads(1), 10,
                "the topology in both processes")  # fmt: skip
@@ -120,11 +162,8 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     traffic.start()
     try:
         time.sleep(2.0)
-        victim, _ = children.find()[1]
-        os.kill(victim, signal.SIGKILL)
         calls_at_kill = sum(traffic.tally.calls.values())
-        wait_until(lambda: children.find().get(1, (victim,))[0] != victim and children.ready(1),
-                   30, "the killed process restarted and ready", 0.05, workers.log_tail)  # fmt: skip
+        victim = kill_and_wait_restart(children, 1, workers.log_tail)
         time.sleep(2.0)
     finally:
         traffic.stop()
@@ -172,3 +211,32 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     workers.kill(signal.SIGTERM)
     assert "ended with 0" in workers.log_path.read_text().splitlines()[-1]
     assert not run_dir.exists()
+
+
+def test_two_hosts_of_two_processes_on_one_redis(two_hosts: list[ServerProcess]) -> None:
+    """With ``redis_url`` set, the processes of every supervisor are instances of that stream:
+    2 hosts x 2 processes answer as one state, through a SIGKILL of a process of one host."""
+    hosts = [Children(host) for host in two_hosts]
+    for host, children in zip(two_hosts, hosts, strict=True):
+        wait_until(lambda c=children: all_ready(c), 30, f"{host.name} ready", 0.05, host.log_tail)
+    register_topology(two_hosts[0].url)
+
+    traffic = Traffic([h.url for h in two_hosts], clients=6, seed=29, fresh_connections=True)
+    traffic.start()
+    try:
+        time.sleep(2.0)
+        victim = kill_and_wait_restart(hosts[1], 0, two_hosts[1].log_tail)
+        time.sleep(2.0)
+    finally:
+        traffic.stop()
+
+    want = traffic.truth.loads()
+    views = [(c, i) for c in hosts for i in (0, 1)]
+    wait_until(lambda: all(c.loads(i) == want for c, i in views), CONVERGE_S,
+               "the ground truth in the four processes", 0.01,
+               lambda: f"expected {want}\n" + "\n".join(str(c.loads(i)) for c, i in views))  # fmt: skip
+    check_answers(traffic)
+    statuses = [c.status(i) for c, i in views]
+    assert len({s["instance_id"] for s in statuses}) == 4, statuses
+    assert all(s["dropped"] == 0 and s["ready"] for s in statuses), statuses
+    assert f"worker 0 (pid {victim}) ended with -9" in two_hosts[1].log_path.read_text()
