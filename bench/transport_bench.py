@@ -5,7 +5,9 @@ process. Per record, this measures the CPU time (of this process, ``time.process
 busy machine moves it less than wall time) of the Python side of each transport, on a private
 ``redis-server`` over a Unix socket as the supervisor starts it:
 
-  redis_xadd     one XADD per record in a pipeline (the stream's format today): sending
+  redis_append   the outbox's append script (one EVALSHA per batch, one XADD per record inside
+                 Redis: the stream's format today), with msgpack encoding: sending; the
+                 ``redis_server`` column is the Redis server's CPU for it
   redis_xread    XREAD of those entries and msgpack-decoding each record: receiving
   redis_packed   one XADD carrying a batch of records packed into one msgpack value, then its
                  XREAD and decode: sending and receiving
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -36,6 +39,9 @@ from redis.asyncio import Redis
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from app.replication.records import encode_record  # noqa: E402
+from app.replication.redis.stream import APPEND_SCRIPT  # noqa: E402
 
 
 def record(i: int) -> dict:
@@ -92,20 +98,27 @@ class PrivateRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-async def redis_per_record(url: str, records: list[dict], batch: int) -> dict[str, float]:
+def server_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def redis_per_record(
+    url: str, server_pid: int, records: list[dict], batch: int
+) -> dict[str, float]:
     client = Redis.from_url(url)
-    payloads = [msgpack.packb(r) for r in records]
+    append = client.register_script(APPEND_SCRIPT)
     await client.delete("s1", "s2")
+    server0 = server_cpu_s(server_pid)
     t0 = time.process_time()
-    for i in range(0, len(payloads), batch):
-        pipe = client.pipeline(transaction=False)
-        for p in payloads[i : i + batch]:
-            pipe.xadd("s1", {b"d": p})
-        await pipe.execute()
+    for i in range(0, len(records), batch):
+        payloads = [encode_record(r) for r in records[i : i + batch]]
+        await append(keys=["s1", "reset"], args=["", "0", *payloads])
     send = time.process_time() - t0
+    server = server_cpu_s(server_pid) - server0
     t0 = time.process_time()
     last, got = "0-0", 0
-    while got < len(payloads):
+    while got < len(records):
         reply = await client.xread({"s1": last}, count=batch)
         for _, entries in reply:
             for entry_id, fields in entries:
@@ -127,7 +140,8 @@ async def redis_per_record(url: str, records: list[dict], batch: int) -> dict[st
     await client.delete("s1", "s2")
     await client.aclose()
     n = len(records) / 1e6
-    return {"redis_xadd": send / n, "redis_xread": receive / n, "redis_packed": packed / n}
+    return {"redis_append": send / n, "redis_server": server / n, "redis_xread": receive / n,
+            "redis_packed": packed / n}  # fmt: skip
 
 
 async def unix_frames_per_record(records: list[dict], batch: int) -> float:
@@ -163,7 +177,8 @@ def main() -> int:
     records = [record(i) for i in range(args.records)]
     server = PrivateRedis()
     try:
-        redis = asyncio.run(redis_per_record(f"unix://{server.path}", records, args.batch))
+        url = f"unix://{server.path}"
+        redis = asyncio.run(redis_per_record(url, server.proc.pid, records, args.batch))
     finally:
         server.close()
     frames = asyncio.run(unix_frames_per_record(records, args.batch))
