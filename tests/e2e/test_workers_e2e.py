@@ -116,6 +116,7 @@ def workers(tmp_path: Path) -> Iterator[ServerProcess]:
     try:
         yield server
     finally:
+        server.kill(signal.SIGTERM)  # the supervisor removes its run directory
         server.close()
 
 
@@ -132,6 +133,7 @@ def two_hosts(tmp_path: Path, redis_url: str) -> Iterator[list[ServerProcess]]:
         yield hosts
     finally:
         for host in hosts:
+            host.kill(signal.SIGTERM)  # the supervisor removes its run directory
             host.close()
         _drop_namespace(redis_url, namespace)
 
