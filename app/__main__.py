@@ -21,6 +21,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from app import __version__
+from app.core.types import U64_MAX
 from app.gc_tuning import tune_gc
 from app.http.direct import direct_protocol
 from app.http.workers import WorkerGroupViews
@@ -100,6 +101,10 @@ def supervise(settings: Settings, count: int, args: argparse.Namespace) -> int:
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(levelname)s:     supervisor: %(message)s",
     )
+    if settings.instance_id and settings.instance_id + count - 1 > U64_MAX:
+        print(f"invalid configuration: instance_id + {count - 1} workers exceeds a u64",
+              file=sys.stderr)  # fmt: skip
+        return 2
     child_args = []
     if args.config is not None:
         child_args += ["--config", args.config]
