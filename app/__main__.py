@@ -13,9 +13,9 @@ import logging
 import os
 import socket
 import sys
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -23,10 +23,17 @@ from pydantic import ValidationError
 from app import __version__
 from app.core.types import U64_MAX
 from app.gc_tuning import tune_gc
+from app.http.connection import ConnectionLimits, limited_protocol
 from app.http.direct import direct_protocol
 from app.http.workers import WorkerGroupViews
 from app.main import create_app
-from app.settings import Settings, load_settings
+from app.settings import (
+    ConfigFileError,
+    Settings,
+    describe_config_error,
+    load_settings,
+    unknown_environment,
+)
 from app.workers import Supervisor, control_socket_index, control_sockets, worker_count
 
 # A process started by the supervisor waits this long for the shared state before it accepts
@@ -70,9 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             workers=args.workers,
         )
-    except (OSError, tomllib.TOMLDecodeError, ValidationError) as exc:
-        print(f"invalid configuration: {exc}", file=sys.stderr)
+    except (OSError, ConfigFileError, ValidationError) as exc:
+        print(f"invalid configuration:\n{describe_config_error(exc)}", file=sys.stderr)
         return 2
+    for warning in unknown_environment():
+        print(f"warning: {warning}", file=sys.stderr)
 
     if args.listen_fd is not None:
         return serve_worker(settings, args.listen_fd, args.control_socket)
@@ -82,17 +91,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = create_app(settings)
     tune_gc()
-    direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=direct or "httptools",
+        http=http_protocol(settings, app),
         log_level=settings.log_level,
         access_log=False,
+        limit_concurrency=settings.http_max_connections,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
     )
     return 0
+
+
+def http_protocol(settings: Settings, app: Any) -> type:
+    """uvicorn's connection protocol with the connection limits, serving the hot routes
+    directly unless ``http_direct`` is off."""
+    limits = ConnectionLimits(
+        settings.http_max_header_bytes,
+        settings.http_header_timeout_seconds,
+        settings.http_body_timeout_seconds,
+    )
+    if settings.http_direct and app.lean:
+        return direct_protocol(app.lean, limits)
+    return limited_protocol(limits)
 
 
 def supervise(settings: Settings, count: int, args: argparse.Namespace) -> int:
@@ -145,13 +168,14 @@ def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int
             siblings=lambda: control_sockets(run_dir),
         )
     tune_gc()
-    direct = direct_protocol(app.lean) if settings.http_direct and app.lean else None
     config = uvicorn.Config(
         app,
         loop="uvloop",
-        http=direct or "httptools",
+        http=http_protocol(settings, app),
         log_level=settings.log_level,
         access_log=False,
+        limit_concurrency=settings.http_max_connections,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
     )
     uvicorn.Server(config).run(sockets=sockets)
     return 0

@@ -54,6 +54,7 @@ def create_app(
         expiry_seconds=settings.expiry_seconds,
         expiry_check_seconds=settings.expiry_check_seconds,
         max_hashes_per_request=settings.max_hashes_per_request,
+        max_trackers=settings.max_trackers,
         instance_id=replication.instance_id,  # the replication owns the instance id
         replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,

@@ -13,17 +13,20 @@ Use :func:`load_settings`; ``Settings()`` alone reads sources 1, 3 and 4.
 
 from __future__ import annotations
 
+import difflib
+import os
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from app.core.types import NS_PER_S, U64_MAX
 
@@ -39,9 +42,16 @@ _config_files: ContextVar[tuple[Path, ...]] = ContextVar(
 )
 
 
+class ConfigFileError(ValueError):
+    """A configuration file that is not valid TOML; the message names the file."""
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
-        return tomllib.load(f)
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
 
 
 class _TomlFilesSource(PydanticBaseSettingsSource):
@@ -79,12 +89,19 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
     max_batch_operations: int = Field(default=10_000, gt=0)
+    max_trackers: int = Field(default=DEFAULT_MAX_TRACKERS, gt=0)
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
     # Server processes on the one port, sharing one state (app.workers); "auto" = the cores this
     # process may use (CPU affinity and cgroup quota).
     workers: int | Literal["auto"] = 1
+    # Limits of one connection and of the server (app.http.connection)
+    http_max_header_bytes: int = Field(default=65_536, gt=0)
+    http_header_timeout_seconds: int = Field(default=10, gt=0)
+    http_body_timeout_seconds: int = Field(default=30, gt=0)
+    http_keep_alive_seconds: int = Field(default=5, gt=0)
+    http_max_connections: int = Field(default=4096, gt=0)
 
     # Active request expiry
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
@@ -92,11 +109,24 @@ class Settings(BaseSettings):
     force_expiry_interval_seconds: int = Field(default=60, gt=0)
 
     # Replication between instances
-    redis_url: str = ""
+    redis_url: str = Field(default="", repr=False)  # may carry a password
+    redis_sentinels: str = ""
+    redis_sentinel_master: str = "mymaster"
+    redis_cluster: bool = False
+    redis_username: str = ""
+    redis_password: SecretStr = Field(default=SecretStr(""), repr=False)
+    redis_password_file: str = ""
+    redis_sentinel_password: SecretStr = Field(default=SecretStr(""), repr=False)
+    redis_tls: bool = False
+    redis_tls_ca_file: str = ""
+    redis_tls_cert_file: str = ""
+    redis_tls_key_file: str = ""
+    redis_tls_check_hostname: bool = True
     namespace: str = Field(default="kv-slot-tracker", min_length=1, pattern=r"^[^\s{}]+$")
     instance_id: int = Field(default=0, ge=0, le=U64_MAX)
     outbox_capacity: int = Field(default=100_000, gt=0)
     stream_retention_seconds: int = Field(default=3600, gt=0)
+    stream_max_entries: int = Field(default=1_000_000, ge=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)
@@ -105,6 +135,7 @@ class Settings(BaseSettings):
     consistency_wait_ms: int = Field(default=500, ge=0)
     replication_ack: Literal["local", "redis"] = "local"
     replication_ack_timeout_ms: int = Field(default=2000, gt=0)
+    replication_ack_replicas: int = Field(default=0, ge=0)
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
 
@@ -139,14 +170,40 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
-        if value and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be empty or start with redis://, rediss:// or unix://")
+        schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+        if value and not value.startswith(schemes):
+            raise ValueError("must be empty or start with " + ", ".join(schemes))
         return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _check_sentinels(cls, value: str) -> str:
+        for address in filter(None, (a.strip() for a in value.split(","))):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {address!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_together(self) -> Settings:
+        """Rules between settings, checked at start rather than discovered in production."""
+        if self.tombstone_ttl_seconds < self.expiry_seconds:
+            raise ValueError(
+                f"tombstone_ttl_seconds ({self.tombstone_ttl_seconds}) must be at least "
+                f"expiry_seconds ({self.expiry_seconds}): a late add of a freed id would come "
+                "back to life after its tombstone went"
+            )
+        if self.expiry_check_seconds > self.expiry_seconds:
+            raise ValueError(
+                f"expiry_check_seconds ({self.expiry_check_seconds}) must be at most "
+                f"expiry_seconds ({self.expiry_seconds})"
+            )
+        return self
 
     @property
     def embedded(self) -> bool:
         """True when no Redis is configured: a single instance with in-process replication."""
-        return not self.redis_url
+        return not self.redis_url and not self.redis_sentinels.strip()
 
     @classmethod
     def settings_customise_sources(
@@ -185,3 +242,36 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
     given = {name: value for name, value in overrides.items() if value is not None}
     with _reading(tuple(files)):
         return Settings(**given)
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``SLOT_TRACKER_*`` variable that names no setting (a typo such as
+    ``SLOT_TRACKER_PROT`` would otherwise be ignored without a word), with the closest name."""
+    environ = os.environ if environ is None else environ
+    fields = list(Settings.model_fields)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        field = upper.removeprefix(ENV_PREFIX).lower()
+        if upper.startswith(ENV_PREFIX) and field not in Settings.model_fields:
+            close = difflib.get_close_matches(field, fields, n=1)
+            hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
+            warnings.append(f"{name} is set but names no setting; it is ignored{hint}")
+    return warnings
+
+
+def describe_config_error(exc: Exception) -> str:
+    """One line per problem, naming the setting, without pydantic's links or secret values."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in err.get("loc", ())) or "settings"
+        message = err["msg"].removeprefix("Value error, ")
+        shown = err.get("input")
+        secret = "key" in where or "password" in where or "url" in where
+        given = (
+            "" if secret or isinstance(shown, dict) or where == "settings" else f" (got {shown!r})"
+        )
+        lines.append(f"{where}: {message}{given}")
+    return "\n".join(lines)

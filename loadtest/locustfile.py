@@ -15,7 +15,10 @@ upserts them instead). Every simulated LLM request then does what a router does:
 2. picks the rank with the lowest potential load and ``/add``s itself there;
 3. ``/prefill_complete`` after a prefill delay, a few ``/output_block``s, then ``/free``.
 
-A share of the traffic goes through ``/batch``, one user polls ``/loads`` like a dashboard, and
+A share of the traffic goes through ``/batch``, one user polls ``/loads`` like a dashboard, a
+router that lets the service choose (``SelectionRouterUser``, weight ``--lt-selection-weight``)
+registers ``--lt-selection-workers`` workers with the selection API and runs
+``/selection/select_and_reserve`` → ``prefill_complete`` → ``output_block`` → ``DELETE``, and
 a share of requests injects errors a router can cause: a second ``/add`` of an id that is still
 active (409) and an ``/add`` to a rank that does not exist (404). Those count as successes when
 exactly that status comes back and as failures otherwise; every other call must answer 200/201.
@@ -24,6 +27,10 @@ The run fails (exit code 1, reasons printed) on any failure, any exception in th
 failed setup, no request at all, or, with ``--lt-check-drained``, load left on the ranks after
 every request was freed. Options (``--lt-*``, listed by ``locust --help``) also read
 ``LOADTEST_*`` environment variables; ``SLOT_TRACKER_API_KEY`` is sent as a bearer key.
+
+Several instances sharing one state: ``--lt-hosts URL,URL,...`` sends every call to one of them
+at random (setup and the final checks go to ``-H``), so one request's ``/add``, ``/prefill_complete``
+and ``/free`` usually reach different instances, as behind a load balancer without affinity.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ LORAS = ("adapter-sql", "adapter-chat")
 DUPLICATE_ADD = "/add [expect 409 duplicate id]"
 UNKNOWN_RANK_ADD = "/add [expect 404 unknown rank]"
 UNKNOWN_RANK_BATCH = "/batch [add, one expect 404 unknown rank]"
+
+# The selection API's workers get ids of their own, apart from the slot API's.
+SELECTION_WORKER_ID_BASE = 1_000_000
 
 # Problems outside the HTTP stats (setup, drain check), reported by the quitting listener.
 PROBLEMS: list[str] = []
@@ -123,6 +133,27 @@ def add_arguments(parser: Any) -> None:
         "leave the workers registered at the end (default: unregister them)",
         action="store_true",
     )
+    opt(
+        "--lt-hosts",
+        "LOADTEST_HOSTS",
+        "",
+        "comma-separated base URLs of instances sharing one state; each call picks one",
+        type=str,
+    )
+    opt(
+        "--lt-selection-weight",
+        "LOADTEST_SELECTION_WEIGHT",
+        1,
+        "weight of the selection-API router user (0: none)",
+        type=int,
+    )
+    opt(
+        "--lt-selection-workers",
+        "LOADTEST_SELECTION_WORKERS",
+        8,
+        "workers registered with the selection API",
+        type=int,
+    )
     parser.add_argument(
         "--lt-api-key",
         env_var="SLOT_TRACKER_API_KEY",
@@ -151,6 +182,8 @@ class Workload:
     inject_ratio: float
     check_drained: bool
     keep_workers: bool
+    hosts: tuple[str, ...] = ()
+    selection_worker_ids: tuple[int, ...] = ()
     headers: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -160,6 +193,10 @@ class Workload:
     @property
     def ranks(self) -> list[tuple[int, int]]:
         return [(w, r) for w in self.worker_ids for r in range(self.dp_size)]
+
+    def url(self, path: str, rng: random.Random) -> str:
+        """``path`` on one of ``hosts`` at random; the user's own host when none are given."""
+        return rng.choice(self.hosts) + path if self.hosts else path
 
 
 def workload_from(environment: Environment) -> Workload:
@@ -195,6 +232,12 @@ def workload_from(environment: Environment) -> Workload:
         inject_ratio=o.lt_inject_ratio,
         check_drained=o.lt_check_drained,
         keep_workers=o.lt_keep_workers,
+        hosts=tuple(h.strip().rstrip("/") for h in o.lt_hosts.split(",") if h.strip()),
+        selection_worker_ids=tuple(
+            range(SELECTION_WORKER_ID_BASE, SELECTION_WORKER_ID_BASE + o.lt_selection_workers)
+        )
+        if o.lt_selection_weight > 0
+        else (),
         headers={"Authorization": f"Bearer {o.lt_api_key}"} if o.lt_api_key else {},
     )
     environment._kv_workload = wl  # type: ignore[attr-defined]
@@ -290,12 +333,22 @@ class RouterUser(FastHttpUser):
         self.rng = random.Random()
         self.id_prefix = f"lt-{uuid.uuid4().hex[:10]}"
         self.outstanding: set[str] = set()  # added (or maybe added) and not yet freed
+        self.last_url = ""  # where the last post went
 
     def new_id(self) -> str:
         return f"{self.id_prefix}-{next(_request_seq)}"
 
-    def post(self, path: str, body: dict[str, Any], expected: int, name: str | None = None) -> bool:
-        with self.client.post(path, json=body, name=name or path, catch_response=True) as resp:
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        expected: int,
+        name: str | None = None,
+        url: str | None = None,
+    ) -> bool:
+        url = url or self.wl.url(path, self.rng)
+        self.last_url = url
+        with self.client.post(url, json=body, name=name or path, catch_response=True) as resp:
             return check(resp, expected)
 
     @task(10)
@@ -306,8 +359,9 @@ class RouterUser(FastHttpUser):
         isl = len(prompt.tokens)
 
         with self.client.post(
-            "/potential_loads",
+            wl.url("/potential_loads", rng),
             json={**wl.key, **fields, "new_isl_tokens": isl},
+            name="/potential_loads",
             catch_response=True,
         ) as resp:
             if not check(resp, 200):
@@ -355,9 +409,14 @@ class RouterUser(FastHttpUser):
             self.outstanding.discard(request_id)
 
     def add_duplicate(self, add: dict[str, Any]) -> None:
-        """A retried /add of an id that is still active, routed elsewhere: 409."""
+        """A retried /add of an id that is still active, routed elsewhere: 409.
+
+        Sent to the instance that took the add: two instances taking one id at the same moment
+        both accept it, and the first in stream order wins everywhere (see the README).
+        """
         worker_id, dp_rank = self.rng.choice(self.wl.ranks)
-        self.post("/add", {**add, "worker_id": worker_id, "dp_rank": dp_rank}, 409, DUPLICATE_ADD)
+        body = {**add, "worker_id": worker_id, "dp_rank": dp_rank}
+        self.post("/add", body, 409, DUPLICATE_ADD, url=self.last_url)
 
     def add_to_unknown_rank(self, fields: dict[str, Any], isl: int) -> None:
         """An /add to a rank the tracker does not know: 404, and nothing is added."""
@@ -417,7 +476,10 @@ class RouterUser(FastHttpUser):
 
     def batch(self, name: str, ops: list[dict[str, Any]], expected: list[int]) -> bool:
         with self.client.post(
-            "/batch", json={"operations": ops}, name=name, catch_response=True
+            self.wl.url("/batch", self.rng),
+            json={"operations": ops},
+            name=name,
+            catch_response=True,
         ) as resp:
             if not check(resp, 200):
                 return False
@@ -436,6 +498,85 @@ class RouterUser(FastHttpUser):
             ops = [{"op": "free", **self.wl.key, "request_id": i} for i in sorted(self.outstanding)]
             if self.batch("/batch [free on stop]", ops, [200] * len(ops)):
                 self.outstanding.clear()
+
+
+class SelectionRouterUser(FastHttpUser):
+    """A router that lets the service choose the rank: the selection API's reservations."""
+
+    wait_time = between(0.0, 0.05)
+
+    def __init__(self, environment: Environment) -> None:
+        self.wl = workload_from(environment)
+        self.default_headers = self.wl.headers
+        super().__init__(environment)
+        self.rng = random.Random()
+        self.id_prefix = f"lt-sel-{uuid.uuid4().hex[:10]}"
+        self.outstanding: set[str] = set()  # reserved (or maybe reserved) and not yet freed
+
+    def call(self, method: str, path: str, name: str, expected: int, body: Any = None) -> Any:
+        """One call to a random instance; the parsed answer, or None when it failed."""
+        url = self.wl.url(path, self.rng)
+        with self.client.request(method, url, json=body, name=name, catch_response=True) as resp:
+            if not check(resp, expected):
+                return None
+            return json_of(resp)
+
+    @task
+    def reserved_request(self) -> None:
+        wl, rng = self.wl, self.rng
+        if not wl.selection_worker_ids:
+            return
+        prompt = make_prompt(wl, rng)
+        selection_id = f"{self.id_prefix}-{next(_request_seq)}"
+        body: dict[str, Any] = {
+            **wl.key,
+            "selection_id": selection_id,
+            "token_ids": prompt.tokens,
+            "expected_output_tokens": wl.output_blocks * wl.block_size,
+        }
+        if prompt.lora_name is not None:
+            body["lora_name"] = prompt.lora_name
+        self.outstanding.add(selection_id)
+        picked = self.call(
+            "POST", "/selection/select_and_reserve", "/selection/select_and_reserve", 200, body
+        )
+        if picked is None:
+            return
+        if picked.get("worker_id") not in wl.selection_worker_ids:
+            PROBLEMS.append(f"select_and_reserve picked an unregistered worker: {picked}")
+            return
+        base = f"/selection/reservations/{selection_id}"
+        gevent.sleep(wl.prefill_s * rng.uniform(0.5, 1.5))
+        self.call(
+            "POST",
+            base + "/prefill_complete",
+            "/selection/reservations/{id}/prefill_complete",
+            200,
+            {},
+        )
+        for _ in range(rng.randint(1, wl.output_blocks)):
+            gevent.sleep(wl.decode_block_s * rng.uniform(0.5, 1.5))
+            self.call(
+                "POST", base + "/output_block", "/selection/reservations/{id}/output_block", 200, {}
+            )
+        if self.call("DELETE", base, "/selection/reservations/{id} [free]", 200) is not None:
+            self.outstanding.discard(selection_id)
+
+    def on_stop(self) -> None:
+        """Free what a stop interrupted (an id never reserved answers 404, which is fine)."""
+        for selection_id in sorted(self.outstanding):
+            path = f"/selection/reservations/{selection_id}"
+            with self.client.request(
+                "DELETE",
+                path,
+                name="/selection/reservations/{id} [free on stop]",
+                catch_response=True,
+            ) as resp:
+                if resp.status_code in (200, 404):
+                    resp.success()
+                else:
+                    check(resp, 200)
+        self.outstanding.clear()
 
 
 class LoadsPoller(FastHttpUser):
@@ -520,6 +661,24 @@ def register_workers(environment: Environment, **_: Any) -> None:
             if not check(resp, 200):
                 setup_failed(environment, f"/upsert of worker {worker_id}: {resp.status_code}")
                 return
+    for worker_id in wl.selection_worker_ids:
+        body = {
+            **wl.key,
+            "worker_id": worker_id,
+            "block_size": wl.block_size,
+            "endpoint": f"http://127.0.0.1:9/worker-{worker_id}",
+            # nothing publishes there: a service routing on KV events keeps the worker
+            # schedulable and its cache empty; one without them ignores the field
+            "kv_events_endpoint": "tcp://127.0.0.1:9",
+        }
+        with client.post("/selection/workers", json=body, catch_response=True) as resp:
+            if not check(resp, 201):
+                setup_failed(environment, f"/selection/workers {worker_id}: {resp.status_code}")
+                return
+            if (json_of(resp) or {}).get("lifecycle") != "schedulable":
+                resp.failure(f"selection worker {worker_id} not schedulable: {resp.text[:300]}")
+                setup_failed(environment, f"selection worker {worker_id} is not schedulable")
+                return
     log.info(
         "registered %d workers x %d ranks for model=%s routing_group=%s",
         len(wl.worker_ids),
@@ -555,9 +714,28 @@ def drain_check_and_unregister(environment: Environment, **_: Any) -> None:
                 PROBLEMS.append(f"drain check: {len(busy)} ranks still hold load, e.g. {busy[0]}")
             else:
                 log.info("drain check: all %d ranks are empty", len(rows))
+    if wl.check_drained and wl.selection_worker_ids:
+        resp = client.get(
+            f"/selection/loads?model_name={wl.model}&routing_group={wl.group}",
+            name="/selection/loads [drain check]",
+        )
+        try:
+            parts = json.loads(resp.text or "")
+        except ValueError:
+            parts = None
+        if not isinstance(parts, list):
+            PROBLEMS.append(f"drain check: /selection/loads answered {resp.status_code}")
+        else:
+            busy = [r for part in parts for r in part["loads"] if r["active_requests"]]
+            if busy:
+                PROBLEMS.append(
+                    f"drain check: {len(busy)} selection ranks still busy, e.g. {busy[0]}"
+                )
     if not wl.keep_workers:
         for worker_id in wl.worker_ids:
             client.post("/unregister", json={**wl.key, "worker_id": worker_id})
+        for worker_id in wl.selection_worker_ids:
+            client.delete(f"/selection/workers/{worker_id}", name="/selection/workers/{id}")
 
 
 @events.quitting.add_listener

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
-from app.settings import DEFAULT_CONFIG_FILE, Settings, load_settings, read_toml
+from app.settings import (
+    DEFAULT_CONFIG_FILE,
+    Settings,
+    load_settings,
+    read_toml,
+    unknown_environment,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +28,9 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "site.toml"
-    path.write_text('port = 9001\nexpiry_seconds = 600\nnamespace = "from-file"\n')
+    path.write_text(
+        'port = 9001\nexpiry_seconds = 600\ntombstone_ttl_seconds = 600\nnamespace = "from-file"\n'
+    )
     return path
 
 
@@ -35,7 +46,9 @@ def test_defaults_come_from_default_toml() -> None:
 def test_class_defaults_mirror_default_toml() -> None:
     from_file = read_toml(DEFAULT_CONFIG_FILE)
     class_defaults = {
-        name: field.default.get_secret_value() if name == "api_key" else field.default
+        name: field.default.get_secret_value()
+        if isinstance(field.default, SecretStr)
+        else field.default
         for name, field in Settings.model_fields.items()
     }
     assert from_file == class_defaults
@@ -92,3 +105,69 @@ def test_unknown_key_in_config_file_is_rejected(tmp_path: Path) -> None:
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "absent.toml")
+
+
+# -- start-up checks, through the command line ----------------------------------------------
+
+
+def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m app ARGS`` with only ``env`` of the SLOT_TRACKER_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+def test_a_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.toml"
+    bad.write_text("port = \n")
+    result = run_app("--config", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}: not valid TOML: " in result.stderr
+    assert "line 1" in result.stderr
+
+
+def test_tombstones_shorter_than_the_expiry_are_refused_at_start() -> None:
+    with pytest.raises(ValidationError, match="tombstone_ttl_seconds \\(300\\) must be at least"):
+        load_settings(expiry_seconds=600)
+    assert load_settings(expiry_seconds=600, tombstone_ttl_seconds=600).expiry_seconds == 600
+    with pytest.raises(ValidationError, match="expiry_check_seconds \\(20\\) must be at most"):
+        load_settings(expiry_seconds=10, tombstone_ttl_seconds=10, expiry_check_seconds=20)
+    result = run_app(env={"SLOT_TRACKER_TOMBSTONE_TTL_SECONDS": "10"})
+    assert result.returncode == 2
+    assert result.stderr.startswith("invalid configuration:\nsettings: tombstone_ttl_seconds (10)")
+
+
+def test_errors_name_the_setting_without_links_or_secrets() -> None:
+    result = run_app(
+        env={"SLOT_TRACKER_PORT": "http", "SLOT_TRACKER_REDIS_URL": "http://:s3cret@h"}
+    )
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "invalid configuration:"
+    assert (
+        "port: Input should be a valid integer, unable to parse string as an integer (got 'http')"
+        in lines
+    )
+    assert any(line.startswith("redis_url: must be empty or start with") for line in lines)
+    assert "s3cret" not in result.stderr
+    assert "errors.pydantic.dev" not in result.stderr
+
+
+def test_an_unknown_slot_tracker_variable_is_named_with_the_closest_setting() -> None:
+    assert unknown_environment(
+        {"SLOT_TRACKER_PROT": "1", "SLOT_TRACKER_PORT": "2", "PATH": "/"}
+    ) == [
+        "SLOT_TRACKER_PROT is set but names no setting; it is ignored "
+        "(did you mean SLOT_TRACKER_PORT?)"
+    ]
+    assert unknown_environment({"SLOT_TRACKER_ZZZ_QQQ": "1"}) == [
+        "SLOT_TRACKER_ZZZ_QQQ is set but names no setting; it is ignored"
+    ]
+    result = run_app("--version", env={"SLOT_TRACKER_PROT": "1"})
+    assert result.returncode == 0  # --version exits before the settings are read

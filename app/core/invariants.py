@@ -5,15 +5,37 @@ block counts, the overlap trie, the request index, LoRA counts) equals what its 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .overlap import PromptTrie
+from .sequences import ActiveSequences
+from .types import WorkerWithDpRank
 
-if TYPE_CHECKING:
-    from .tracker import ActiveSequencesMultiWorker
+
+class Inspected(Protocol):
+    """What the checks read of a tracker (``ActiveSequencesMultiWorker`` has it)."""
+
+    @property
+    def slots(self) -> dict[WorkerWithDpRank, ActiveSequences]: ...
+    @property
+    def table(self) -> Any: ...
+    @property
+    def trie(self) -> PromptTrie: ...
+    @property
+    def columns(self) -> Any: ...
+    @property
+    def request_index(self) -> Any: ...
+    @property
+    def request_worker(self) -> dict[str, WorkerWithDpRank]: ...
+    @property
+    def lora_counts(self) -> dict[str, int]: ...
+    def active_blocks(self) -> dict[WorkerWithDpRank, int]: ...
+    def active_tokens(self, decay_now: int) -> dict[WorkerWithDpRank, int]: ...
+    def active_request_counts(self) -> dict[WorkerWithDpRank, int]: ...
+    def is_membership_empty(self) -> bool: ...
 
 
-def assert_consistent(t: ActiveSequencesMultiWorker) -> None:
+def assert_consistent(t: Inspected) -> None:
     slots = t.slots
     assert set(slots) == t.table.slots
     fresh = PromptTrie()
@@ -30,7 +52,7 @@ def assert_consistent(t: ActiveSequencesMultiWorker) -> None:
     t.request_index.assert_consistent()
 
 
-def assert_completely_drained(t: ActiveSequencesMultiWorker, decay_now: int) -> None:
+def assert_completely_drained(t: Inspected, decay_now: int) -> None:
     blocks = t.active_blocks()
     assert all(v == 0 for v in blocks.values()), f"expected zero active blocks, got {blocks}"
     tokens = t.active_tokens(decay_now)

@@ -27,20 +27,50 @@ to keep large snapshots compact:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
+from .sequences import ActiveSequences
 from .types import WorkerDpRange, WorkerWithDpRank
-
-if TYPE_CHECKING:
-    from .tracker import ActiveSequencesMultiWorker
 
 SNAPSHOT_FORMAT = 1
 
 InstantMap = Callable[[int], int]
 
 
-def export_tracker(tracker: ActiveSequencesMultiWorker, to_wall: InstantMap) -> dict[str, Any]:
+class Exported(Protocol):
+    """The tracker's read API that an export uses (``ActiveSequencesMultiWorker`` has it)."""
+
+    block_size: int
+
+    def ranks(self) -> list[tuple[WorkerWithDpRank, ActiveSequences]]: ...
+    def worker_for(self, request_id: str) -> WorkerWithDpRank | None: ...
+    def lora_of(self, request_id: str) -> str | None: ...
+    def worker_ranges(self) -> list[WorkerDpRange]: ...
+    def indexed_requests(self) -> list[tuple[str, WorkerWithDpRank]]: ...
+
+
+class Restored(Protocol):
+    """The tracker's write API that a restore uses (``ActiveSequencesMultiWorker`` has it)."""
+
+    block_size: int
+
+    def num_workers(self) -> int: ...
+    def num_requests(self) -> int: ...
+    def reconcile_workers(self, ranges: Iterable[WorkerDpRange]) -> Any: ...
+    def ensure_rank(self, worker: WorkerWithDpRank) -> None: ...
+    def restore_rank(
+        self, worker: WorkerWithDpRank, requests: list[Any], prefills: list[Any], anchor_since: int
+    ) -> None: ...
+    def index_request(
+        self, request_id: str, worker: WorkerWithDpRank, lora: str | None
+    ) -> None: ...
+
+
+R = TypeVar("R", bound=Restored)
+
+
+def export_tracker(tracker: Exported, to_wall: InstantMap) -> dict[str, Any]:
     """The tracker's replicated state as plain data; instants mapped with ``to_wall``."""
     covered: set[str] = set()
     slots = []
@@ -76,9 +106,7 @@ def export_tracker(tracker: ActiveSequencesMultiWorker, to_wall: InstantMap) -> 
     }
 
 
-def restore_tracker(
-    tracker: ActiveSequencesMultiWorker, data: dict[str, Any], from_wall: InstantMap
-) -> ActiveSequencesMultiWorker:
+def restore_tracker(tracker: R, data: dict[str, Any], from_wall: InstantMap) -> R:
     """Fill an empty tracker (no slots, no requests) from ``export_tracker`` data.
 
     No events are emitted, no expiry runs, no loads are published. Returns the tracker.

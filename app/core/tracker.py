@@ -20,7 +20,7 @@ from .errors import (
     RequestNotFound,
     WorkerNotFound,
 )
-from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
+from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
 from .loads import LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
@@ -30,7 +30,6 @@ from .publisher import (
     ReplicaWorkerPolicy,
     SequencePublisher,
 )
-from .replica_apply import ReplicaApplyMixin
 from .request_index import RequestIndex
 from .sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS, ActiveSequences, Clock
 from .snapshot import export_tracker, restore_tracker
@@ -65,7 +64,7 @@ PotentialLoads = tuple[
 ]
 
 
-class ActiveSequencesMultiWorker(ReplicaApplyMixin):
+class ActiveSequencesMultiWorker:
     def __init__(
         self,
         publisher: SequencePublisher | None,
@@ -111,7 +110,6 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
         self._requests = RequestIndex()
         self.remote_state_update_count = 0
         self.cleanup_attempts = 0
-        self._remote_listeners: list[Callable[[], None]] = []
 
         ranges = [WorkerDpRange(wid, s, n) for wid, (s, n) in sorted((dp_range or {}).items())]
         for r in ranges:
@@ -442,6 +440,98 @@ class ActiveSequencesMultiWorker(ReplicaApplyMixin):
             self._publish_worker_load(worker, slot, now)
             expired.extend(outcome.expired_request_ids)
         return expired
+
+    # -- replica apply ---------------------------------------------------------------------
+    # A peer's lifecycle event applied without publishing anything, and the effects of a batch
+    # of them (loads, wake-ups, cleanup) flushed once per batch. It follows its own rules: the
+    # producer's instants, and the replica worker policy for ranks this instance does not have.
+
+    def apply_replica_event(
+        self,
+        event: ActiveSequenceEvent,
+        effects: ReplicaEffects,
+        decay_now: int | None = None,
+        started_at: int | None = None,
+    ) -> bool:
+        """Apply a peer's event; returns whether it changed anything.
+
+        ``decay_now`` defaults to the receive time (``clock()``); a transport that knows when the
+        producer applied the event may pass that instant instead (and ``started_at`` for adds).
+        """
+        if event.router_id == self.router_id:
+            return False
+        if decay_now is None:
+            decay_now = self.clock()
+        data = event.data
+        rid = event.request_id
+        if isinstance(data, AddRequest):
+            worker = event.worker
+            slot = self._slots.get(worker)
+            if slot is None:
+                if self.replica_worker_policy is ReplicaWorkerPolicy.REQUIRE_REGISTERED:
+                    log.debug("Dropping replica AddRequest for unregistered worker %s", worker)
+                    return False
+                self._ensure_worker(worker)
+                slot = self._slots[worker]
+            self._requests.set(rid, worker, event.lora_name)
+            self._add_to_slot(
+                slot,
+                worker,
+                rid,
+                data.token_sequence,
+                data.expected_output_tokens,
+                data.track_prefill_tokens,
+                data.prefill_load_hint,
+                decay_now,
+                started_at,
+            )
+            effects.record(worker, True)
+            effects.cleanup = True
+            return True
+        if isinstance(data, Free):
+            worker = self._requests.remove(rid)
+            if worker is None:
+                return False
+            slot = self._slots.get(worker)
+            if slot is None:
+                return True
+            slot.release(rid, decay_now)
+            self._columns.changed.add(worker)
+            effects.record(worker, True)
+            effects.wake = True
+            effects.cleanup = True
+            return True
+        worker = self._requests.worker(rid)
+        if worker is None:
+            return False
+        slot = self._slots.get(worker)
+        if slot is None:
+            return False
+        slot.mark_prefill_completed(rid, decay_now)
+        self._columns.changed.add(worker)
+        effects.record(worker, False)
+        effects.wake = True
+        return True
+
+    def flush_replica_effects(self, effects: ReplicaEffects) -> None:
+        """Publish one load batch, one wake-up and one cleanup attempt for a replica batch."""
+        now = self.clock()
+        loads = [
+            self._load_of(w, self._slots[w], now)
+            for w, publish in effects.workers.items()
+            if publish and w in self._slots and self._loads_wanted
+        ]
+        effects.workers.clear()
+        if loads:
+            self.publisher.publish_load_batch(loads)
+        if effects.wake:
+            self.notify_remote_state_update()
+        if effects.cleanup:
+            self.cleanup_attempts += 1
+        effects.wake = effects.cleanup = False
+
+    def notify_remote_state_update(self) -> None:
+        self.remote_state_update_count += 1
 
     # -- publication -----------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from app.http.replicated import ReplicatedOperations
 from app.http.responses import JSON, json_response
 from app.http.routes import (
     ROUTES,
+    TAGS,
     Queries,
     body_models,
     call_endpoint,
@@ -92,6 +93,7 @@ def build_http_app(
         title="kv-slot-tracker",
         version=__version__,
         description=DESCRIPTION,
+        openapi_tags=list(TAGS),
         lifespan=lifespan,
         redirect_slashes=False,  # `/health/` is a 404, as in the reference
         docs_url=None,  # served without a CDN by build_docs_router
@@ -183,11 +185,21 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(
-        title=app.title, version=app.version, description=app.description, routes=app.routes
+        title=app.title,
+        version=app.version,
+        description=app.description,
+        routes=app.routes,
+        tags=app.openapi_tags,
     )
     metrics = doc["paths"].get("/metrics", {}).get("get")
     if metrics is not None:  # the instrumentator documents it as JSON; it is Prometheus text
         metrics["summary"] = "Prometheus metrics (text exposition format)"
+        metrics["description"] = (
+            "Every tracker's and partition's gauges and counters, replication and HTTP metrics, "
+            "for Prometheus to scrape."
+        )
+        metrics["operationId"] = "metrics"
+        metrics["tags"] = ["operations"]
         metrics["responses"] = {
             "200": {
                 "description": "Tracker and selection gauges and counters, and HTTP metrics.",

@@ -1,8 +1,9 @@
 """``GET /dashboard``: a live, self-contained load page for people.
 
 The page is one static HTML file (``app/static/dashboard.html``: inline CSS and vanilla
-JavaScript, no build step, no external resources) that polls ``/loads``, ``/ready`` and
-``/replication`` once a second with relative URLs. The HTML itself needs no key; when the
+JavaScript, no build step, no external resources) that polls ``/loads``, ``/workers``,
+``/ready``, ``/replication``, ``/selection/loads`` and ``/selection/workers`` once a second with
+relative URLs. The HTML itself needs no key; when the
 instance has an API key, the page asks for it (or takes ``?key=...``), keeps it in
 ``sessionStorage`` and sends it as ``Authorization: Bearer``.
 """

@@ -36,6 +36,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from app.http.body import check_body_headers
+from app.http.connection import ConnectionLimits, LimitedHttpToolsProtocol
 from app.http.errors import TOO_LARGE, HttpError, error_result
 from app.http.lean import LeanDispatcher, LeanRoute, parse_params
 
@@ -43,7 +44,7 @@ _JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
 
 
-class DirectHttpToolsProtocol(HttpToolsProtocol):
+class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     """uvicorn's httptools protocol, answering the lean routes itself (module notes)."""
 
     lean: LeanDispatcher  # set on the subclass ``direct_protocol`` makes
@@ -52,7 +53,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
     # error to answer instead of running it (a bad parameter, content type or size)
     _route: LeanRoute | None = None
     _args: list[Any]
-    _body: bytes
+    _body: bytes | bytearray  # the first chunk as given; a bytearray once a second one comes
     _error: HttpError | None
     _start: float
     # uvicorn's default headers (date, server) as bytes, for the list they were made from
@@ -120,6 +121,7 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             and not self.flow.write_paused
             and not self.root_path
             and not self.parser.should_upgrade()
+            and not self.over_connection_limit()  # uvicorn's path answers 503
         ):
             url = httptools.parse_url(self.url)
             raw_path = url.path
@@ -133,6 +135,8 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
             scope["query_string"] = url.query or b""
             found = self.lean.route_for(scope)
             if found is not None:
+                self._in_head = False  # what LimitedHttpToolsProtocol.on_headers_complete does
+                self._reading_since = self.loop.time()
                 self._start = perf_counter()
                 route, values = found
                 self._route, self._body, self._error = route, b"", None
@@ -150,8 +154,14 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
         if self._route is None:
             super().on_body(body)
         elif self._error is None:
-            self._body += body
-            if len(self._body) > self.lean.max_body:
+            buf = self._body
+            if not buf:
+                buf = self._body = body  # the usual body: one chunk, kept without a copy
+            else:  # appending to bytes would copy the whole body per chunk
+                if type(buf) is bytes:
+                    buf = self._body = bytearray(buf)
+                buf += body
+            if len(buf) > self.lean.max_body:
                 self._error, self._body = HttpError(413, TOO_LARGE), b""
 
     def on_message_complete(self) -> None:
@@ -159,8 +169,12 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
         if route is None:
             super().on_message_complete()
             return
+        self._reading_since = None  # what LimitedHttpToolsProtocol.on_message_complete does
+        self._in_head, self._received = True, False
         self._route = None
         body, self._body = self._body, b""
+        if type(body) is bytearray:
+            body = bytes(body)
         if self._error is not None:
             result = error_result(self._error)
         else:
@@ -230,6 +244,11 @@ class DirectHttpToolsProtocol(HttpToolsProtocol):
                 self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_check)
 
 
-def direct_protocol(lean: LeanDispatcher) -> type[HttpToolsProtocol]:
+def direct_protocol(
+    lean: LeanDispatcher, limits: ConnectionLimits | None = None
+) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn (``http=``) for ``lean``'s routes."""
-    return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), {"lean": lean})
+    attrs: dict[str, Any] = {"lean": lean}
+    if limits is not None:
+        attrs["limits"] = limits
+    return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), attrs)

@@ -63,6 +63,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     ),
     svc.TooManyHashes: (422, _text),
     svc.NotReady: (503, _text),
+    svc.TooManyTrackers: (503, _text),
     svc.WritesRefused: (503, _text),
     svc.NotAcknowledged: (503, _text),
     core.PrefillTokensOverflow: (

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from app.core.types import U32_MAX, U64_MAX
+from app.replication import port
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
@@ -346,6 +347,6 @@ class ReadyBody(BaseModel):
     reason: str | None = None
 
 
-class ReplicationStatus(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    mode: str
+# ``GET /replication``: the replication port's own dataclass is the answer's schema, so the
+# document lists every field the service answers (and no field it does not).
+ReplicationStatus = port.ReplicationStatus

@@ -34,6 +34,7 @@ VIEWS = ("/metrics", "/replication")
 SIBLING_TIMEOUT_S = 2.0
 SUMMED = ("outbox_depth", "outbox_capacity", "published", "applied", "duplicates", "dropped",
           "gaps", "resets", "resent", "bootstraps", "snapshots_written")  # fmt: skip
+SUMMED_BY_KEY = ("records_rejected",)  # counters by reason
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
@@ -93,6 +94,13 @@ def merge_status(own: dict[str, Any], views: list[dict[str, Any]], missing: list
     merged = {k: v for k, v in own.items() if k not in ("worker", "pid")}
     for name in SUMMED:
         merged[name] = sum(v.get(name) or 0 for v in views)
+    for name in SUMMED_BY_KEY:
+        if name in merged:
+            totals: dict[str, int] = {}
+            for view in views:
+                for key, count in (view.get(name) or {}).items():
+                    totals[key] = totals.get(key, 0) + count
+            merged[name] = totals
     not_ready = [v for v in views if not v.get("ready")]
     merged["ready"] = not not_ready and not missing
     merged["not_ready_reason"] = (

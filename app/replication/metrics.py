@@ -29,7 +29,8 @@ class ReplicationCounters:
     gaps: int = 0  # times records were found missing (trimmed away or lost)
     resets: int = 0  # times the stream was found recreated or rolled back
     resent: int = 0  # records appended again after Redis lost them
-    malformed: int = 0  # stream entries that were not records
+    malformed: int = 0  # stream entries that were not records (rejected as undecodable)
+    last_malformed_ns: int | None = None  # wall time of the newest
     own_skipped: int = 0  # our own records read back
     snapshots_written: int = 0
     bootstraps: int = 0
@@ -54,16 +55,26 @@ class _Collector(Collector):
         counters: ReplicationCounters,
         outbox_depth: Callable[[], int],
         connected: Callable[[], bool],
+        rejected: Callable[[], dict[str, int]],
     ) -> None:
         self.counters = counters
         self.outbox_depth = outbox_depth
         self.connected = connected
+        self.rejected = rejected
 
     def collect(self) -> Iterator:
         for name, doc in _COUNTERS:
             c = CounterMetricFamily(f"kv_slot_tracker_replication_{name}", doc)
             c.add_metric([], getattr(self.counters, name))
             yield c
+        rejected = CounterMetricFamily(
+            "kv_slot_tracker_replication_records_rejected",
+            "Replica records of other instances rejected (skipped), by reason",
+            labels=["reason"],
+        )
+        for reason, count in self.rejected().items():
+            rejected.add_metric([reason], count)
+        yield rejected
         depth = GaugeMetricFamily(
             "kv_slot_tracker_replication_outbox_depth", "Replica records waiting to be published"
         )
@@ -105,6 +116,7 @@ def register_collector(
     counters: ReplicationCounters,
     outbox_depth: Callable[[], int],
     connected: Callable[[], bool],
+    rejected: Callable[[], dict[str, int]],
 ) -> None:
     """The counters and gauges, read at scrape time (and once now: the registry describes it)."""
-    registry.register(_Collector(counters, outbox_depth, connected))
+    registry.register(_Collector(counters, outbox_depth, connected, rejected))

@@ -4,13 +4,15 @@ Wiring is one-phase: the composition root builds the replication from settings f
 the instance id), then the service with ``instance_id=replication.instance_id`` and, unless the
 mode is embedded, ``replicator=replication``; ``start(service)`` then hands it the service as
 its ``ReplicaTarget``. The service only ever calls ``publish``; replication only ever calls the
-three ``ReplicaTarget`` methods.
+``ReplicaTarget`` methods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
+
+from pydantic import ConfigDict
 
 
 class ReplicaTarget(Protocol):
@@ -22,6 +24,11 @@ class ReplicaTarget(Protocol):
 
     def export_state(self) -> list[dict[str, Any]]:
         """Every tracker's state, for a snapshot."""
+        ...
+
+    def rejections(self) -> tuple[dict[str, int], int | None]:
+        """Peers' records refused by ``apply_remote`` so far, by reason, and the wall-clock
+        time (ns) of the newest refusal (None: none yet)."""
         ...
 
     def export_early(self) -> list[list[Any]]:
@@ -99,9 +106,13 @@ class ReplicationStatus:
     """``GET /replication``: the fields in the order they are answered. The defaults are what
     embedded mode answers (a single instance: nothing to connect to, publish or apply)."""
 
+    # the HTTP edge documents this class as the answer's schema: every field is always answered
+    __pydantic_config__ = ConfigDict(json_schema_serialization_defaults_required=True)
+
     mode: str
     instance_id: int
     namespace: str | None = None
+    redis: str | None = None  # where Redis is (password masked)
     ready: bool = True
     not_ready_reason: str | None = None
     connected: bool | None = None
@@ -114,6 +125,7 @@ class ReplicationStatus:
     applied: int = 0
     duplicates: int = 0
     dropped: int = 0
+    records_rejected: dict[str, int] = field(default_factory=dict)  # peers' records, by reason
     gaps: int = 0
     resets: int = 0
     resent: int = 0

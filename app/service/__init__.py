@@ -6,8 +6,9 @@ instances and applies theirs; ``errors`` holds the service's own domain errors. 
 knows HTTP: the edge (``app.http``) maps every error class to a status.
 """
 
+from app.core.limits import MAX_DP_SIZE, MAX_RANKS_PER_TRACKER
 from app.service.commands import DEFAULT_ROUTING_GROUP, Key
-from app.service.service import MAX_DP_SIZE, MAX_RANKS_PER_TRACKER, SlotTrackerService
+from app.service.service import SlotTrackerService
 
 __all__ = [
     "DEFAULT_ROUTING_GROUP",

@@ -39,6 +39,14 @@ class BlockSizeMismatch(ServiceError):
         )
 
 
+class TooManyTrackers(ServiceError):
+    def __init__(self, key: Key, limit: int) -> None:
+        super().__init__(
+            f"cannot create a tracker for model={key[0]} routing_group={key[1]}: this instance "
+            f"already holds {limit} trackers (max_trackers); unregister unused ones first"
+        )
+
+
 class InvalidTopology(ServiceError):
     """A topology value the service refuses before the core sees it."""
 

@@ -1,7 +1,9 @@
 """The trackers of one process, keyed by ``(model_name, routing_group)``, with their counters.
 
 A tracker is created by the first topology change of its key and dropped when its last worker
-goes. Counters (added, freed, expired) outlive their tracker so that metrics stay monotonic.
+goes. Its counters (added, freed, expired) go with it: a client that registers and unregisters
+ever new names must not grow the process or the metrics (a counter that comes back starts from
+0 again, which Prometheus reads as a counter reset).
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.publisher import ReplicaWorkerPolicy, SequencePublisher
 from app.core.tracker import ActiveSequencesMultiWorker
 from app.service.commands import Key
-from app.service.errors import NoTracker
+from app.service.errors import NoTracker, TooManyTrackers
 
 WORKER_TYPE = "standalone"
 
@@ -43,8 +46,20 @@ class TrackerRegistry:
         self.publisher_for = publisher_for
         self.trackers: dict[Key, ActiveSequencesMultiWorker] = {}
         self.counters: dict[Key, KeyCounters] = {}
+        self.max_trackers = DEFAULT_MAX_TRACKERS
 
-    def create(self, key: Key, block_size: int) -> ActiveSequencesMultiWorker:
+    def check_room(self, key: Key) -> None:
+        """``TooManyTrackers`` when ``key`` has no tracker and there is no room for one."""
+        if key not in self.trackers and len(self.trackers) >= self.max_trackers:
+            raise TooManyTrackers(key, self.max_trackers)
+
+    def create(
+        self, key: Key, block_size: int, *, capped: bool = True
+    ) -> ActiveSequencesMultiWorker:
+        """A new tracker for ``key``; ``capped``: refuse it beyond ``max_trackers`` (a
+        snapshot being restored is not: it holds what its writer accepted)."""
+        if capped:
+            self.check_room(key)
         tracker = ActiveSequencesMultiWorker(
             self.publisher_for(key),
             block_size,
@@ -58,7 +73,7 @@ class TrackerRegistry:
             replica_worker_policy=ReplicaWorkerPolicy.REQUIRE_REGISTERED,
         )
         self.trackers[key] = tracker
-        self.counters_of(key)
+        self.counters.setdefault(key, KeyCounters())
         return tracker
 
     def get(self, key: Key) -> ActiveSequencesMultiWorker:
@@ -74,11 +89,15 @@ class TrackerRegistry:
         t = self.trackers.get(key)
         if t is not None and not t.has_registered_workers():
             del self.trackers[key]
+            self.counters.pop(key, None)
 
     def counters_of(self, key: Key) -> KeyCounters:
+        """The counters of a live tracker (of none: a throwaway, counting nothing)."""
         c = self.counters.get(key)
         if c is None:
-            c = self.counters[key] = KeyCounters()
+            c = KeyCounters()
+            if key in self.trackers:
+                self.counters[key] = c
         return c
 
     def matching(self, model_name: str | None, routing_group: str | None) -> list[Key]:
@@ -95,4 +114,10 @@ class TrackerRegistry:
         return sorted(keys)
 
     def replace_all(self, trackers: dict[Key, ActiveSequencesMultiWorker]) -> None:
+        """Replace the trackers; the counters of keys still present are kept (``prune``)."""
         self.trackers = trackers
+
+    def prune_counters(self) -> None:
+        """Forget the counters of keys without a tracker (after ``replace_all``)."""
+        trackers = self.trackers
+        self.counters = {k: c for k, c in self.counters.items() if k in trackers}

@@ -7,9 +7,11 @@ to the ``Replicator`` (``app.replication``), which must never block.
 In: ``apply_remote`` applies other instances' records in order. Lifecycle events keep the
 producer's time: a replicated request ages from its producer's add time and its prefill decays
 from the producer's instant. Effects (loads, wake-ups) are flushed once per tracker for the
-whole batch. A record that cannot be applied (malformed, or refused by the core, e.g. a
-topology that conflicts with the local one) is counted, logged and skipped: the records behind
-it in the batch are still applied.
+whole batch. Every record is first checked with the rules of the call that would have produced
+it (``app.service.record_check``: the stream is input like an HTTP body). A record that fails,
+or that the state here refuses (e.g. a topology that conflicts with the local one), is
+*rejected*: counted by reason (``rejected``), logged at most once a minute per reason, and
+skipped; the records behind it in the batch are still applied.
 
 The same request id added on two instances at once: the first add in stream order wins on
 every instance. An instance that holds a copy ignores a peer's add of the id, except when its
@@ -45,20 +47,24 @@ from app.core.events import (
     ActiveSequenceEvent,
     AddRequest,
     Free,
-    event_from_wire,
     event_to_wire,
 )
 from app.core.publisher import ReplicaEffects, SequencePublisher
 from app.core.snapshot import wall_mapping
-from app.core.types import WorkerDpRange, WorkerWithDpRank
+from app.core.types import NS_PER_S, WorkerDpRange, WorkerWithDpRank
 from app.service import early as e
+from app.service import record_check as rc
 from app.service.commands import Key
+from app.service.errors import ServiceError
+from app.service.topology_rules import check_range, check_reconcile, check_upsert
 
 if TYPE_CHECKING:
     from app.core.tracker import ActiveSequencesMultiWorker as Tracker
     from app.service.registry import TrackerRegistry
 
 log = logging.getLogger(__name__)
+
+REJECTION_LOG_INTERVAL_NS = 60 * NS_PER_S  # at most one log line per reason in this time
 
 
 class Replicator(Protocol):
@@ -106,7 +112,11 @@ class Replica:
         self.wall_clock = wall_clock
         self.replicator = replicator
         self.applied = 0
-        self.dropped = 0  # records of peers that could not be applied
+        self.rejected: dict[str, int] = dict.fromkeys(rc.REASONS, 0)  # peers' records, by reason
+        self.last_rejected_ns: int | None = None  # wall time of the newest rejection
+        self._logged_at: dict[str, int] = {}  # reason -> wall time of its last log line
+        self._unlogged: dict[str, int] = {}  # reason -> rejections since its last log line
+        self.max_hashes = 1_048_576  # prompt blocks per record (the service sets its limit)
         self._registry: TrackerRegistry | None = None
         self.early: e.EarlyCalls | None = None  # replicated mode (``use_early_calls``)
         self.duplicate_adds = 0  # adds of an id already active here, resolved by stream order
@@ -229,9 +239,8 @@ class Replica:
                 continue
             try:
                 changed = self._apply_one(rec, effects)
-            except (TrackerError, KeyError, TypeError, ValueError) as e:
-                self.dropped += 1
-                log.warning("dropping a replica record that cannot be applied: %r", e)
+            except Exception as err:  # noqa: BLE001 - no record may stop the ones behind it
+                self.reject(_reason(rec, err), err)
                 continue
             if changed:
                 applied += 1
@@ -252,21 +261,21 @@ class Replica:
             if self.selection is None:
                 return False
             return self.selection.apply_peer(rec["selection"], self.producer_instant(rec["ts"]))
+        kind = rc.check_envelope(rec)
         key = (rec["model_name"], rec["routing_group"])
         block_size = rec["block_size"]
-        if "topology" in rec:
+        if kind == "topology":
             return self._apply_topology(key, block_size, rec["topology"])
-        if "early" in rec:
+        if kind == "early":
             return self._apply_early(key, rec["early"], rec["ts"], effects)
+        event = rc.check_event(rec["event"], self.max_hashes)
         registry = self.registry
         t = registry.find(key)
         if t is None or t.block_size != block_size:
-            self.dropped += 1
             log.debug(
-                "dropping replica event for %s: no tracker with block size %s", key, block_size
+                "ignoring replica event for %s: no tracker with block size %s", key, block_size
             )
             return False
-        event = event_from_wire(rec["event"])
         instant = self.producer_instant(rec["ts"])
         eff = effects.get(key)
         if eff is None:
@@ -323,9 +332,8 @@ class Replica:
             try:  # applied as a peer's record would be, in its place in the stream
                 if self._apply_one(as_peer(record), effects):
                     self.applied += 1
-            except (TrackerError, KeyError, TypeError, ValueError) as err:
-                self.dropped += 1
-                log.warning("dropping a replica record that cannot be applied: %r", err)
+            except Exception as err:  # noqa: BLE001 - as in apply_remote
+                self.reject(_reason(record, err), err)
 
     # -- early lifecycle calls ---------------------------------------------------------------
 
@@ -335,9 +343,7 @@ class Replica:
         """A peer's tombstone or pending mark: applied at once to a copy of the request that
         started before it, else kept for the add (a tombstone is kept in any case, for a
         duplicate add still on its way)."""
-        kind, rid = op["op"], op["request_id"]
-        if kind not in e.OPS or not isinstance(rid, str) or type(ts) is not int:
-            raise ValueError(f"malformed early call {op!r}")
+        kind, rid = rc.check_early(op)
         early = self.early
         if early is None:
             return False
@@ -370,21 +376,26 @@ class Replica:
         if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
             self.early.counters.marks_applied += 1  # type: ignore[union-attr]
 
-    def _apply_topology(self, key: Key, block_size: int, op: dict[str, Any]) -> bool:
-        kind = op["op"]
+    def _apply_topology(self, key: Key, block_size: int, op: Any) -> bool:
+        """A peer's topology change, after the checks its HTTP call passed on the peer."""
+        kind, arg = rc.check_topology(op)
+        try:
+            if kind == "upsert":
+                check_range(block_size, arg[1], arg[2])
+            elif kind == "reconcile":
+                check_reconcile(key, block_size, arg)
+        except (ServiceError, TrackerError) as err:
+            raise rc.RejectedRecord(rc.TOPOLOGY, str(err)) from None
         registry = self.registry
         t = registry.find(key)
         if t is not None and t.block_size != block_size:
-            log.warning(
-                "replica topology for %s has block size %s, local %s; dropped",
-                key,
-                block_size,
-                t.block_size,
+            raise rc.RejectedRecord(
+                rc.CONFLICT,
+                f"replica topology for {key} has block size {block_size}, local {t.block_size}",
             )
-            self.dropped += 1
-            return False
         if kind == "upsert":
-            r = WorkerDpRange(op["worker_id"], op["dp_start"], op["dp_size"])
+            check_upsert(key, t, arg[0], arg[2])  # the tracker's rank cap: a conflict here
+            r = WorkerDpRange(*arg)
             if t is None:
                 t = registry.create(key, block_size)
             try:
@@ -393,13 +404,13 @@ class Replica:
                 registry.drop_if_empty(key)  # a refused first range leaves no empty tracker
             return True
         if kind == "unregister":
-            if t is None or not t.has_worker(op["worker_id"]):
+            if t is None or not t.has_worker(arg):
                 return False
-            t.unregister_worker(op["worker_id"])
+            t.unregister_worker(arg)
             registry.drop_if_empty(key)
             return True
         if kind == "reconcile":
-            ranges = [WorkerDpRange(*w) for w in op["workers"]]
+            ranges = [WorkerDpRange(*w) for w in arg]
             if t is None:
                 if not ranges:
                     return False
@@ -409,7 +420,32 @@ class Replica:
             finally:
                 registry.drop_if_empty(key)
             return True
-        raise ValueError(f"unknown topology op {kind!r}")
+        raise AssertionError(kind)  # check_topology knows no other kind
+
+    # -- rejected records ---------------------------------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        """Peers' records rejected, all reasons together."""
+        return sum(self.rejected.values())
+
+    def reject(self, reason: str, err: BaseException) -> None:
+        """Count a peer's record that is skipped; log it unless the reason was logged lately
+        (then the next line says how many went unlogged)."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        now = self.last_rejected_ns = self.wall_clock()
+        last = self._logged_at.get(reason)
+        if last is not None and now - last < REJECTION_LOG_INTERVAL_NS:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+            return
+        self._logged_at[reason] = now
+        more = self._unlogged.pop(reason, 0)
+        log.warning(
+            "rejected a replica record (%s): %s%s",
+            reason,
+            str(err)[:300] or type(err).__name__,
+            f" ({more} more since the last line for this reason)" if more else "",
+        )
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -451,8 +487,10 @@ class Replica:
         try:
             for entry in trackers:
                 key = (entry["model_name"], entry["routing_group"])
+                if type(key[0]) is not str or type(key[1]) is not str:
+                    raise ValueError(f"snapshot tracker key {key!r:.120} is not two strings")
                 data = entry["tracker"]
-                registry.create(key, data["block_size"]).restore(data, from_wall)
+                registry.create(key, data["block_size"], capped=False).restore(data, from_wall)
             if self.early is not None:
                 self.early.restore(early or [], self.wall_clock())
             if self.selection is not None:
@@ -460,9 +498,23 @@ class Replica:
         except Exception:
             registry.replace_all(previous)
             raise
+        registry.prune_counters()
         # own records not in the snapshot are applied like peers' when read back
         self._own_adds.clear()
         self._superseded.clear()
+
+
+def _reason(rec: dict[str, Any], err: BaseException) -> str:
+    """The rejection reason of ``err`` raised while applying ``rec``."""
+    if isinstance(err, rc.RejectedRecord):
+        return err.reason
+    if isinstance(err, (TrackerError, ServiceError)):
+        return rc.CONFLICT
+    if "selection" in rec:
+        return rc.SELECTION  # the selection wire decoder raises ValueError
+    if not isinstance(err, (KeyError, TypeError, ValueError)):
+        log.error("applying a replica record failed unexpectedly", exc_info=err)
+    return rc.ENVELOPE
 
 
 _ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id

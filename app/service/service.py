@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core.hashing import sequence_hashes_for_tokens
+from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
-from app.core.topology import validate_range
 from app.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
 from app.core.types import (
     NS_PER_MS,
@@ -25,32 +25,15 @@ from app.core.types import (
 from app.service import commands as c
 from app.service.errors import (
     BlockSizeMismatch,
-    InvalidTopology,
     TooManyHashes,
-    TooManyRanks,
     UnknownWorker,
     WorkerExists,
 )
 from app.service.registry import KeyCounters, TrackerRegistry
 from app.service.replica import Replica, Replicator
-
-# Most worker ranks one tracker may hold: every rank costs memory, so a single registration with
-# a huge ``dp_size`` (the anchor accepts up to 2^32 - 1) must not exhaust the process.
-MAX_RANKS_PER_TRACKER = 16_384
-
-# Most data-parallel ranks one worker may register (the reference's limit).
-MAX_DP_SIZE = 4096
+from app.service.topology_rules import check_capacity, check_range, check_reconcile, check_upsert
 
 Key = c.Key
-
-
-def check_range(block_size: int, dp_start: int, dp_size: int) -> None:
-    """The service's topology limits, then the core's range rule, in the reference's order."""
-    if block_size == 0:
-        raise InvalidTopology("block_size must be greater than 0")
-    if dp_size > MAX_DP_SIZE:
-        raise InvalidTopology(f"dp_size {dp_size} exceeds the maximum {MAX_DP_SIZE}")
-    validate_range(WorkerDpRange(0, dp_start, dp_size))
 
 
 class SlotTrackerService:
@@ -63,12 +46,14 @@ class SlotTrackerService:
         expiry_check_seconds: int = CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S,
         instance_id: int = 0,
         max_hashes_per_request: int = 1_048_576,
+        max_trackers: int = DEFAULT_MAX_TRACKERS,
         replicator: Replicator | None = None,
     ) -> None:
         self.clock = clock
         self.instance_id = instance_id
         self.max_hashes = max_hashes_per_request
         self.replica = Replica(instance_id, clock, wall_clock, replicator)
+        self.replica.max_hashes = max_hashes_per_request
         self.registry = TrackerRegistry(
             clock=clock,
             expiry_ns=expiry_seconds * NS_PER_S,
@@ -77,6 +62,7 @@ class SlotTrackerService:
             replicated=replicator is not None,
             publisher_for=self.replica.publisher_for,
         )
+        self.registry.max_trackers = max_trackers
         self.replica.bind(self.registry)
 
     # -- the registry ----------------------------------------------------------------------
@@ -93,7 +79,7 @@ class SlotTrackerService:
         return self.replica.replicator
 
     def counters(self) -> list[tuple[Key, KeyCounters]]:
-        """Added/freed/expired counts per key, sorted (kept after a tracker is dropped)."""
+        """Added/freed/expired counts per live tracker, sorted (they go with the tracker)."""
         return sorted(self.registry.counters.items())
 
     # -- topology --------------------------------------------------------------------------
@@ -104,18 +90,13 @@ class SlotTrackerService:
             raise BlockSizeMismatch(key, t.block_size, block_size)
         return t
 
-    @staticmethod
-    def _check_capacity(key: Key, ranks: int) -> None:
-        if ranks > MAX_RANKS_PER_TRACKER:
-            raise TooManyRanks(key, ranks, MAX_RANKS_PER_TRACKER)
-
     def register(self, cmd: c.Register) -> None:
         key = cmd.key
         check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
         t = self._tracker_for_topology(key, cmd.block_size)
         if t is not None and t.has_worker(cmd.worker_id):
             raise WorkerExists(key, cmd.worker_id)
-        self._check_capacity(key, (t.num_workers() if t is not None else 0) + cmd.dp_size)
+        check_capacity(key, (t.num_workers() if t is not None else 0) + cmd.dp_size)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
@@ -126,12 +107,10 @@ class SlotTrackerService:
         key = cmd.key
         check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
         t = self._tracker_for_topology(key, cmd.block_size)
-        old = t.worker_range(cmd.worker_id) if t is not None else None
-        kept = (t.num_workers() if t is not None else 0) - (old.dp_size if old is not None else 0)
-        self._check_capacity(key, kept + cmd.dp_size)
+        check_upsert(key, t, cmd.worker_id, cmd.dp_size)
+        created = t is None or not t.has_worker(cmd.worker_id)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
-        created = old is None
         change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
         if not change.is_empty() or created:
             self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
@@ -149,15 +128,7 @@ class SlotTrackerService:
     def reconcile(self, cmd: c.Reconcile) -> tuple[list[WorkerWithDpRank], list[WorkerWithDpRank]]:
         """Make the listed workers the whole topology of the key; returns (added, removed)."""
         key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
-        if block_size == 0:
-            raise InvalidTopology("block_size must be greater than 0")
-        seen: set[int] = set()
-        for wid, start, size in workers:
-            if wid in seen:
-                raise InvalidTopology(f"worker {wid} is listed more than once")
-            seen.add(wid)
-            check_range(block_size, start, size)
-        self._check_capacity(key, sum(size for _, _, size in workers))
+        check_reconcile(key, block_size, workers)
         t = self._tracker_for_topology(key, block_size)
         if t is None:
             if not workers:
@@ -367,6 +338,9 @@ class SlotTrackerService:
 
     def export_state(self) -> list[dict[str, Any]]:
         return self.replica.export_state()
+
+    def rejections(self) -> tuple[dict[str, int], int | None]:
+        return dict(self.replica.rejected), self.replica.last_rejected_ns
 
     def export_early(self) -> list[list[Any]]:
         return self.replica.export_early()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from app.http.connection import LimitedHttpToolsProtocol
 from app.http.direct import DirectHttpToolsProtocol, direct_protocol
 from app.http.lean import LeanRoute
 from app.main import create_app
@@ -430,7 +431,7 @@ def test_the_command_line_picks_the_protocol(http_direct: bool, monkeypatch) -> 
     monkeypatch.setenv("SLOT_TRACKER_REDIS_URL", "")
     monkeypatch.setenv("SLOT_TRACKER_HTTP_DIRECT", str(http_direct).lower())
     assert cli.main(["--port", "0"]) == 0
-    if http_direct:
-        assert issubclass(chosen["http"], DirectHttpToolsProtocol)
-    else:
-        assert chosen["http"] == "httptools"
+    assert issubclass(chosen["http"], LimitedHttpToolsProtocol)  # both paths have the limits
+    assert issubclass(chosen["http"], DirectHttpToolsProtocol) is http_direct
+    assert chosen["limit_concurrency"] == 4096
+    assert chosen["timeout_keep_alive"] == 5

@@ -193,7 +193,30 @@ async def test_series_of_removed_ranks_disappear(post: PostJson, client: httpx.A
     for name in RANK_GAUGES:
         assert m.series(name) == []
     assert m.value("kv_slot_tracker_trackers") == 0
-    assert m.counters("m") == (1, 0, 0)  # counters never go back
+    assert m.counters("m") == (None, None, None)  # the key's counters went with its tracker
+    for name in COUNTERS:
+        assert m.series(f"{name}_total") == []
+
+    await ok(post, "/register", reg(1), 201)  # back: counted from 0 (a counter reset)
+    m = await scrape(client)
+    assert m.counters("m") == (0, 0, 0)
+
+
+async def test_names_that_come_and_go_leave_no_series_behind(
+    post: PostJson, client: httpx.AsyncClient
+) -> None:
+    sizes = []
+    for i in range(60):
+        if i in (10, 59):
+            sizes.append(len((await client.get("/metrics")).content))
+        name = f"model-{i}-" + "x" * 1000
+        body = {"worker_id": 1, "model_name": name, "block_size": 4, "dp_start": 0, "dp_size": 1}
+        await ok(post, "/register", body, 201)
+        await ok(post, "/add", add("r", sequence_hashes=[1]) | {"model_name": name}, 201)
+        await ok(post, "/unregister", {"worker_id": 1, "model_name": name})
+    text = (await client.get("/metrics")).text
+    assert "model-" not in text
+    assert sizes[1] - sizes[0] < 300, sizes  # only the counts' digits grew, no series
 
 
 async def test_http_metrics_from_the_instrumentator(

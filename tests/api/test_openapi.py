@@ -87,7 +87,7 @@ def test_openapi_yaml_equals_the_apps_document() -> None:
 def test_export_is_stable_across_builds_and_sorted() -> None:
     first, second = render(), render()
     assert first == second
-    top = [line.split(":")[0] for line in first.splitlines() if line and not line[0].isspace()]
+    top = [line.split(":")[0] for line in first.splitlines() if line and line[0] not in " -"]
     assert top == sorted(top)
 
 
@@ -363,3 +363,87 @@ def test_every_success_status_is_documented(document: dict[str, Any]) -> None:
     for path, op in body_operations(document):
         documented = {code for code in op["responses"] if code.startswith("2")}
         assert documented == SUCCESS_CODES[path], path
+
+
+def test_operations_are_grouped_named_and_described(document: dict[str, Any]) -> None:
+    """Generated clients get short stable method names; /docs groups the operations by tag."""
+    tags = [t["name"] for t in document["tags"]]
+    assert tags == ["topology", "lifecycle", "loads", "selection", "operations"]
+    ids = []
+    for path, method, op in operations(document):
+        assert len(op["tags"]) == 1 and op["tags"][0] in tags, (method, path)
+        assert (op["tags"][0] == "selection") == path.startswith("/selection/"), (method, path)
+        assert len(op.get("description", "")) > 40, f"{method} {path} has no description"
+        ids.append(op["operationId"])
+    assert len(set(ids)) == len(ids) == 34
+    assert all(i.replace("_", "").isalnum() and i.islower() and len(i) <= 40 for i in ids), ids
+    paths = document["paths"]
+    assert paths["/add"]["post"]["operationId"] == "add"
+    assert paths["/metrics"]["get"]["operationId"] == "metrics"
+    assert (
+        paths["/selection/reservations/{selection_id}/prefill_complete"]["post"]["operationId"]
+        == "selection_reservation_prefill_complete"
+    )
+
+
+async def test_error_examples_are_real_answers(document: dict[str, Any], make_client) -> None:
+    """Each documented error example is the text the service answers for that status."""
+    examples = {}
+    for _, _, op in operations(document):
+        for status, response in op["responses"].items():
+            body = response.get("content", {}).get("application/json", {})
+            if status.startswith(("4", "5")) and body["schema"]["$ref"].endswith("/ErrorBody"):
+                example = body.get("example")
+                assert example is not None and set(example) == {"error"}, (status, op["summary"])
+                examples.setdefault(int(status), example["error"])
+    async with make_client(api_key="k") as (_, c):
+        auth = {"authorization": "Bearer k"}
+        assert (await c.get("/loads")).json()["error"] == examples[401]
+        bad = await c.post(
+            "/add",
+            content=b'{"model_name": "m"',
+            headers={**auth, "content-type": "application/json"},
+        )
+        assert bad.status_code == 400 and bad.json()["error"] == examples[400]
+        reg = {"model_name": "m", "worker_id": 1, "block_size": 4, "dp_start": 0, "dp_size": 1}
+        assert (await c.post("/register", json=reg, headers=auth)).status_code == 201
+        add = {"model_name": "m", "request_id": "r-1", "worker_id": 1, "dp_rank": 0}
+        add["sequence_hashes"] = []
+        assert (await c.post("/add", json=add, headers=auth)).status_code == 201
+        again = await c.post("/add", json=add, headers=auth)
+        assert (again.status_code, again.json()["error"]) == (409, examples[409])
+        done = {"model_name": "m", "request_id": "r-1"}
+        assert (await c.post("/free", json=done, headers=auth)).status_code == 200
+        gone = await c.post("/prefill_complete", json=done, headers=auth)
+        assert (gone.status_code, gone.json()["error"]) == (404, examples[404])
+        shape = await c.post("/free", json={"model_name": "m"}, headers=auth)
+        assert (shape.status_code, shape.json()["error"]) == (422, examples[422])
+        text = await c.post("/free", content=b"{}", headers={**auth, "content-type": "text/plain"})
+        assert (text.status_code, text.json()["error"]) == (415, examples[415])
+
+
+async def test_the_replication_status_schema_is_the_answer(
+    document: dict[str, Any], make_client, redis_url: str, redis_namespace: str
+) -> None:
+    """``GET /replication`` answers exactly the documented fields, embedded and replicated."""
+    schema = document["components"]["schemas"]["ReplicationStatus"]
+    assert set(schema["required"]) == set(schema["properties"])
+    assert len(schema["properties"]) >= 20
+    types = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
+    types |= {"object": dict, "array": list, "null": type(None)}
+
+    def check(answer: dict[str, Any]) -> None:
+        assert set(answer) == set(schema["properties"])
+        for name, value in answer.items():
+            prop = schema["properties"][name]
+            allowed = [p["type"] for p in prop.get("anyOf", [prop])]
+            assert isinstance(value, tuple(types[t] for t in allowed)), (name, value, allowed)
+
+    async with make_client() as (_, c):
+        embedded = (await c.get("/replication")).json()
+        check(embedded)
+        assert embedded["mode"] == "embedded"
+    async with make_client(redis_url=redis_url, namespace=redis_namespace) as (_, c):
+        replicated = (await c.get("/replication")).json()
+        check(replicated)
+        assert replicated["mode"] == "redis" and replicated["connected"] is True

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from selenium.webdriver.support.select import Select
 
 from tests.servers import live_server
 
@@ -120,6 +121,8 @@ return [...node.querySelectorAll(".row.rank")].map((row) => ({
       text: cell.querySelector(".num").textContent,
       pct: parseFloat(bar.style.width) || 0,
       px: bar.getBoundingClientRect().width,
+      trackPx: bar.parentElement.getBoundingClientRect().width,
+      transition: getComputedStyle(bar).transitionDuration,
     }];
   })),
 }));
@@ -161,6 +164,24 @@ def metric(driver: Any, key: tuple[str, str], worker: int, dp: int, name: str) -
     return read_group(driver, key)[(str(worker), dp)]["metrics"][name]
 
 
+def bars_match_numbers(driver: Any, key: tuple[str, str]) -> None:
+    """Every bar of the group is as wide as its value of the group's maximum, right now.
+
+    Read in one go right after a refresh: a bar that still moved towards its value (a width
+    transition) would be off here.
+    """
+    rows = read_group(driver, key) or {}
+    for rank, row in rows.items():
+        values = {name: int(m["text"].replace(",", "")) for name, m in row["metrics"].items()}
+        for name, m in row["metrics"].items():
+            assert m["transition"] == "0s", (rank, name, m["transition"])
+            top = max(int(r["metrics"][name]["text"].replace(",", "")) for r in rows.values())
+            want = m["trackPx"] * values[name] / top if top else 0
+            if values[name] > 0 and want < 3:
+                want = 3  # the smallest visible bar
+            assert abs(m["px"] - want) <= 1, (rank, name, m["px"], want)
+
+
 def shows(driver: Any, worker: int, dp: int, *, blocks: int, prefill: int, requests: int) -> bool:
     m = read_group(driver, LLAMA)[(str(worker), dp)]["metrics"]
     return (
@@ -168,6 +189,104 @@ def shows(driver: Any, worker: int, dp: int, *, blocks: int, prefill: int, reque
         and m["active_prefill_tokens"]["text"] == f"{prefill:,}"
         and m["active_requests"]["text"] == f"{requests:,}"
     )
+
+
+def column(driver: Any, key: tuple[str, str], name: str) -> list[int]:
+    """The numbers shown for one metric, in the order of the rows."""
+    rows = read_group(driver, key) or {}
+    return [int(r["metrics"][name]["text"].replace(",", "")) for r in rows.values()]
+
+
+def control_state(driver: Any) -> dict[str, Any]:
+    """The sort and idle controls, and the address's query."""
+    return driver.execute_script(
+        """return {sort: document.getElementById("sort").value,
+                   hideIdle: document.getElementById("hide-idle").checked,
+                   query: location.search};"""
+    )
+
+
+def idle_note(driver: Any, key: tuple[str, str]) -> list[str]:
+    """A group header's note on hidden idle ranks, and their count."""
+    return driver.execute_script(
+        """const [model, group] = arguments;
+        const node = [...document.querySelectorAll("section.group")].find(
+          (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+        return [node.querySelector(".idle-note").textContent, node.dataset.hiddenIdle];""",
+        *key,
+    )
+
+
+SEL_MAIN = {"model_name": "qwen-2.5-7b", "routing_group": "default"}
+SEL_CANARY = {"model_name": "qwen-2.5-7b", "routing_group": "canary"}
+MAIN_KEY, CANARY_KEY = "qwen-2.5-7b/default", "qwen-2.5-7b/canary"
+SEL_BOOKED = 3  # reservations the selection test leaves booked (they show in the screenshot)
+
+READ_SELECTION = """
+const texts = arguments[0];
+return [...document.querySelectorAll("#sel-rows > tr")].map((row) => {
+  const pill = (lc) => row.querySelector(`.pill[data-lifecycle="${lc}"]`);
+  const cell = (f) => row.querySelector(`td[data-field="${f}"]`);
+  const out = {
+    key: row.dataset.model + "/" + row.dataset.routingGroup,
+    schedulable: Number(pill("schedulable").dataset.count),
+    incomplete: Number(pill("incomplete").dataset.count),
+    unschedulable: Number(pill("unschedulable").dataset.count),
+    reservations: Number(cell("reservations").dataset.value),
+    pending: Number(cell("pending").dataset.value),
+    pending_tokens: Number(cell("pending").querySelector(".sub").dataset.value),
+    prefill: Number(cell("prefill").dataset.value),
+    decode: Number(cell("decode").dataset.value),
+  };
+  if (texts) {
+    out.texts = [pill("schedulable"), pill("incomplete"), pill("unschedulable"),
+                 cell("reservations"), cell("prefill"), cell("decode")].map((n) => n.textContent);
+    out.incompleteTitle = pill("incomplete").title;
+  }
+  return out;
+});
+"""
+
+
+def read_selection(driver: Any, *, texts: bool = False) -> dict[str, dict[str, Any]]:
+    """The selection section's rows, by "model/group", as counts (and texts)."""
+    rows = driver.execute_script(READ_SELECTION, texts)
+    shown = {r.pop("key"): r for r in rows}
+    if texts:
+        for r in shown.values():  # the numbers as shown agree with the values read
+            assert r["texts"][3:] == [f"{r[f]:,}" for f in ("reservations", "prefill", "decode")]
+    return shown
+
+
+def selection_answers(client: httpx.Client, *, reservations: int) -> dict[str, dict[str, int]]:
+    """What the section should show, per partition, from the instance's own answers.
+
+    Waits until the instance holds ``reservations`` bookings in all (the writes replicate).
+    """
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        loads = client.get("/loads").json()
+        workers = client.get("/workers").json()
+        booked = sum(r["active_requests"] for p in loads for r in p["loads"])
+        if booked == reservations and len(workers) == 3:
+            break
+        assert time.monotonic() < deadline, (loads, workers)
+        time.sleep(0.1)
+    out: dict[str, dict[str, int]] = {}
+    for p in loads:
+        out[f"{p['model_name']}/{p['routing_group']}"] = {
+            "schedulable": 0,
+            "incomplete": 0,
+            "unschedulable": 0,
+            "reservations": sum(r["active_requests"] for r in p["loads"]),
+            "pending": p["pending_count"],
+            "pending_tokens": p["pending_isl_tokens"],
+            "prefill": sum(r["potential_prefill_tokens"] for r in p["loads"]),
+            "decode": sum(r["potential_decode_blocks"] for r in p["loads"]),
+        }
+    for w in workers:
+        out[f"{w['model_name']}/{w['routing_group']}"][w["lifecycle"]] += 1
+    return out
 
 
 def text_of(driver: Any, element_id: str) -> str:
@@ -193,6 +312,24 @@ return {
   peakText: svg.closest(".spark").querySelector(".peak").textContent,
 };
 """
+
+
+HISTORY_TEXT = "since the page opened, at most the last 5 minutes"
+
+
+def chart_span(driver: Any, key: tuple[str, str]) -> dict[str, Any]:
+    """What a group's charts say they cover, the footer's words, and the page's age in s."""
+    return driver.execute_script(
+        """
+        const [model, group] = arguments;
+        const node = [...document.querySelectorAll("section.group")].find(
+          (s) => s.dataset.model === model && s.dataset.routingGroup === group);
+        const span = node.querySelector(".row.history .span");
+        return {text: span.textContent, title: span.title, age: performance.now() / 1000,
+                footer: document.querySelector("footer").textContent.replace(/\\s+/g, " ")};
+        """,
+        *key,
+    )
 
 
 def history(driver: Any, key: tuple[str, str], name: str) -> dict[str, Any]:
@@ -239,7 +376,7 @@ def save_screenshot(driver: Any) -> None:
         {"width": 1280, "height": int(height), "deviceScaleFactor": 1, "mobile": False},
     )
     try:
-        time.sleep(0.7)  # let the bar transitions settle
+        time.sleep(0.7)  # a refresh at the new size
         if os.environ.get("SLOT_TRACKER_UPDATE_SCREENSHOT") == "1":
             path = SCREENSHOT
         else:
@@ -269,6 +406,78 @@ def test_dashboard_html_is_open_and_api_stays_protected(server: str) -> None:
     assert "/dashboard" not in doc["paths"]
 
 
+def test_selection_section(pair: tuple[str, str], server: str, browser: Any) -> None:
+    """The selection section follows ``/selection/workers`` and ``/selection/loads``."""
+    d = browser
+    d.get(f"{server}/dashboard?key={API_KEY}")
+    wait_for(
+        d,
+        "the page to load /loads",
+        lambda: d.find_element("tag name", "body").get_attribute("data-state") == "live",
+    )
+    assert "key=" not in d.current_url, "the key must be removed from the address bar"
+    # Nothing registered yet: the empty-state message, and no selection section.
+    wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
+    assert "No worker ranks registered yet" in text_of(d, "empty")
+    assert not visible(d, "selection")
+
+    with (
+        httpx.Client(base_url=f"{pair[0]}/selection", headers=KEYED) as writer,
+        httpx.Client(base_url=f"{server}/selection", headers=KEYED) as reader,
+    ):
+
+        def call(method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+            resp = writer.request(method, path, json=body)
+            assert resp.status_code in (200, 201), (method, path, resp.status_code, resp.text)
+            return resp.json()
+
+        # Schedulable in either routing mode: an endpoint and a KV events endpoint.
+        reachable = {"endpoint": "http://10.0.0.71:8000", "kv_events_endpoint": "tcp://127.0.0.1:9"}
+        call("POST", "/workers", {**SEL_MAIN, "worker_id": 71, **reachable, "block_size": 16,
+                                  "data_parallel_size": 2})  # fmt: skip
+        incomplete = call("POST", "/workers", {**SEL_MAIN, "worker_id": 72, "block_size": 16})
+        assert incomplete["lifecycle"] == "incomplete"
+        assert incomplete["not_schedulable_reasons"] == ["endpoint is required"]
+        call("POST", "/workers", {**SEL_CANARY, "worker_id": 73, **reachable, "block_size": 16})
+        for sid, n, where in [("s1", 40, SEL_MAIN), ("s2", 64, SEL_MAIN), ("s3", 24, SEL_MAIN),
+                              ("s4", 33, SEL_CANARY)]:  # fmt: skip
+            body = {"model_name": where["model_name"], "routing_group": where["routing_group"],
+                    "selection_id": sid, "token_ids": list(range(n * 10, n * 11))}  # fmt: skip
+            assert call("POST", "/select_and_reserve", body)["selection_id"] == sid
+
+        expected = selection_answers(reader, reservations=4)
+        assert expected[MAIN_KEY]["schedulable"] == 1 and expected[MAIN_KEY]["incomplete"] == 1
+        assert expected[MAIN_KEY]["reservations"] == 3 and expected[CANARY_KEY]["reservations"] == 1
+        assert expected[MAIN_KEY]["prefill"] == 40 + 64 + 24
+        wait_for(d, "the selection section", lambda: read_selection(d) == expected)
+        assert visible(d, "selection")
+        rows = read_selection(d, texts=True)
+        assert rows[MAIN_KEY]["texts"][:4] == [
+            "1 schedulable",
+            "1 incomplete",
+            "0 unschedulable",
+            "3",
+        ]
+        assert rows[MAIN_KEY]["incompleteTitle"] == "worker 72: endpoint is required"
+        assert rows[CANARY_KEY]["texts"][:4] == [
+            "1 schedulable",
+            "0 incomplete",
+            "0 unschedulable",
+            "1",
+        ]
+        assert list(rows) == [CANARY_KEY, MAIN_KEY]  # sorted by model, then group
+        assert "2 partitions · 3 workers" in text_of(d, "sel-facts")
+
+        # A reservation freed: its partition's counts follow.
+        call("DELETE", "/reservations/s2")
+        after = selection_answers(reader, reservations=3)
+        assert after[MAIN_KEY]["reservations"] == 2
+        assert after[MAIN_KEY]["prefill"] == expected[MAIN_KEY]["prefill"] - 64
+        assert after[CANARY_KEY] == expected[CANARY_KEY]
+        wait_for(d, "the freed reservation", lambda: read_selection(d) == after)
+        assert sum(p["reservations"] for p in after.values()) == SEL_BOOKED
+
+
 def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     d = browser
     d.get(f"{server}/dashboard?key={API_KEY}")
@@ -278,8 +487,6 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         lambda: d.find_element("tag name", "body").get_attribute("data-state") == "live",
     )
     assert "key=" not in d.current_url, "the key must be removed from the address bar"
-    wait_for(d, "the empty-state message", lambda: visible(d, "empty"))
-    assert "No worker ranks registered yet" in text_of(d, "empty")
     wait_for(d, "readiness in the header", lambda: text_of(d, "ready") == "ready")
     assert text_of(d, "mode").startswith("redis")
     wait_for(d, "the replication panel", lambda: panel(d)["visible"])
@@ -318,6 +525,13 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     idle = history(d, LLAMA, "active_requests")
     assert (idle["peak"], idle["last"], idle["shown"], idle["peakText"]) == (0, 0, "0", "peak 0")
     assert {y for _, y in idle["xy"]} == {chart_y(0, 0)}
+    # The charts say what they cover as the footer does: the time since the page opened.
+    span = chart_span(d, LLAMA)
+    assert HISTORY_TEXT in span["footer"], span
+    assert span["title"] == f"The charts cover the time {HISTORY_TEXT}.", span
+    shown = re.fullmatch(r"since the page opened \((\d+) s\)", span["text"])
+    assert shown, span
+    assert span["age"] - 5 <= int(shown[1]) <= span["age"] + 1, span  # a refresh may be late
 
     # One request on worker 1 / dp 0: its bars appear, at full scale.
     api(
@@ -332,6 +546,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         },
     )
     wait_for(d, "a1 on 1/0", lambda: shows(d, 1, 0, blocks=4, prefill=64, requests=1))
+    bars_match_numbers(d, LLAMA)  # at once, not after an animation
     wait_for(
         d,
         "1/0 blocks bar at full width",
@@ -381,6 +596,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
         },
     )
     wait_for(d, "b1+b2 on 2/0", lambda: shows(d, 2, 0, blocks=12, prefill=384, requests=2))
+    bars_match_numbers(d, LLAMA)
     wait_for(
         d,
         "2/0 bars grown to full width",
@@ -455,7 +671,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
             == ["2", "1"]
         ),
     )
-    assert text_of(d, "sum-requests") == "7"
+    assert text_of(d, "sum-requests") == str(7 + SEL_BOOKED)  # and the selection test's
     etas = d.execute_script(
         "return [...document.querySelectorAll("
         "'section.group[data-model=\"mistral-7b\"] .row.rank .eta')]"
@@ -495,6 +711,7 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     wait_for(d, "b1 freed", lambda: shows(d, 2, 0, blocks=8, prefill=128, requests=1))
     api("/free", {**llama, "request_id": "b2"})
     wait_for(d, "b2 freed", lambda: shows(d, 2, 0, blocks=0, prefill=0, requests=0))
+    bars_match_numbers(d, LLAMA)
     wait_for(
         d, "2/0 blocks bar empty", lambda: metric(d, LLAMA, 2, 0, "active_decode_blocks")["px"] == 0
     )
@@ -513,6 +730,57 @@ def test_bars_follow_the_load(server: str, api: Callable, browser: Any) -> None:
     assert h["xy"][-1] == (300.0, chart_y(2, 4)) == (300.0, 20.0)
     assert max(y for _, y in h["xy"]) == chart_y(0, 4)  # it started idle
     assert min(y for _, y in h["xy"]) == chart_y(4, 4)
+
+    # Sorting and hiding idle ranks, kept in the address. Worker 2 is idle now (all three 0).
+    assert control_state(d) == {"sort": "worker", "hideIdle": False, "query": ""}
+    Select(d.find_element("id", "sort")).select_by_value("blocks")
+    wait_for(d, "sorted by blocks", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0), ("2", 0)])
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 4, 0]  # the numbers shown, descending
+    assert control_state(d)["query"] == "?sort=blocks"
+    Select(d.find_element("id", "sort")).select_by_value("prefill")
+    wait_for(d, "sorted by prefill", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0), ("2", 0)])
+    assert column(d, LLAMA, "active_prefill_tokens") == [96, 0, 0]
+    d.find_element("id", "hide-idle").click()
+    wait_for(d, "idle ranks hidden", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    assert control_state(d)["query"] == "?sort=prefill&idle=hide"
+    assert idle_note(d, LLAMA) == ["1 idle rank hidden", "1"]
+    assert idle_note(d, MISTRAL) == ["", "0"]  # both mistral ranks are busy
+    assert len(read_group(d, MISTRAL)) == 2
+    # The choice survives a reload, also with a key in the address (which still goes away).
+    d.get(f"{server}/dashboard?sort=blocks&key={API_KEY}&idle=hide")
+    wait_for(d, "the reloaded page", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    assert control_state(d) == {
+        "sort": "blocks",
+        "hideIdle": True,
+        "query": "?sort=blocks&idle=hide",
+    }
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 4]
+    assert idle_note(d, LLAMA) == ["1 idle rank hidden", "1"]
+    # A request on the idle rank shows it again, sorted in by its blocks; freed, it hides again.
+    api(
+        "/add",
+        {
+            **llama,
+            "request_id": "d1",
+            "worker_id": 2,
+            "dp_rank": 0,
+            "sequence_hashes": [401, 402, 403, 404, 405],
+            "new_isl_tokens": 80,
+        },
+    )
+    wait_for(d, "2/0 back, between", lambda: rank_order(d, LLAMA) == [("1", 1), ("2", 0), ("1", 0)])
+    assert column(d, LLAMA, "active_decode_blocks") == [6, 5, 4]
+    assert idle_note(d, LLAMA) == ["", "0"]
+    bars_match_numbers(d, LLAMA)
+    api("/free", {**llama, "request_id": "d1"})
+    wait_for(d, "2/0 hidden again", lambda: rank_order(d, LLAMA) == [("1", 1), ("1", 0)])
+    d.find_element("id", "hide-idle").click()
+    Select(d.find_element("id", "sort")).select_by_value("worker")
+    wait_for(
+        d, "worker order again", lambda: rank_order(d, LLAMA) == [("1", 0), ("1", 1), ("2", 0)]
+    )
+    assert control_state(d)["query"] == ""
+    assert idle_note(d, LLAMA) == ["", "0"]
 
     # A worker that goes away takes its row with it.
     api("/unregister", {**llama, "worker_id": 2})
@@ -562,6 +830,7 @@ def test_page_asks_for_the_key(embedded: str, browser: Any) -> None:
     # embedded: the header says so, and there is no replication panel
     wait_for(d, "the mode with the key", lambda: "embedded" in text_of(d, "mode"))
     assert panel(d)["mode"] == "embedded" and not panel(d)["visible"]
+    assert not visible(d, "selection")  # no selection partition here
     assert not visible(d, "replication")
 
     d.find_element("id", "keyclear").click()

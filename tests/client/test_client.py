@@ -658,7 +658,7 @@ def test_probes_and_status(client: SlotTrackerClient, model: str) -> None:
     assert (readiness.status, readiness.reason) == ("ready", None)
     status = client.replication_status()
     assert status.mode == "embedded"
-    assert (status.model_extra or {})["ready"] is True
+    assert status.ready is True and status.connected is None and status.model_extra == {}
     client.register(1, model, 4)
     assert f'model_name="{model}"' in client.metrics()
     doc = client.openapi()
@@ -832,3 +832,17 @@ def test_example_runs(server: str, client: SlotTrackerClient) -> None:
     assert [(r.active_requests, r.active_decode_blocks) for r in client.loads("llama")] == [
         (0, 0)
     ] * 2
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8091", "localhost:8091", "ftp://h:1", "h"])
+def test_a_base_url_without_http_is_refused_at_construction(url: str) -> None:
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        SlotTrackerClient(url)
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        AsyncSlotTrackerClient(url)
+
+
+def test_http_and_https_base_urls_are_taken() -> None:
+    for url in ["http://127.0.0.1:8091", "https://tracker.example:443/prefix/", "HTTP://h"]:
+        with SlotTrackerClient(url) as c:
+            assert c.base_url.lower().startswith(url.split("://")[0].lower())

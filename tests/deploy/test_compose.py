@@ -35,6 +35,8 @@ from tests.servers import free_port, live_server
 
 APP_PORT = Settings.model_fields["port"].default  # what the image listens on (EXPOSE 8091)
 API_KEY_VAR = "SLOT_TRACKER_API_KEY"
+PASSWORD_VAR = "SLOT_TRACKER_REDIS_PASSWORD"
+SHELL_ENV = {API_KEY_VAR: "a-key-from-the-shell", PASSWORD_VAR: "a-password-from-the-shell"}
 
 
 def compose_schema() -> dict[str, Any]:
@@ -152,12 +154,12 @@ def test_three_instances_of_the_local_image_on_distinct_host_ports(
 def test_instances_share_redis_and_namespace_with_valid_settings(
     compose: dict[str, Any],
 ) -> None:
-    env = {API_KEY_VAR: "a-key-from-the-shell"}
     seen = set()
     for name, svc in tracker_services(compose).items():
-        variables = service_env(svc, env)
+        variables = service_env(svc, SHELL_ENV)
         settings = settings_from_env(variables)  # real setting names, accepted values
         assert settings.api_key.get_secret_value() == "a-key-from-the-shell", name
+        assert settings.redis_password.get_secret_value() == "a-password-from-the-shell", name
         assert settings.redis_url == "redis://redis:6379/0", name
         seen.add((settings.redis_url, settings.namespace, settings.instance_id))
     (shared,) = seen  # same Redis, same namespace; instance ids left random (0)
@@ -165,12 +167,23 @@ def test_instances_share_redis_and_namespace_with_valid_settings(
     assert "redis" in compose["services"]
 
 
-def test_api_key_must_come_from_the_environment(compose: dict[str, Any]) -> None:
+def test_api_key_and_redis_password_must_come_from_the_environment(
+    compose: dict[str, Any],
+) -> None:
     for name, svc in tracker_services(compose).items():
-        raw = str(svc["environment"][API_KEY_VAR])
-        assert re.fullmatch(r"\$\{SLOT_TRACKER_API_KEY:\?[^}]+\}", raw), (name, raw)
-        with pytest.raises(LookupError, match="SLOT_TRACKER_API_KEY"):
-            service_env(svc, {})
+        for var in (API_KEY_VAR, PASSWORD_VAR):
+            raw = str(svc["environment"][var])
+            assert re.fullmatch(r"\$\{" + var + r":\?[^}]+\}", raw), (name, raw)
+            with pytest.raises(LookupError, match=var):
+                service_env(svc, {k: v for k, v in SHELL_ENV.items() if k != var})
+
+
+def test_redis_requires_the_same_password(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    command = [interpolate(str(c), SHELL_ENV) for c in redis["command"]]
+    assert command[command.index("--requirepass") + 1] == SHELL_ENV[PASSWORD_VAR]
+    # the health check's redis-cli authenticates through REDISCLI_AUTH
+    assert service_env(redis, SHELL_ENV)["REDISCLI_AUTH"] == SHELL_ENV[PASSWORD_VAR]
 
 
 def test_instances_wait_for_a_healthy_redis(compose: dict[str, Any]) -> None:
@@ -247,7 +260,7 @@ def test_compose_cli_accepts_the_file() -> None:
     cli = compose_cli()
     if cli is None:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed")
-    env = {**os.environ, API_KEY_VAR: "k"}
+    env = {**os.environ, API_KEY_VAR: "k", PASSWORD_VAR: "p"}
     result = subprocess.run(
         [*cli, "-f", str(COMPOSE), "config", "-q"],
         cwd=ROOT,

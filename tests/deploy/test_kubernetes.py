@@ -248,9 +248,30 @@ def test_api_key_comes_from_the_documented_secret(container: dict[str, Any]) -> 
     name, key = secret_ref(container)
     (example,) = load_yaml_docs(SECRET_EXAMPLE)
     assert example["kind"] == "Secret" and example["metadata"]["name"] == name
-    assert list(example["stringData"]) == [key]
-    assert "REPLACE" in example["stringData"][key], "the example must not carry a usable key"
+    assert list(example["stringData"]) == [key, "redis-password"]
+    for value in example["stringData"].values():
+        assert "REPLACE" in value, "the example must not carry a usable secret"
     command = f"kubectl create secret generic {name} --from-literal={key}="
+    for doc in (README, KUSTOMIZATION, SECRET_EXAMPLE):
+        assert command in doc.read_text(), f"{doc.name} does not show `{command}...`"
+
+
+def env_secret(container: dict[str, Any], name: str) -> tuple[str, str]:
+    (entry,) = [e for e in container["env"] if e["name"] == name]
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert ref.get("optional") is not True, name
+    return ref["name"], ref["key"]
+
+
+def test_redis_requires_the_password_the_instances_have(container: dict[str, Any]) -> None:
+    ours = env_secret(container, f"{ENV_PREFIX}REDIS_PASSWORD")
+    assert ours == (secret_ref(container)[0], "redis-password")
+    (redis,) = [w for w in workloads() if w["kind"] == "StatefulSet"]
+    (server,) = redis["spec"]["template"]["spec"]["containers"]
+    assert env_secret(server, "REDISCLI_AUTH") == ours  # the probes' redis-cli uses it too
+    args = server["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDISCLI_AUTH)"
+    command = "--from-literal=redis-password="
     for doc in (README, KUSTOMIZATION, SECRET_EXAMPLE):
         assert command in doc.read_text(), f"{doc.name} does not show `{command}...`"
 

@@ -27,6 +27,13 @@ API_KEY = "loadtest-key"
 DUPLICATE_ADD = "/add [expect 409 duplicate id]"
 UNKNOWN_RANK_ADD = "/add [expect 404 unknown rank]"
 LIFECYCLE = ["/potential_loads", "/add", "/prefill_complete", "/output_block", "/free"]
+SELECTION = [
+    "/selection/workers",
+    "/selection/select_and_reserve",
+    "/selection/reservations/{id}/prefill_complete",
+    "/selection/reservations/{id}/output_block",
+    "/selection/reservations/{id} [free]",
+]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -47,8 +54,10 @@ def instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def run_locust(url: str, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+def run_locust(
+    url: str, out: Path, env: dict[str, str], *extra: str
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", *extra]
     cmd += ["-u", "10", "-r", "10", "-t", "5s", "-H", url, "--csv", str(out / "run")]
     cmd += ["--only-summary", "--lt-check-drained", "--lt-inject-ratio", "0.3"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
@@ -71,6 +80,7 @@ def test_short_run_is_clean_and_covers_the_workload(instance: str, tmp_path: Pat
     assert int(total["Failure Count"]) == 0, output
     for name in [
         *LIFECYCLE,
+        *SELECTION,
         "/register",
         "/batch [add]",
         "/loads",
@@ -87,3 +97,28 @@ def test_unexpected_failures_fail_the_run(instance: str, tmp_path: Path) -> None
     assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-4000:]
     assert "LOAD TEST FAILED" in result.stdout
     assert "got 401" in result.stdout
+
+
+@pytest.mark.redis
+@pytest.mark.e2e
+def test_a_run_across_two_instances_sharing_one_state(
+    tmp_path: Path, redis_url: str, redis_namespace: str
+) -> None:
+    """Every call goes to one of two instances at random; the drain check reads the other."""
+    shared = {
+        "SLOT_TRACKER_API_KEY": API_KEY,
+        "SLOT_TRACKER_REDIS_URL": redis_url,
+        "SLOT_TRACKER_NAMESPACE": redis_namespace,
+    }
+    with (
+        live_server(tmp_path, **shared, SLOT_TRACKER_INSTANCE_ID="1") as first,
+        live_server(tmp_path, **shared, SLOT_TRACKER_INSTANCE_ID="2") as second,
+    ):
+        env = clean_env(SLOT_TRACKER_API_KEY=API_KEY)
+        result = run_locust(second, tmp_path, env, "--lt-hosts", f"{first},{second}")
+        output = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+        assert result.returncode == 0, output
+        stats = read_stats(tmp_path / "run_stats.csv")
+        assert int(stats["Aggregated"]["Failure Count"]) == 0, output
+        for name in [*LIFECYCLE, *SELECTION]:
+            assert int(stats[name]["Request Count"]) > 0, name

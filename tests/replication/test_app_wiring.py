@@ -16,9 +16,9 @@ from app.main import create_app
 from app.settings import Settings
 
 STATUS_KEYS = [
-    "mode", "instance_id", "namespace", "ready", "not_ready_reason", "connected", "degraded",
+    "mode", "instance_id", "namespace", "redis", "ready", "not_ready_reason", "connected", "degraded",
     "degraded_reasons", "stream_position", "outbox_depth", "outbox_capacity", "published",
-    "applied", "duplicates", "dropped", "gaps", "resets", "resent", "bootstraps",
+    "applied", "duplicates", "dropped", "records_rejected", "gaps", "resets", "resent", "bootstraps",
     "snapshots_written", "last_applied_lag_ms", "snapshot_age_seconds", "snapshot_stream_id",
 ]  # fmt: skip
 
@@ -41,10 +41,10 @@ async def test_embedded_app_is_wired_in_one_phase() -> None:
         r = await client.get("/replication")
         assert (await client.get("/ready")).json() == {"status": "ready", "reason": None}
     assert r.content == (
-        b'{"mode":"embedded","instance_id":42,"namespace":null,"ready":true,'
+        b'{"mode":"embedded","instance_id":42,"namespace":null,"redis":null,"ready":true,'
         b'"not_ready_reason":null,"connected":null,"degraded":false,"degraded_reasons":[],'
         b'"stream_position":null,"outbox_depth":0,"outbox_capacity":0,"published":0,'
-        b'"applied":0,"duplicates":0,"dropped":0,"gaps":0,"resets":0,"resent":0,'
+        b'"applied":0,"duplicates":0,"dropped":0,"records_rejected":{},"gaps":0,"resets":0,"resent":0,'
         b'"bootstraps":0,"snapshots_written":0,"last_applied_lag_ms":null,'
         b'"snapshot_age_seconds":null,"snapshot_stream_id":null}'
     )

@@ -107,3 +107,25 @@ async def test_bootstrapping_instance_listens_at_once_and_refuses_state_calls(
         for key in admin.scan_iter(match="{" + redis_namespace + "}:*"):
             admin.delete(key)
         admin.close()
+
+
+async def test_with_redis_unreachable_at_start_the_log_says_what_the_routes_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No Redis at start: the log must not claim the local state is served while it is not."""
+    from tests.servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    app = create_app(Settings(redis_url=url, namespace="unreachable"))
+    caplog.set_level("WARNING", logger="app.replication")
+    async with started(app) as client:
+        await eventually(
+            lambda: any("cannot reach Redis" in r.getMessage() for r in caplog.records),
+            10,
+            "the reader's warning",
+        )
+        r = await client.get("/loads")
+        assert r.status_code == 503 and r.json()["error"].startswith("not ready")
+    said = [r.getMessage() for r in caplog.records if "cannot reach Redis" in r.getMessage()]
+    assert "every state route answer 503 'not ready' until it is" in said[0]
+    assert not any("local state keeps serving" in r.getMessage() for r in caplog.records)

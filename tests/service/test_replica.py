@@ -69,3 +69,15 @@ def test_malformed_records_are_counted_and_skipped() -> None:
     assert s.apply_remote(records) == 1
     assert s.replica.dropped == 2
     assert s.tracker(KEY).has_request("r2")
+
+
+def test_a_record_that_would_create_a_tracker_beyond_the_limit_is_rejected() -> None:
+    clock = FakeClock()
+    s = SlotTrackerService(clock=clock.now, wall_clock=lambda: WALL, instance_id=1, max_trackers=1)
+    register(s, KEY, 1, 4, 0, 1)
+    other = {"model_name": "other", "routing_group": "default", "block_size": 4, "origin": PEER,
+             "ts": WALL, "topology": {"op": "upsert", "worker_id": 1, "dp_start": 0,
+                                      "dp_size": 1}}  # fmt: skip
+    assert s.apply_remote([other, add_record("r1", [1])]) == 1
+    assert s.replica.rejected["conflict"] == 1
+    assert list(s.trackers) == [KEY]

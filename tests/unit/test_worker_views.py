@@ -43,9 +43,11 @@ def status(worker: int, **fields: object) -> dict:
 
 
 def test_status_sums_counters_and_lists_the_processes() -> None:
-    views = [status(0), status(1, published=5, applied=1)]
+    views = [status(0, records_rejected={"malformed": 1}),
+             status(1, published=5, applied=1, records_rejected={"malformed": 2, "stale": 1})]  # fmt: skip
     merged = merge_status(views[0], views, [])
     assert merged["published"] == 7 and merged["applied"] == 4 and merged["dropped"] == 0
+    assert merged["records_rejected"] == {"malformed": 3, "stale": 1}
     assert merged["ready"] and not merged["degraded"] and merged["not_ready_reason"] is None
     assert merged["instance_id"] == 10 and "worker" not in merged and "pid" not in merged
     assert merged["workers"] == views and merged["workers_missing"] == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ..limits import MAX_DP_SIZE  # the slot-tracker routes' limit, re-exported
 from ..types import U32_MAX, WorkerDpRange
 
 SCHEDULABLE = "schedulable"
@@ -22,9 +23,6 @@ UNSCHEDULABLE = "unschedulable"
 DEFAULT_GROUP = "default"
 DEFAULT_MODEL = "default"
 
-# Most data-parallel ranks one worker may declare: each rank costs memory in the tracker, and the
-# reference accepts any u32. Same limit as the slot-tracker routes.
-MAX_DP_SIZE = 4096
 
 ENDPOINT_REQUIRED = "endpoint is required"
 BLOCK_SIZE_ZERO = "block_size must be greater than 0"

@@ -13,7 +13,8 @@ peers' by exchanging *records* (``app.replication.records``): every local change
   lagging instance loads first; the reset marker that says Redis lost data.
 * ``bootstrap``: the state machine of a starting instance (not ready until caught up, waiting
   for a snapshot after Redis lost data) and when the local state is worth a snapshot.
-* ``connection``: the Redis clients and the one retry policy.
+* ``endpoint``: where Redis is (one server, Sentinels, a Cluster) and the credentials and TLS
+  to reach it with; ``connection``: the Redis clients and the one retry policy.
 * ``stream``: key names, stream ids and the two Lua scripts.
 * ``facade``: ``RedisReplication``, the ``Replication`` port composed of the above.
 
@@ -23,7 +24,10 @@ the reader resumes from its last id, and re-reads from the start when it finds t
 recreated or rolled back, or its own last entry gone. Redis losing data (noticed by a
 publisher's refused append or by a reader) sets the reset marker and asks for a snapshot at
 once, without the lease if need be. Until one is written, starting instances stay not ready (for
-at most a minute).
+at most a minute). A Sentinel failover is the same case: the connections find the promoted
+replica on their next connect, and a stream that lost entries in the failover (behind the
+reader's position, or without this publisher's last record) is handled exactly as a Redis that
+restarted empty.
 """
 
 from app.replication.redis.facade import RedisReplication

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+
+from app.replication.redis.endpoint import RedisEndpoint
 
 READ_BLOCK_MS = 2_000  # the reader's XREAD BLOCK
 BACKOFF_BASE_S = 0.05
@@ -56,30 +60,64 @@ def honour_cancellation() -> None:
         raise asyncio.CancelledError
 
 
-def make_client(url: str, socket_timeout: float, name: str) -> Redis:
-    # TCP keepalive means nothing on a Unix socket, and redis-py refuses it there
-    keepalive = {} if url.startswith("unix://") else {"socket_keepalive": True}
-    return Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        **keepalive,
-        health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        retry=Retry(NoBackoff(), 0),  # see the module docstring: the loops retry
-        client_name=name,
-    )
+def _common(socket_timeout: float, name: str) -> dict[str, Any]:
+    return {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_keepalive": True,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
+        "retry": Retry(NoBackoff(), 0),  # see the module docstring: the loops retry
+        "client_name": name,
+    }
+
+
+def make_client(
+    endpoint: RedisEndpoint,
+    socket_timeout: float,
+    name: str,
+    sentinel: Sentinel | None = None,
+) -> Any:
+    """A client of ``endpoint`` (a ``Redis``, or a ``RedisCluster``)."""
+    kwargs = _common(socket_timeout, name) | endpoint.auth_kwargs()
+    if endpoint.kind == "sentinel":
+        assert sentinel is not None
+        if endpoint.tls:
+            kwargs["ssl"] = True
+        return sentinel.master_for(endpoint.master, **kwargs, **endpoint.tls_kwargs())
+    if endpoint.kind == "cluster":
+        # A cluster follows MOVED/ASK and refreshes its slot map itself; only connection
+        # errors come back to the loops as they do for one server.
+        del kwargs["retry"], kwargs["health_check_interval"]
+        return RedisCluster.from_url(endpoint.url, **kwargs, **endpoint.tls_kwargs())
+    if endpoint.url.startswith("unix://"):
+        # TCP keepalive means nothing on a Unix socket, and redis-py refuses it there
+        del kwargs["socket_keepalive"]
+    return Redis.from_url(endpoint.url, **kwargs, **endpoint.tls_kwargs())
 
 
 class RedisClients:
-    """The two connections of one instance: ``commands`` (appends, snapshots, checks) and
-    ``reads`` (the blocking XREAD, whose socket timeout must outlast its BLOCK)."""
+    """The connections of one instance: ``commands`` (snapshots, checks, the read barrier),
+    ``publish`` (the outbox's appends alone, so that ``WAIT`` after an append counts the
+    replicas that hold *that* append) and ``reads`` (the blocking XREAD, whose socket timeout
+    must outlast its BLOCK)."""
 
-    def __init__(self, url: str, instance_id: int) -> None:
-        self.commands = make_client(url, COMMAND_TIMEOUT_S, f"slot-tracker-{instance_id}")
+    def __init__(self, endpoint: RedisEndpoint, instance_id: int) -> None:
+        self.endpoint = endpoint
+        self.sentinel: Sentinel | None = None
+        if endpoint.kind == "sentinel":
+            self.sentinel = Sentinel(
+                list(endpoint.sentinels),
+                sentinel_kwargs=endpoint.sentinel_kwargs(COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S),
+            )
+        name = f"slot-tracker-{instance_id}"
+        self.commands = make_client(endpoint, COMMAND_TIMEOUT_S, name, self.sentinel)
+        self.publish = make_client(endpoint, COMMAND_TIMEOUT_S, name + "-pub", self.sentinel)
         self.reads = make_client(
-            url, READ_BLOCK_MS / 1000 + COMMAND_TIMEOUT_S, f"slot-tracker-{instance_id}-rd"
+            endpoint, READ_BLOCK_MS / 1000 + COMMAND_TIMEOUT_S, name + "-rd", self.sentinel
         )
 
     async def close(self) -> None:
-        for client in (self.commands, self.reads):
+        for client in (self.commands, self.publish, self.reads):
             await client.aclose()
+        if self.sentinel is not None:
+            await self.sentinel.aclose()

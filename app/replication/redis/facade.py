@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.core.types import NS_PER_MS
+from app.core.types import NS_PER_MS, NS_PER_S
 from app.replication.metrics import (
     ReplicationCounters,
     group_commit_histogram,
@@ -27,21 +27,20 @@ from app.replication.records import random_id, resolve_instance_id
 from app.replication.redis.barrier import ReadBarrier
 from app.replication.redis.bootstrap import START_WAIT_S, Bootstrap
 from app.replication.redis.connection import RedisClients
+from app.replication.redis.endpoint import RedisEndpoint
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
 from app.replication.redis.reader import StreamReader
-from app.replication.redis.snapshots import (
-    Snapshot,
-    SnapshotSchedule,
-    SnapshotStore,
-    SnapshotWriter,
-)
+from app.replication.redis.schedule import SnapshotSchedule
+from app.replication.redis.snapshots import Snapshot, SnapshotStore, SnapshotWriter
 from app.replication.redis.stream import NamespaceKeys
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 STOP_FLUSH_TIMEOUT_S = 2.0
+REJECTED_RECENT_NS = 300 * NS_PER_S  # degraded this long after a peer's record was rejected
+UNDECODABLE = "undecodable"  # the reason label of stream entries that are not records
 
 
 class RedisReplication:
@@ -56,9 +55,12 @@ class RedisReplication:
         clock: Callable[[], int] = time.monotonic_ns,
         wall_clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        if not settings.redis_url:
-            raise ValueError("RedisReplication needs settings.redis_url")
+        if settings.embedded:
+            raise ValueError("RedisReplication needs settings.redis_url or redis_sentinels")
         self.settings = settings
+        self.endpoint = RedisEndpoint.of(settings)
+        if self.endpoint.kind == "cluster" and settings.replication_ack_replicas:
+            raise ValueError("replication_ack_replicas needs one server or Sentinel, not Cluster")
         self.instance_id = resolve_instance_id(settings.instance_id)
         self.incarnation = random_id()
         self.counters = ReplicationCounters()
@@ -91,7 +93,10 @@ class RedisReplication:
         self.outbox.group_commit = group_commit_histogram(registry).observe
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
-        register_collector(registry, self.counters, self.outbox.pending, self.connected)
+        self._target: ReplicaTarget | None = None
+        register_collector(
+            registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
+        )
         self._clients: RedisClients | None = None
         self._tasks: list[asyncio.Task] = []
         self._publisher: asyncio.Task | None = None
@@ -107,9 +112,11 @@ class RedisReplication:
         Never raises for Redis trouble: when Redis is unreachable, bootstrap keeps being retried
         in the background and ``ready()`` stays False until it succeeds.
         """
-        clients = self._clients = RedisClients(self.settings.redis_url, self.instance_id)
+        self._target = target
+        clients = self._clients = RedisClients(self.endpoint, self.instance_id)
+        log.info("replication through %s", self.endpoint.describe())
         store = SnapshotStore(clients.commands, self.me.keys)
-        self.outbox.connect(clients.commands)
+        self.outbox.connect(clients.publish)
         self.barrier.connect(clients.commands)
         self.reader.connect(clients.reads, store, target)
         self.snapshots.connect(store, target)
@@ -195,9 +202,24 @@ class RedisReplication:
     def connected(self) -> bool:
         return bool(self.reader.connected) and self.outbox.connected is not False
 
+    def rejected_records(self) -> dict[str, int]:
+        """Peers' records rejected so far, by reason: entries that are not records (the
+        reader's), then what the service refused."""
+        counts = {UNDECODABLE: self.counters.malformed}
+        if self._target is not None:
+            counts.update(self._target.rejections()[0])
+        return counts
+
     def degraded_reasons(self) -> list[str]:
         reasons = [] if self.connected() else ["Redis unreachable"]
         reasons += self.outbox.degraded_reasons()
+        last = self.counters.last_malformed_ns
+        if self._target is not None:
+            newest = self._target.rejections()[1]
+            if newest is not None and (last is None or newest > last):
+                last = newest
+        if last is not None and self.me.wall_clock() - last < REJECTED_RECENT_NS:
+            reasons.append("replica records rejected in the last 5 minutes")
         return reasons
 
     def status(self) -> ReplicationStatus:
@@ -208,6 +230,7 @@ class RedisReplication:
             mode=self.mode,
             instance_id=self.instance_id,
             namespace=self.settings.namespace,
+            redis=self.endpoint.describe(),
             ready=ready,
             not_ready_reason=None if ready else self.bootstrap.not_ready_reason,
             connected=self.connected(),
@@ -220,6 +243,7 @@ class RedisReplication:
             applied=c.applied,
             duplicates=c.duplicates,
             dropped=c.dropped,
+            records_rejected=self.rejected_records(),
             gaps=c.gaps,
             resets=c.resets,
             resent=c.resent,

@@ -11,7 +11,10 @@ outage.
 
 Durable acknowledgements (``replication_ack = "redis"``). A caller notes ``last_accepted_seq``
 after its change and awaits ``appended(seq)``: one future per waiting call, resolved after the
-append of the batch holding its last record returns. Calls waiting at one moment therefore
+append of the batch holding its last record returns (with ``replication_ack_replicas = N``:
+after the ``WAIT N`` sent in the same round trip confirmed N replicas hold it; a WAIT that
+falls short releases nobody, the calls answer 503 at their timeout, and new calls are refused
+for a second before the next append tries again). Calls waiting at one moment therefore
 share one append round trip (group commit; ``group_commit`` observes how many). Before applying
 a change, a caller asks ``refusal()``: while the publisher is known to be cut off from Redis
 (its last append failed, or the running one has not returned for longer than the ack timeout)
@@ -33,13 +36,14 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from app.core.types import NS_PER_MS, NS_PER_S
 from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
 from app.replication.records import encode_record
 from app.replication.redis.connection import IO_ERRORS, backoff_delay, honour_cancellation
 from app.replication.redis.instance import Instance
-from app.replication.redis.snapshots import SnapshotSchedule
+from app.replication.redis.schedule import SnapshotSchedule
 from app.replication.redis.stream import APPEND_SCRIPT, id_text
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,9 @@ log = logging.getLogger(__name__)
 RESEND_WINDOW_NS = 30 * NS_PER_S
 DROP_LOG_INTERVAL_NS = 30 * NS_PER_S
 DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
+# After a WAIT fell short, calls are refused (503 before they change anything) for this long;
+# then they are let through again, and the next append's WAIT tells whether replicas are back.
+REPLICAS_RETRY_NS = 1 * NS_PER_S
 
 
 class Outbox:
@@ -65,13 +72,23 @@ class Outbox:
         self._drops_since_log = 0
         self.connected: bool | None = None  # None until the first append was tried
         self.appended_seq = 0  # our highest sequence number known to be in the stream
+        # ... and known to be held by ``replication_ack_replicas`` replicas too (WAIT)
+        self.confirmed_seq = 0
+        self.replicas = self.settings.replication_ack_replicas
+        self._short_since: int | None = None  # clock ns: the last WAIT fell short then
+        self._short_logged: int | None = None
         self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()  # (seq, waiting call)
         self._append_started: int | None = None  # clock ns: an append running since then
         self.group_commit: Callable[[int], None] | None = None  # observes calls per append
         # the append script, bound to the client by connect(): ``append(keys=..., args=...)``
         self.append: Any = None
+        self._client: Redis | None = None
+        self._replicas_held = 0  # what the last WAIT answered
 
     def connect(self, client: Redis) -> None:
+        """``client``: a connection pool of the publisher's own, so that WAIT after an append
+        follows that append on the same connection."""
+        self._client = client
         self.append = client.register_script(APPEND_SCRIPT)
 
     # -- accepting records ------------------------------------------------------------------
@@ -134,6 +151,8 @@ class Outbox:
         reasons = []
         if len(self._queue) >= 0.9 * self.capacity:
             reasons.append("outbox nearly full")
+        if self._short_since is not None:
+            reasons.append("Redis replicas not confirming appends")
         last_drop = self._last_drop_ns
         if last_drop is not None and self.me.clock() - last_drop < DEGRADED_AFTER_DROP_NS:
             reasons.append("records dropped in the last minute")
@@ -180,8 +199,11 @@ class Outbox:
         self.counters.published += len(payloads)
         self._set_connected(True)
         self.appended_seq = batch[-1]["seq"]
-        if self._acks:
-            self._acknowledge()
+        if self._held_by_replicas():
+            # WAIT counts every write before it: all our earlier appends are held too
+            self.confirmed_seq = self.appended_seq
+            if self._acks:
+                self._acknowledge()
 
     # -- durable acknowledgements -----------------------------------------------------------
 
@@ -190,6 +212,9 @@ class Outbox:
         cut off from Redis, or its running append has not returned for ``stall_ns``."""
         if self.connected is False:
             return "Redis unreachable"
+        short = self._short_since
+        if short is not None and self.me.clock() - short < REPLICAS_RETRY_NS:
+            return "Redis replicas not confirming"
         started = self._append_started
         if started is not None and self.me.clock() - started > stall_ns:
             return "Redis not answering"
@@ -199,7 +224,7 @@ class Outbox:
 
     async def appended(self, seq: int, timeout_s: float) -> bool:
         """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
-        if seq <= self.appended_seq:
+        if seq <= self.confirmed_seq:
             return True
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()
@@ -213,7 +238,7 @@ class Outbox:
 
     def _acknowledge(self) -> None:
         """Release the calls whose records the last append took (one group commit)."""
-        acks, appended, released = self._acks, self.appended_seq, 0
+        acks, appended, released = self._acks, self.confirmed_seq, 0
         while acks and acks[0][0] <= appended:
             _, done = acks.popleft()
             if not done.done():
@@ -226,14 +251,59 @@ class Outbox:
         retention_ms = self.settings.stream_retention_seconds * 1000
         return str(max(0, self.me.wall_clock() // NS_PER_MS - retention_ms))
 
+    async def _append_call(self, last: str, payloads: list[bytes]) -> list[Any] | None:
+        """One append (``stream.APPEND_SCRIPT``): the new ids, None when ``last`` is gone.
+
+        With ``replication_ack_replicas`` the same round trip (a pipeline, hence the same
+        connection) runs ``WAIT replicas timeout`` after the script; ``_replicas_held`` keeps
+        how many replicas confirmed."""
+        keys = [self.me.keys.events, self.me.keys.reset]
+        args = [last, self._trim_horizon(), self.settings.stream_max_entries, *payloads]
+        if not self.replicas:
+            return await self.append(keys=keys, args=args)
+        assert self._client is not None
+        for _ in range(2):
+            # EVALSHA rather than the pipeline's script support, which checks every time
+            pipe = self._client.pipeline(transaction=False)
+            pipe.evalsha(self.append.sha, len(keys), *keys, *args)
+            pipe.wait(self.replicas, self.settings.replication_ack_timeout_ms)
+            try:
+                ids, held = await pipe.execute()
+            except NoScriptError:  # a new primary, or a restarted one: load it, once
+                await self._client.script_load(APPEND_SCRIPT)
+                continue
+            self._replicas_held = int(held)
+            return ids
+        raise NoScriptError("the append script could not be loaded")
+
+    def _held_by_replicas(self) -> bool:
+        """Whether the last append reached ``replication_ack_replicas`` replicas (WAIT)."""
+        if not self.replicas:
+            return True
+        held = self._replicas_held
+        if held >= self.replicas:
+            if self._short_since is not None:
+                log.info("Redis replicas confirm appends again (%d of %d)", held, self.replicas)
+            self._short_since = None
+            return True
+        now = self.me.clock()
+        self._short_since = now
+        if self._short_logged is None or now - self._short_logged >= DROP_LOG_INTERVAL_NS:
+            self._short_logged = now
+            log.warning(
+                "only %d of %d Redis replicas confirmed an append within %d ms: calls are not "
+                "acknowledged (503) until they do",
+                held,
+                self.replicas,
+                self.settings.replication_ack_timeout_ms,
+            )
+        return False
+
     async def _append_payloads(self, payloads: list[bytes]) -> None:
-        key = [self.me.keys.events, self.me.keys.reset]
-        ids = await self.append(
-            keys=key, args=[self._last_appended, self._trim_horizon(), *payloads]
-        )
+        ids = await self._append_call(self._last_appended, payloads)
         if ids is None:  # our previous entry is gone: re-send recent records first
             await self._resend_recent()
-            ids = await self.append(keys=key, args=["", self._trim_horizon(), *payloads])
+            ids = await self._append_call("", payloads)
         self._last_appended = id_text(ids[-1])
         now = self.me.wall_clock()
         recent = self._recent
@@ -270,10 +340,7 @@ class Outbox:
         )
         step = self.settings.replication_batch_events
         for i in range(0, len(payloads), step):
-            ids = await self.append(
-                keys=[self.me.keys.events, self.me.keys.reset],
-                args=["", self._trim_horizon(), *payloads[i : i + step]],
-            )
+            ids = await self._append_call("", payloads[i : i + step])
             self._last_appended = id_text(ids[-1])
         self.counters.resent += len(payloads)
 

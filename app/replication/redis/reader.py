@@ -47,13 +47,15 @@ from app.replication.redis.connection import (
 )
 from app.replication.redis.instance import Instance
 from app.replication.redis.outbox import Outbox
-from app.replication.redis.snapshots import Snapshot, SnapshotSchedule, SnapshotStore, gc_paused
+from app.replication.redis.schedule import SnapshotSchedule
+from app.replication.redis.snapshots import Snapshot, SnapshotStore, gc_paused
 from app.replication.redis.stream import START_ID, id_text, parse_id
 
 log = logging.getLogger(__name__)
 
 READ_COUNT = 1_000
 LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
+MALFORMED_LOG_INTERVAL_NS = 60 * NS_PER_S
 
 
 class StreamReader:
@@ -77,6 +79,7 @@ class StreamReader:
         self.connected: bool | None = None  # None until the first read was tried
         self.last_lag_ms: float | None = None
         self._seqs = SeqLedger()
+        self._malformed_logged_ns: int | None = None
         self._client: Redis | None = None
         self._store: SnapshotStore | None = None
         self._target: ReplicaTarget | None = None
@@ -254,8 +257,7 @@ class StreamReader:
             try:
                 record = decode_record(fields[RECORD_FIELD])
             except (KeyError, MalformedRecord) as e:
-                self.counters.malformed += 1
-                log.warning("skipping stream entry %s: %s", eid, e)
+                self._malformed(eid, e, now)
                 position = eid
                 continue
             key = (record["origin"], record["incarnation"])
@@ -286,6 +288,16 @@ class StreamReader:
         if own_read > marked:
             batch.append({"own_seq": own_read})
         self._apply(batch, position, now)
+
+    def _malformed(self, eid: str, error: Exception, now: int) -> None:
+        """Count a stream entry that is not a record; log it at most once a minute."""
+        c = self.counters
+        c.malformed += 1
+        c.last_malformed_ns = now
+        last = self._malformed_logged_ns
+        if last is None or now - last >= MALFORMED_LOG_INTERVAL_NS:
+            self._malformed_logged_ns = now
+            log.warning("skipping stream entry %s (%d such so far): %s", eid, c.malformed, error)
 
     def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
         assert self._target is not None
@@ -360,8 +372,23 @@ class StreamReader:
             if was is False:
                 log.info("replication reader reconnected to Redis; resuming from %s", self.position)
             return
+        ready = self.bootstrap.ready()
         self.bootstrap.unreachable(error)
         if was is not False:
             log.warning(
-                "replication reader lost Redis (%s); local state keeps serving, retrying", error
+                "replication reader cannot reach Redis (%s); %s",
+                error,
+                _serving(ready, self.me.settings.replication_ack),
             )
+
+
+def _serving(ready: bool, ack: str) -> str:
+    """What the instance does while Redis is unreachable, as the routes will answer it."""
+    if not ready:
+        return (
+            "the shared state is not loaded yet: /ready and every state route answer 503 "
+            "'not ready' until it is; retrying"
+        )
+    if ack == "redis":
+        return "reads are answered from local state, changes are refused with 503; retrying"
+    return "reads and changes are served from local state and sent once it is back; retrying"

@@ -14,7 +14,7 @@ they still hold it.
 
 When an instance finds that Redis lost data (its own last record is gone, or the stream was
 recreated or rolled back), it sets ``{ns}:reset`` and asks for a snapshot at once
-(``SnapshotSchedule.request_now``), written without the lease if need be: the stream may now
+(``app.replication.redis.schedule``), written without the lease if need be: the stream may now
 begin with records re-sent out of their original cross-instance order, or after a gap, so a
 starting instance waits for a snapshot written after that (each write deletes the key) instead of
 replaying the stream.
@@ -23,29 +23,46 @@ replaying the stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 from redis.asyncio import Redis
 
-from app.core.types import NS_PER_MS, NS_PER_S
+from app.core.types import NS_PER_MS
 from app.replication.port import ReplicaTarget
-from app.replication.records import SeqLedger, random_id
+from app.replication.records import OriginKey, SeqLedger, random_id
 from app.replication.redis.bootstrap import Bootstrap
 from app.replication.redis.connection import IO_ERRORS, honour_cancellation
+from app.replication.redis.schedule import SnapshotSchedule
 from app.replication.redis.stream import WRITE_SNAPSHOT_SCRIPT, NamespaceKeys
 
 if TYPE_CHECKING:
     from app.replication.redis.instance import Instance
-    from app.replication.redis.outbox import Outbox
-    from app.replication.redis.reader import StreamReader
+
+
+class ReadPosition(Protocol):
+    """What a snapshot reads of the stream reader (``StreamReader`` has it)."""
+
+    connected: bool | None
+    position: str  # the stream id up to which the local state has read
+
+    def applied_seq(self, key: OriginKey) -> int: ...
+    def ledger_copy(self) -> SeqLedger: ...
+    def forget_silent_origins(self) -> None: ...
+
+
+class OwnPosition(Protocol):
+    """What a snapshot reads of the outbox (``Outbox`` has it)."""
+
+    @property
+    def last_accepted_seq(self) -> int: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -165,37 +182,6 @@ class SnapshotStore:
         return bool(done)
 
 
-class SnapshotSchedule:
-    """When the next snapshot is wanted, and the newest one this instance has seen."""
-
-    def __init__(self) -> None:
-        self._soon = asyncio.Event()
-        self.newest_at: int | None = None  # wall ns the newest snapshot's state was exported
-        self.newest_id: str | None = None  # the stream id it covers
-
-    def request_now(self) -> None:
-        """Redis lost data: one is wanted without waiting for the interval."""
-        self._soon.set()
-
-    async def next_round(self, timeout_s: float) -> bool:
-        """Wait for the next round (a request or ``timeout_s``); whether it was requested."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._soon.wait(), timeout_s)
-        urgent = self._soon.is_set()
-        self._soon.clear()
-        return urgent
-
-    def note(self, stream_id: str, at: int) -> None:
-        if self.newest_at is None or at > self.newest_at:
-            self.newest_at = at
-            self.newest_id = stream_id
-
-    def age_seconds(self, wall_now: int) -> float | None:
-        if self.newest_at is None:
-            return None
-        return max(0.0, (wall_now - self.newest_at) / NS_PER_S)
-
-
 class SnapshotWriter:
     """The snapshot loop: a round every interval (jittered), writing when it is our turn."""
 
@@ -205,8 +191,8 @@ class SnapshotWriter:
         *,
         schedule: SnapshotSchedule,
         bootstrap: Bootstrap,
-        outbox: Outbox,
-        reader: StreamReader,
+        outbox: OwnPosition,
+        reader: ReadPosition,
     ) -> None:
         self.me = instance  # who we are, our clocks and counters
         self.counters = instance.counters

@@ -44,7 +44,8 @@ def id_text(stream_id: str | bytes) -> str:
 # Refusing also sets the reset marker (KEYS[2]): the stream may now begin with re-sent records
 # that are not in their original order across instances, so starting instances must wait for a
 # snapshot written after this (which deletes the marker) rather than replay the stream.
-# ARGV[2] is the trim horizon (MINID, approximate), ARGV[3..] the encoded records.
+# ARGV[2] is the trim horizon (MINID, approximate), ARGV[3] the most entries kept (MAXLEN,
+# approximate; 0 = no such bound), ARGV[4..] the encoded records.
 APPEND_SCRIPT = """
 local last = ARGV[1]
 if last ~= '' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then
@@ -52,10 +53,13 @@ if last ~= '' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then
   return false
 end
 local ids = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
 end
 redis.call('XTRIM', KEYS[1], 'MINID', '~', ARGV[2])
+if ARGV[3] ~= '0' then
+  redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[3])
+end
 return ids
 """
 

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
+from app.core.limits import MAX_RANKS_PER_TRACKER
 from app.core.selection import (
     ApproximateCache,
     Prompt,
@@ -56,13 +57,14 @@ from app.core.selection.errors import (
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
 from app.service.commands import Key
-from app.service.errors import TooManyHashes
+from app.service.errors import TooManyHashes, TooManyTrackers
 from app.service.registry import TrackerRegistry
 from app.service.selection import commands as sc
 from app.service.selection import mutations as m
 from app.service.selection.replica import SelectionReplicaMixin
 from app.service.selection.reservations import ReservationsMixin
 from app.service.selection.types import (
+    SELECTION_OUTCOMES,
     Candidates,
     LoadRow,
     OverlapScores,
@@ -79,7 +81,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
 
 # Most ranks one tracker may hold (the slot-tracker routes' limit).
-MAX_RANKS_PER_PARTITION = 16_384
+MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
 
 
 class SelectionService(ReservationsMixin, SelectionReplicaMixin):
@@ -192,6 +194,16 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if existing is not None and existing != spec.block_size:
             return [block_size_mismatch(spec.key, existing, spec.block_size)]
         t = self.registry.find(spec.key)
+        if t is None:
+            try:
+                self.registry.check_room(spec.key)
+            except TooManyTrackers as e:
+                return [str(e)]
+            if not self._room_for_partition(spec.key):
+                return [
+                    f"too many partitions: this instance already holds "
+                    f"{self.registry.max_trackers} (max_trackers)"
+                ]
         ranks = (t.num_workers() if t is not None else 0) - placed_here + spec.dp_size
         if ranks > MAX_RANKS_PER_PARTITION:
             return [
@@ -219,17 +231,43 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             if old_spec is not None:
                 self._unplace(old_spec)
             self._set_record(spec.worker_id, WorkerRecord(spec, INCOMPLETE, tuple(reasons)))
-            return
-        if old_spec is not None and not same_place:
-            self._unplace(old_spec)
-        self._place(spec)
-        self._set_record(spec.worker_id, WorkerRecord(spec, SCHEDULABLE))
+        else:
+            if old_spec is not None and not same_place:
+                self._unplace(old_spec)
+            self._place(spec)
+            self._set_record(spec.worker_id, WorkerRecord(spec, SCHEDULABLE))
 
     def _apply_remove_worker(self, worker_id: int) -> None:
         record = self.catalog[worker_id]
         self._set_record(worker_id, None)
         if record.schedulable:
             self._unplace(record.spec)
+
+    def _unused_partition(self) -> Key | None:
+        """A partition no catalog worker names and no reservation is held in, if any. Such a
+        partition stays listed, as the reference lists it after its last worker goes, until
+        its place is needed (``_room_for_partition``)."""
+        named = {r.spec.key for r in self.catalog.values()}
+        held = {key for key, _ in self.held}
+        for key, part in self.partitions.items():  # oldest first
+            if not part.workers and key not in named and key not in held:
+                return key
+        return None
+
+    def _room_for_partition(self, key: Key) -> bool:
+        """Whether a partition for ``key`` exists or may be made (an unused one is dropped,
+        with its series, to make room beyond ``max_trackers``). O(catalog + partitions), only
+        when a new partition meets the limit."""
+        if key in self.partitions or len(self.partitions) < self.registry.max_trackers:
+            return True
+        unused = self._unused_partition()
+        if unused is None:
+            return False
+        del self.partitions[unused]
+        made = self.counters.made
+        for outcome in SELECTION_OUTCOMES:
+            made.pop((unused, outcome), None)
+        return True
 
     def _place(self, spec: WorkerSpec) -> None:
         """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""

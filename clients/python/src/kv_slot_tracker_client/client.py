@@ -46,7 +46,16 @@ def _http_options(
     api_key: str | None,
     headers: Mapping[str, str] | None,
 ) -> dict[str, Any]:
-    """The ``httpx.Client`` / ``httpx.AsyncClient`` options of both clients."""
+    """The ``httpx.Client`` / ``httpx.AsyncClient`` options of both clients.
+
+    A ``base_url`` without ``http://`` or ``https://`` is refused here: httpx would take
+    ``127.0.0.1:8091`` for a scheme and a path, and every call would fail later.
+    """
+    text = str(base_url)
+    scheme = text.partition("://")[0].lower() if "://" in text else ""
+    if scheme not in ("http", "https"):
+        hint = f" (did you mean 'http://{text}'?)" if not scheme else ""
+        raise ValueError(f"base_url must start with http:// or https://, got {text!r}{hint}")
     all_headers = {
         "accept": "application/json",
         "user-agent": f"kv-slot-tracker-client/{__version__}",

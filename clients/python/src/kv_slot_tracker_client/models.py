@@ -128,10 +128,37 @@ class ReadyBody(BaseModel):
 
 
 class ReplicationStatus(BaseModel):
-    """Replication state: ``mode`` plus the mode's counters as extra fields (``model_extra``)."""
+    """Replication state of the instance answering (``mode`` ``embedded`` or ``redis``).
+
+    Fields a newer service adds are kept in ``model_extra``.
+    """
 
     model_config = ConfigDict(extra="allow")
     mode: str
+    instance_id: int
+    namespace: str | None
+    redis: str | None = Field(description="Where Redis is, password masked.")
+    ready: bool
+    not_ready_reason: str | None
+    connected: bool | None
+    degraded: bool
+    degraded_reasons: list[str]
+    stream_position: str | None
+    outbox_depth: int
+    outbox_capacity: int
+    published: int
+    applied: int
+    duplicates: int
+    dropped: int
+    records_rejected: dict[str, int] = Field(description="Peers' records refused, by reason.")
+    gaps: int
+    resets: int
+    resent: int
+    bootstraps: int
+    snapshots_written: int
+    last_applied_lag_ms: float | None
+    snapshot_age_seconds: float | None
+    snapshot_stream_id: str | None
 
 
 # -- the selection API (``/selection``) -------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Redis over TLS with an ACL user: a ``redis-server`` started here with a TLS port only (no
+plain one), client certificates required, the default user off and one user restricted to the
+namespace's keys; certificates made here with ``openssl``. Two ``python -m app`` processes
+replicate through it with the password from a file; the password shows in no log line (at
+debug level) and not in ``GET /replication``; a wrong password keeps an instance not ready.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.servers import Fleet
+from tests.ha.conftest import redis_binary
+from tests.ha.topology import RedisProcess, make_certificates, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+
+PASSWORD = "tls-acl-Secr3t-value"
+
+
+def start_tls_server(root: Path, namespace: str) -> tuple[RedisProcess, dict[str, Path]]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make test certificates with")
+    certs = make_certificates(root)
+    server = RedisProcess(redis_binary(), "redis-tls", root)
+    server.port_args = ["--port", "0", "--tls-port", str(server.port)]
+    server.conf = (
+        f"tls-cert-file {certs['server_cert']}\n"
+        f"tls-key-file {certs['server_key']}\n"
+        f"tls-ca-cert-file {certs['ca']}\n"
+        "tls-auth-clients yes\n"
+        "user default off\n"
+        f"user app on >{PASSWORD} ~{{{namespace}}}:* +@all -@admin -@dangerous +info\n"
+    )
+    server.args = []
+    server.start()
+    time.sleep(0.3)
+    if server.proc is not None and server.proc.poll() is not None:
+        log = server.log_tail()
+        if "Bad directive" in log and "tls" in log:
+            pytest.skip(f"this redis-server has no TLS support: {log}")
+        raise AssertionError(f"redis-server with TLS did not start: {log}")
+    return server, certs
+
+
+def test_two_instances_replicate_over_tls_as_an_acl_user(
+    tmp_path: Path, fleets: list[Fleet]
+) -> None:
+    namespace = f"tls-{uuid.uuid4().hex[:10]}"
+    server, certs = start_tls_server(tmp_path, namespace)
+    try:
+        secret = tmp_path / "redis-password"
+        secret.write_text(PASSWORD + "\n")
+        url = f"rediss://127.0.0.1:{server.port}/0"
+        env = {"REDIS_USERNAME": "app", "REDIS_PASSWORD_FILE": str(secret),
+               "REDIS_TLS_CA_FILE": str(certs["ca"]),
+               "REDIS_TLS_CERT_FILE": str(certs["client_cert"]),
+               "REDIS_TLS_KEY_FILE": str(certs["client_key"]),
+               "LOG_LEVEL": "debug", "REPLICATION_ACK": "redis"}  # fmt: skip
+        fleet = Fleet(url, namespace, tmp_path / "logs", env=env)
+        fleets.append(fleet)
+        a, b = fleet.spawn(2)
+        body = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        r = httpx.post(a.url + "/register", json=body)
+        assert r.status_code == 201, r.text
+        add = {"model_name": "m", "request_id": "r1", "worker_id": 1, "dp_rank": 0,
+               "sequence_hashes": [1, 2, 3]}  # fmt: skip
+        assert httpx.post(a.url + "/add", json=add).status_code == 201  # in the stream
+
+        def on_b() -> bool:
+            rows = httpx.get(b.url + "/loads").json()
+            return sum(r["active_requests"] for r in rows) == 1
+
+        wait_for(on_b, 10, "the request on b")
+        for s in (a, b):
+            raw = httpx.get(s.url + "/replication").text
+            assert PASSWORD not in raw
+            status = s.status()
+            assert status["redis"] == f"rediss://app:***@127.0.0.1:{server.port}/0", status
+            assert status["connected"] and status["ready"], status
+
+        # a wrong password: the instance starts, says why it is not ready, never shows it
+        wrong = "Wr0ng-pa55word-value"
+        (c,) = fleet.spawn(1, wait=False, REDIS_PASSWORD_FILE="", REDIS_PASSWORD=wrong)
+        wait_for(lambda: c.readiness() == 503, 20, "c to answer /ready 503")
+        time.sleep(1.0)
+        reason = httpx.get(c.url + "/ready").json()["reason"]
+        assert "Redis unreachable" in reason, reason
+        assert wrong not in httpx.get(c.url + "/replication").text
+        for s in (a, b, c):
+            log = s.log_path.read_text()
+            assert PASSWORD not in log and wrong not in log, s.log_tail()
+        # the refused login was logged, and what was logged is the server's refusal alone
+        assert "invalid username-password pair" in c.log_path.read_text(), c.log_tail()
+    finally:
+        server.kill()
