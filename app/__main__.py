@@ -137,7 +137,7 @@ def supervise(settings: Settings, count: int, args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         count=count,
-        redis_url=settings.redis_url,
+        private_redis=settings.embedded,
         instance_id=settings.instance_id,
         child_args=child_args,
     )

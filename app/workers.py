@@ -6,9 +6,10 @@ supervisor that:
 1. binds the listening socket once (host, port, backlog) and hands it to every process, which
    accepts from it (a shared listening socket: the kernel queues connections once, and a
    connection waiting in the queue of a process that died is taken by a sibling);
-2. when ``redis_url`` is empty, starts a private ``redis-server`` on a Unix socket in a
-   temporary directory (no persistence, nothing on a TCP port) and gives its URL to the
-   processes; otherwise the processes use the configured Redis;
+2. when no Redis is configured (no ``redis_url``, no Sentinel), starts a private
+   ``redis-server`` on a Unix socket in a temporary directory (no persistence, nothing on a TCP
+   port) and gives its URL to the processes; otherwise the processes use the configured Redis
+   (one server, Sentinel or Cluster);
 3. starts N processes (``python -m app`` with the listening socket's descriptor), each one an
    instance of the existing replication on that Redis: the same records, reader, snapshots,
    read barrier, tombstones and durable acknowledgements as separate instances, so a client
@@ -217,7 +218,7 @@ class Supervisor:
     host: str
     port: int
     count: int
-    redis_url: str
+    private_redis: bool  # no Redis configured (settings.embedded): start one of our own
     instance_id: int
     child_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -243,15 +244,12 @@ class Supervisor:
         if self.sock is None:
             self.bind()
         self.run_dir = Path(tempfile.mkdtemp(prefix="kv-slot-tracker-"))
-        url = self.redis_url
-        if not url:
+        if self.private_redis:
             binary = self.redis_binary or shutil.which("redis-server")
             if not binary:
-                raise RuntimeError("workers > 1 without redis_url needs redis-server on PATH")
+                raise RuntimeError("workers > 1 without a Redis needs redis-server on PATH")
             self.redis = PrivateRedis(binary, self.run_dir)
             self.redis.start()
-            url = self.redis.url
-        self.redis_url_in_use = url
         for i in range(self.count):
             ident = self.instance_id + i if self.instance_id else random_id()
             self.workers.append(Worker(i, ident))
@@ -273,7 +271,8 @@ class Supervisor:
     def _child_env(self, worker: Worker) -> dict[str, str]:
         env = dict(self.env)
         env[ENV_PREFIX + "WORKERS"] = "1"
-        env[ENV_PREFIX + "REDIS_URL"] = self.redis_url_in_use
+        if self.redis is not None:  # else the configured Redis (URL, Sentinel or Cluster)
+            env[ENV_PREFIX + "REDIS_URL"] = self.redis.url
         env[ENV_PREFIX + "INSTANCE_ID"] = str(worker.instance_id)
         return env
 

@@ -83,8 +83,8 @@ class Sleepers(Supervisor):
 
 
 def supervisor(exit_at_once: bool = False, **kwargs: object) -> Sleepers:
-    # a Redis URL given: no private redis-server is started
-    s = Sleepers(host="127.0.0.1", port=0, count=2, redis_url="redis://unused", **kwargs)
+    # a Redis configured: no private redis-server is started
+    s = Sleepers(host="127.0.0.1", port=0, count=2, private_redis=False, **kwargs)
     s.exit_at_once = exit_at_once
     s.start()
     return s
@@ -146,10 +146,10 @@ def test_a_process_dying_young_is_restarted_later_and_later() -> None:
 
 
 def test_processes_get_the_listening_socket_and_their_control_socket() -> None:
-    s = Supervisor(host="127.0.0.1", port=0, count=2, redis_url="redis://r:6379/0", instance_id=7)
+    s = Supervisor(host="127.0.0.1", port=0, count=2, private_redis=False, instance_id=7,
+                   env={"SLOT_TRACKER_REDIS_SENTINELS": "s1:26379"})  # fmt: skip
     s.bind()
     s.run_dir = Path("/run/x")
-    s.redis_url_in_use = s.redis_url
     try:
         worker = Worker(1, 8)
         command = s._command(worker)
@@ -158,7 +158,8 @@ def test_processes_get_the_listening_socket_and_their_control_socket() -> None:
         env = s._child_env(worker)
         assert env["SLOT_TRACKER_WORKERS"] == "1"
         assert env["SLOT_TRACKER_INSTANCE_ID"] == "8"
-        assert env["SLOT_TRACKER_REDIS_URL"] == "redis://r:6379/0"
+        assert "SLOT_TRACKER_REDIS_URL" not in env  # the configured Redis, here Sentinel
+        assert env["SLOT_TRACKER_REDIS_SENTINELS"] == "s1:26379"
         assert control_socket_index("/run/x/worker-1.sock") == 1
     finally:
         s.sock.close()
