@@ -1,7 +1,9 @@
 """``--workers 2``: two server processes behind one port, answering as one instance.
 
 ``python -m app`` with ``workers = 2`` and no ``redis_url`` (a private redis-server of the
-supervisor's), durable acknowledgements. Six clients send lifecycle calls with a new connection
+supervisor's), durable acknowledgements. First, requests whose calls alternate between the two
+processes (reached alone on their Unix sockets) right after each other: every call finds its
+request, none becomes a pending mark or a tombstone. Then six clients send lifecycle calls with a new connection
 for every call, so the calls of one request reach whichever process accepts each connection,
 and keep a ground truth of what was acknowledged (``tests/e2e/consistency.py``). Meanwhile one
 process is killed with SIGKILL; the supervisor must start it again and the new process must load
@@ -27,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import _drop_namespace
-from tests.e2e.consistency import Traffic, load_view, register_topology
+from tests.e2e.consistency import GROUP, MODEL, Traffic, load_view, register_topology
 from tests.e2e.servers import ENV_PREFIX, ServerProcess, wait_until
 from tests.e2e.test_consistency import check_answers
 from tests.replication.helpers import free_port
@@ -74,6 +76,22 @@ class Children:
                 return c.get(route, headers=LOCAL)  # this process's own view
         except httpx.TransportError:
             return None
+
+    def client(self, index: int) -> httpx.Client:
+        """A client of process ``index`` alone (its Unix socket)."""
+        transport = httpx.HTTPTransport(uds=self.find()[index][1])
+        return httpx.Client(transport=transport, base_url="http://worker", timeout=10)
+
+    def counters(self, index: int, prefix: str) -> dict[str, float]:
+        """This process's own metrics named ``prefix...``, by the rest of the name."""
+        r = self.get(index, "/metrics")
+        assert r is not None and r.status_code == 200
+        return {
+            s.name.removeprefix(prefix): s.value
+            for f in text_string_to_metric_families(r.text)
+            for s in f.samples
+            if s.name.startswith(prefix) and not s.labels
+        }
 
     def ready(self, index: int) -> bool:
         r = self.get(index, "/ready")
@@ -159,6 +177,29 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     register_topology(workers.url)
     wait_until(lambda: children.loads(0) == children.loads(1) and children.loads(1), 10,
                "the topology in both processes")  # fmt: skip
+
+    # each call of a request on the other process than the one before, at once: with durable
+    # acknowledgements a prefill completion of an id the read barrier proves unknown is a 404,
+    # so a 200 shows that the process answering had the add its sibling acknowledged
+    with children.client(0) as p0, children.client(1) as p1:
+        for i in range(20):
+            first, second = (p0, p1) if i % 2 == 0 else (p1, p0)
+            key = {"model_name": MODEL, "routing_group": GROUP, "request_id": f"x{i}"}
+            add = {**key, "worker_id": 1, "dp_rank": 0, "sequence_hashes": [i, i + 100],
+                   "new_isl_tokens": 10}  # fmt: skip
+            assert first.post("/add", json=add).status_code == 201
+            r = second.post("/prefill_complete", json=key)
+            assert r.status_code == 200, r.text
+            r = first.post("/free", json=key)
+            assert r.status_code == 200, r.text
+        r = p1.post("/prefill_complete", json={**key, "request_id": "nowhere"})
+        assert r.status_code == 404, r.text  # the check above can fail
+    wait_until(lambda: children.loads(0) == children.loads(1), 10, "both processes alike")
+    assert all(row["active_requests"] == 0 for row in children.loads(0) or [])
+    # every call found its request: none was kept as a pending mark or a tombstone
+    for index in (0, 1):
+        early = children.counters(index, "kv_slot_tracker_consistency_")
+        assert early["marks_created_total"] == early["tombstones_created_total"] == 0, early
 
     traffic = Traffic([workers.url], clients=6, seed=28, fresh_connections=True)
     traffic.start()
