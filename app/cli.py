@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the effective settings (secrets masked) and exit: 0 if valid, 2 if not",
     )
     parser.add_argument("--version", action="version", version=f"kv-slot-tracker {__version__}")
+    # set by a --workers supervisor for the processes it starts: the listening socket to accept
+    # from, and a Unix socket where that process alone serves too (its siblings reach it there)
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--control-socket", help=argparse.SUPPRESS)
     helps = setting_help()
     group = parser.add_argument_group("settings (see config/default.toml)")
     for name, field in Settings.model_fields.items():

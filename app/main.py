@@ -35,8 +35,15 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    settings: Settings | None = None, *, clock=None, replication: Replication | None = None
+    settings: Settings | None = None,
+    *,
+    clock=None,
+    replication: Replication | None = None,
+    wait_ready_s: float = 0.0,
 ) -> FastAPI:
+    """``wait_ready_s``: how long the start-up may wait for the replication to be ready (caught
+    up with the peers), so that the server accepts connections only then; 0 = listen at once
+    and answer 503 "not ready" meanwhile."""
     settings = settings if settings is not None else load_settings()
     service_kwargs: dict[str, Any] = {}
     if clock is not None:
@@ -71,6 +78,8 @@ def create_app(
                 asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
             )
         await replication.start(service)
+        if wait_ready_s > 0:
+            await _until_ready(replication, wait_ready_s)
         log.info("%s", startup_summary(settings, replication))
         try:
             yield
@@ -191,6 +200,18 @@ async def _lease_sweeper(
                 )
         except Exception:  # never let the sweeper die
             log.exception("lease sweep failed")
+
+
+async def _until_ready(replication: Replication, timeout_s: float) -> None:
+    """Until ``replication`` is ready, at most ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    await replication.settled(timeout_s)
+    while not replication.ready() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    if not replication.ready():
+        log.warning("serving before the replication is ready: %s",
+                    replication.status().not_ready_reason)  # fmt: skip
 
 
 async def _expiry_sweeper(

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     # Serve the hot routes inside uvicorn's connection callbacks (app.http.direct); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
+    # Server processes on the one port, sharing one state (app.workers); "auto" = the cores this
+    # process may use (CPU affinity and cgroup quota).
+    workers: int | Literal["auto"] = 1
     # Limits of one connection and of the server (app.http.connection)
     http_max_header_bytes: int = Field(default=65_536, gt=0)
     http_header_timeout_seconds: int = Field(default=10, gt=0)
@@ -157,6 +160,16 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        number = int(str(value))  # "2" from an environment variable; 1.5 or "many": an error
+        if number < 1:
+            raise ValueError("must be auto or a whole number of at least 1")
+        return number
 
     @field_validator("redis_url")
     @classmethod

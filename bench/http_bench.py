@@ -16,7 +16,13 @@ Figures:
   p99         latency at half of our measured lifecycle maximum, open loop (bench/openloop.py)
   memory      resident size with 100,000 active requests of 32 blocks
 
+With ``--workers N`` (N > 1) ours also runs as ``python -m app --workers N`` (N processes on
+one port sharing one state, app/workers.py): the throughput figures then compare the reference,
+one process ("ours1") and N processes ("ours"), and nothing is pinned: every server may use
+every core (the reference's threads, our processes and the private Redis), wrk included.
+
 Run:  .venv/bin/python bench/http_bench.py [--duration 10] [--rounds 2] [--only lifecycle,...]
+                                           [--workers N]
 Needs: wrk (apt-get install wrk), taskset, the reference venv (python bench/reference.py ensure).
 """
 
@@ -42,6 +48,8 @@ from bench.reference import Server, start_ours, start_reference  # noqa: E402
 
 WRK = HERE / "wrk"
 WORKERS, RANKS_PER_WORKER = 16, 4
+# ``python -m app --workers N`` for "ours" (1: a single process); set by --workers
+OURS_WORKERS = 1
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, bytes]:
@@ -112,7 +120,7 @@ def wrk(
         str(WRK / script),
         url,
     ]
-    if shutil.which("taskset"):
+    if shutil.which("taskset") and OURS_WORKERS == 1:
         cmd = ["taskset", "-c", "0", *cmd]
     out = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=True
@@ -145,9 +153,16 @@ def rss_mb(pid: int) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User and system CPU time the process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User and system CPU time the process and its children (a supervisor's server processes
+    and private Redis) have used so far."""
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
@@ -159,11 +174,53 @@ def children(pid: int) -> list[int]:
 
 
 def started(kind: str) -> Server:
-    server = start_reference() if kind == "ref" else start_ours()
-    pin(server.pid, 1)
-    for c in children(server.pid):
-        pin(c, 1)
+    """``kind``: "ref", "ours" (``OURS_WORKERS`` processes) or "ours1" (one process)."""
+    if kind == "ref":
+        server = start_reference()
+    else:
+        workers = OURS_WORKERS if kind == "ours" else 1
+        server = start_ours(extra_args=["--workers", str(workers)])
+        if workers > 1:
+            wait_all_ready(server.url, workers)
+    if OURS_WORKERS == 1:  # one core for the server, the other for wrk
+        pin(server.pid, 1)
+        for c in children(server.pid):
+            pin(c, 1)
     return server
+
+
+def wait_all_ready(url: str, workers: int, timeout: float = 60.0) -> None:
+    """Until every process of a ``--workers`` instance answers and is ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/replication", timeout=5) as r:
+                status = json.loads(r.read())
+            if status.get("ready") and len(status.get("workers", [])) == workers:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{workers} processes at {url} not ready after {timeout} s")
+
+
+def settle(url: str) -> None:
+    """With several processes: until the setup calls reached every process (no outbox left,
+    every process at the same stream position)."""
+    if OURS_WORKERS == 1:
+        return
+    for _ in range(100):
+        try:
+            with urllib.request.urlopen(url + "/replication", timeout=5) as r:
+                status = json.loads(r.read())
+        except urllib.error.HTTPError:
+            return  # the reference: one process
+        if status.get("mode") == "embedded":
+            return
+        views = status.get("workers") or [status]
+        if status["outbox_depth"] == 0 and len({v.get("stream_position") for v in views}) == 1:
+            return
+        time.sleep(0.05)
 
 
 def bench_throughput(
@@ -178,6 +235,8 @@ def bench_throughput(
         ]
         if workload == "potential":
             setup_active(s.url)
+        if kind == "ours":
+            settle(s.url)
         wrk(s.url, script, 2, {"WRK_TAG": f"warm{round_no}", **env})  # warm-up
         before = cpu_seconds(s.pid)
         res = wrk(s.url, script, duration, {"WRK_TAG": f"r{round_no}", **env})
@@ -227,19 +286,24 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default="lifecycle,potential,batch,p99,memory")
     ap.add_argument("--fill", type=int, default=100_000)
+    ap.add_argument("--workers", type=int, default=1, help="ours as python -m app --workers N")
     args = ap.parse_args()
+    global OURS_WORKERS
+    OURS_WORKERS = args.workers
+    kinds = ("ref", "ours1", "ours") if args.workers > 1 else ("ref", "ours")
     only = set(args.only.split(","))
     results: dict[str, dict[str, list[float]]] = {}
     for workload in ("lifecycle", "potential"):
         if workload not in only:
             continue
         for r in range(args.rounds):
-            for kind in ("ref", "ours"):
+            for kind in kinds:
                 res = bench_throughput(kind, workload, args.duration, r)
                 results.setdefault(workload, {}).setdefault(kind, []).append(res["rps"])
                 print(
-                    f"{workload:10s} round {r} {kind:4s} {res['rps']:10.0f} req/s "
-                    f"p99 {res['p99_ms']} ms non-2xx {res['non2xx']}",
+                    f"{workload:10s} round {r} {kind:5s} {res['rps']:10.0f} req/s "
+                    f"p99 {res['p99_ms']} ms non-2xx {res['non2xx']} "
+                    f"server CPU {res['cpu_us']:.1f} us/call",
                     flush=True,
                 )
     for workload, by_kind in results.items():
@@ -250,6 +314,12 @@ def main() -> int:
             f"SUMMARY {workload}: ref {ref:.0f} req/s, ours {ours:.0f} req/s, "
             f"ratio {ours / ref:.3f} (each round's: {pairs})"
         )
+        if "ours1" in by_kind:
+            one = statistics.median(by_kind["ours1"])
+            print(
+                f"SUMMARY {workload}: {args.workers} processes {ours:.0f} req/s, one process "
+                f"{one:.0f} req/s, ratio {ours / one:.3f}"
+            )
     for name in ("batch", "batch_signed"):
         if name not in only:
             continue
@@ -283,7 +353,7 @@ def main() -> int:
                 f"max {r['max_ms']:.2f} ms, errors {r['errors']}"
             )
     if "memory" in only:
-        for kind in ("ref", "ours"):
+        for kind in kinds:
             m = bench_memory(kind, args.fill)
             print(
                 f"SUMMARY memory {kind}: {m['rss_after_mb']:.0f} MB with {args.fill} requests "

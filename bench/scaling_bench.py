@@ -18,7 +18,10 @@ In process (``--inprocess``, ours only, through the service layer, no HTTP):
   add+free    one more request added and freed, at 1,000 and at N active (CPU time)
   memory      resident size above idle with N active requests
 
+With ``--workers N`` ours runs as ``python -m app --workers N`` (see bench/http_bench.py).
+
 Run:  .venv/bin/python bench/scaling_bench.py [--duration 5] [--rounds 3] [--levels 0,10000,100000]
+                                              [--workers N]
       .venv/bin/python bench/scaling_bench.py --inprocess [--fill 100000] [--gc default|tuned]
 Needs (HTTP): wrk, taskset, the reference venv (python bench/reference.py ensure).
 """
@@ -39,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from app.service import SlotTrackerService  # noqa: E402
+from bench import http_bench  # noqa: E402
 from bench.http_bench import post, rss_mb, setup_active, setup_topology, started, wrk  # noqa: E402
 from tests.calls import AddCall, register  # noqa: E402
 from tests.calls import free as free_call  # noqa: E402
@@ -174,6 +178,7 @@ def fill_http(url: str, count: int, already: int = 0) -> float:
     for _ in range(4):
         env = {"FILL_COUNT": str(missing), "FILL_START": str(start)}
         wrk(url, "fill.lua", max(5, missing // 2000 + 3), env, connections=16)
+        http_bench.settle(url)  # several processes: until every one applied the fill
         start += missing
         missing = count - (active_requests(url) - base)
         if missing <= max(2, count // 1000):
@@ -211,6 +216,7 @@ def http_scaling(levels: list[int], duration: int, rounds: int) -> list[dict]:
         for s in servers.values():
             setup_topology(s.url)
             setup_active(s.url)  # the 200 requests potential.lua overlaps with
+            http_bench.settle(s.url)
         filled = 0
         for level in levels:
             if level > filled:
@@ -308,7 +314,9 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=5, help="seconds per measured wrk run")
     ap.add_argument("--rounds", type=int, default=3, help="measured runs per service and level")
     ap.add_argument("--levels", default="0,10000,100000")
+    ap.add_argument("--workers", type=int, default=1, help="ours as python -m app --workers N")
     args = ap.parse_args()
+    http_bench.OURS_WORKERS = args.workers  # nothing pinned when N > 1 (see http_bench.py)
     if args.inprocess:
         r = inprocess(args.fill, args.gc)
         t = r.pop("gc")

@@ -134,6 +134,7 @@ class Traffic:
         pace_s: float = 0.0,
         prefix: str = "c",
         truth: GroundTruth | None = None,
+        fresh_connections: bool = False,
     ) -> None:
         self.balancer = LoadBalancer(urls)
         self.truth = truth if truth is not None else GroundTruth()  # shared by earlier traffic
@@ -142,6 +143,9 @@ class Traffic:
         self.seed = seed
         self.pace_s = pace_s  # pause between a client's calls (0: as fast as answered)
         self.prefix = prefix  # of request ids: traffic of its own in a namespace already used
+        # a new connection for every call: behind one port served by several processes, the
+        # calls of one request reach whichever process accepts each connection
+        self.fresh_connections = fresh_connections
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -170,7 +174,8 @@ class Traffic:
             self._failure = e
 
     async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+        keepalive = 0 if self.fresh_connections else 32
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=keepalive)
         async with httpx.AsyncClient(timeout=10.0, limits=limits) as http:
             await asyncio.gather(*(self._client(http, i) for i in range(self.clients)))
 

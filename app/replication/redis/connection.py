@@ -89,6 +89,9 @@ def make_client(
         # errors come back to the loops as they do for one server.
         del kwargs["retry"], kwargs["health_check_interval"]
         return RedisCluster.from_url(endpoint.url, **kwargs, **endpoint.tls_kwargs())
+    if endpoint.url.startswith("unix://"):
+        # TCP keepalive means nothing on a Unix socket, and redis-py refuses it there
+        del kwargs["socket_keepalive"]
     return Redis.from_url(endpoint.url, **kwargs, **endpoint.tls_kwargs())
 
 
