@@ -29,6 +29,7 @@ from app.http.connection import ConnectionLimits, limited_protocol
 from app.http.direct import direct_protocol
 from app.http.workers import WorkerGroupViews
 from app.main import create_app
+from app.observability import ACCESS_LOGGER
 from app.settings import (
     ConfigFileError,
     Settings,
@@ -50,6 +51,18 @@ def log_config(level: str) -> dict[str, Any]:
     config["loggers"]["app"] = {
         "handlers": ["default"],
         "level": TRACE_LOG_LEVEL if level == "trace" else level.upper(),
+        "propagate": False,
+    }
+    # the access log (``access_log``): bare JSON lines on standard output
+    config["formatters"]["json_lines"] = {"format": "%(message)s"}
+    config["handlers"]["json_lines"] = {
+        "formatter": "json_lines",
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stdout",
+    }
+    config["loggers"][ACCESS_LOGGER] = {
+        "handlers": ["json_lines"],
+        "level": "INFO",
         "propagate": False,
     }
     return config

@@ -87,6 +87,7 @@ class Settings(BaseSettings):
     api_key: SecretStr = Field(default=SecretStr(""), repr=False)
     metrics_require_key: bool = False
     log_level: LogLevel = "info"
+    access_log: bool = False
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
     max_batch_operations: int = Field(default=10_000, gt=0)

@@ -42,7 +42,7 @@ from app.http.routes import (
 )
 from app.http.selection.operations import SelectionOperations, SelectionQueries
 from app.http.selection.replicated import ReplicatedSelectionOperations
-from app.observability import HttpMetrics
+from app.observability import HttpMetrics, access_logged
 from app.replication.port import Replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
@@ -145,6 +145,8 @@ def build_http_app(
 
     api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
+    if settings.access_log:  # every path (lean, direct, FastAPI) observes through this
+        http_metrics.observe = access_logged(http_metrics.observe)  # type: ignore[method-assign]
     Instrumentator(
         registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
     ).add(http_metrics.instrumentation).instrument(app).expose(
