@@ -32,6 +32,7 @@ class ReplicationCounters:
     malformed: int = 0  # stream entries that were not records (rejected as undecodable)
     last_malformed_ns: int | None = None  # wall time of the newest
     own_skipped: int = 0  # our own records read back
+    write_refused: int = 0  # appends Redis refused for lack of memory (maxmemory, noeviction)
     snapshots_written: int = 0
     bootstraps: int = 0
 
@@ -44,6 +45,7 @@ _COUNTERS = (
     ("gaps", "Times replica records were found missing from the stream"),
     ("resets", "Times the Redis stream was found recreated or rolled back"),
     ("resent", "Replica records appended again after Redis lost them"),
+    ("write_refused", "Appends Redis refused for lack of memory (maxmemory with noeviction)"),
     ("snapshots_written", "State snapshots written to Redis"),
     ("bootstraps", "State loads from a snapshot (start and after a gap)"),
 )

@@ -282,3 +282,11 @@ def test_compose_cli_accepts_the_file() -> None:
     )
     assert result.returncode != 0
     assert API_KEY_VAR in result.stderr
+
+
+def test_redis_is_bounded_and_never_evicts_the_stream(compose: dict[str, Any]) -> None:
+    command = [str(w) for w in compose["services"]["redis"]["command"]]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert command[command.index("--maxmemory") + 1] == "768mb"
+    sentinel = (ROOT / "compose.sentinel.yaml").read_text()
+    assert "--maxmemory 768mb" in sentinel and "--maxmemory-policy noeviction" in sentinel

@@ -350,3 +350,28 @@ def test_readme_applies_the_same_manifests_without_kustomize() -> None:
     listed = {f"{name}.yaml" for name in m.group(1).split(",")}
     assert listed == set(yaml.safe_load(KUSTOMIZATION.read_text())["resources"])
     assert "kubectl apply -k deploy/kubernetes" in README.read_text()
+
+
+def _mib(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "kb": 1 / 1024, "mb": 1, "gb": 1024}
+    for suffix, factor in units.items():
+        if quantity.lower().endswith(suffix.lower()):
+            return float(quantity[: -len(suffix)]) * factor
+    raise AssertionError(f"unknown quantity {quantity}")
+
+
+def test_redis_is_bounded_and_never_evicts_the_stream() -> None:
+    """maxmemory below the container's limit, noeviction: a full Redis refuses appends (which
+    the instances report) instead of dropping stream entries without a word."""
+    seen = 0
+    variant = load_yaml_docs(KUBE_DIR / "sentinel" / "redis-sentinel.yaml")
+    for obj in [doc for _, doc in all_objects()] + list(variant):
+        for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            words = " ".join([*c.get("command", []), *c.get("args", [])]).split()
+            if "redis-server" not in words or "--sentinel" in words:
+                continue
+            seen += 1
+            assert words[words.index("--maxmemory-policy") + 1] == "noeviction"
+            limit = _mib(c["resources"]["limits"]["memory"])
+            assert _mib(words[words.index("--maxmemory") + 1]) <= 0.8 * limit
+    assert seen == 2  # the plain Redis and the Sentinel variant's data nodes

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from app.core.types import NS_PER_MS, NS_PER_S
 from app.replication.queue import EventQueue, PublishQueueClosed, PublishQueueError, collect_batch
@@ -54,6 +54,7 @@ DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
 # After a WAIT fell short, calls are refused (503 before they change anything) for this long;
 # then they are let through again, and the next append's WAIT tells whether replicas are back.
 REPLICAS_RETRY_NS = 1 * NS_PER_S
+FULL = "Redis is out of memory (maxmemory, noeviction) and refuses appends"
 
 
 class Outbox:
@@ -76,6 +77,7 @@ class Outbox:
         self.confirmed_seq = 0
         self.replicas = self.settings.replication_ack_replicas
         self._short_since: int | None = None  # clock ns: the last WAIT fell short then
+        self._full_since: int | None = None  # clock ns: Redis refused appends for memory
         self._short_logged: int | None = None
         self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()  # (seq, waiting call)
         self._append_started: int | None = None  # clock ns: an append running since then
@@ -148,7 +150,7 @@ class Outbox:
         return self._next_seq - 1 - self.counters.published
 
     def degraded_reasons(self) -> list[str]:
-        reasons = []
+        reasons = [FULL] if self._full_since is not None else []
         if len(self._queue) >= 0.9 * self.capacity:
             reasons.append("outbox nearly full")
         if self._short_since is not None:
@@ -191,12 +193,19 @@ class Outbox:
             try:
                 await self._append_payloads(payloads)
                 break
+            except OutOfMemoryError as e:  # maxmemory with noeviction: Redis is up but full
+                attempt += 1
+                self._refused_for_memory(e)
+                await asyncio.sleep(backoff_delay(attempt))
             except IO_ERRORS as e:
                 attempt += 1
                 self._set_connected(False, e)
                 await asyncio.sleep(backoff_delay(attempt))
         self._append_started = None
         self.counters.published += len(payloads)
+        if self._full_since is not None:
+            log.info("Redis accepts appends again; the outbox is draining")
+            self._full_since = None
         self._set_connected(True)
         self.appended_seq = batch[-1]["seq"]
         if self._held_by_replicas():
@@ -212,6 +221,8 @@ class Outbox:
         cut off from Redis, or its running append has not returned for ``stall_ns``."""
         if self.connected is False:
             return "Redis unreachable"
+        if self._full_since is not None:
+            return FULL
         short = self._short_since
         if short is not None and self.me.clock() - short < REPLICAS_RETRY_NS:
             return "Redis replicas not confirming"
@@ -348,6 +359,22 @@ class Outbox:
             ids = await self._append_call("", payloads[i : i + step])
             self._last_appended = id_text(ids[-1])
         self.counters.resent += len(payloads)
+
+    def _refused_for_memory(self, error: BaseException) -> None:
+        """Redis answered but refused the append: it is at ``maxmemory`` and may not evict (the
+        stream must never be evicted). Changes are refused with 503 while it lasts, records
+        stay in the outbox, and the append is retried."""
+        self.counters.write_refused += 1
+        if self._full_since is None:
+            self._full_since = self.me.clock()
+            log.error(
+                "%s (%s): changes are refused with 503 with durable acknowledgements, records "
+                "are kept in the outbox (up to %d) and appended once Redis has room; raise "
+                "maxmemory or lower stream_retention_seconds / stream_max_entries",
+                FULL,
+                error,
+                self.capacity,
+            )
 
     def _set_connected(self, ok: bool, error: BaseException | None = None) -> None:
         was = self.connected
