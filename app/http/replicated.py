@@ -68,19 +68,22 @@ def run_replicated(
         refused = gate.refusal()
         if refused is not None:
             return error_result(refused)
-    before = 0
     if acks is not None:
         refused_writes = acks.refusal()
         if refused_writes is not None:
             return refused_writes
-        before = acks.mark()
     try:
         result = op(raw, *args)
     except EXPECTED as e:
-        return error_result(e)
+        result = error_result(e)  # with acks: may rest on an unconfirmed change (``finish``)
     if acks is not None:
-        return acks.finish(result, before)
+        return acks.finish(result)
     return result if type(result) is tuple else finish_waiting(result)
+
+
+# Answers that tell the client about the shared state (a change applied, a request found or
+# not found); any other status is about the request alone and never waits.
+STATE_ANSWERS = frozenset({200, 201, 204, 404, 409})
 
 
 class DurableAcks:
@@ -103,24 +106,28 @@ class DurableAcks:
         self.counters.ack_refused += 1
         return error_result(WritesRefused(reason))
 
-    def mark(self) -> int:
-        """The replication's position before a call runs."""
-        return self.replication.last_accepted()
+    def finish(self, result: Deferred) -> Deferred:
+        """``result`` once every record this instance accepted so far is acknowledged: at once
+        when none waits (the call queued nothing, and nothing earlier is pending).
 
-    def finish(self, result: Deferred, before: int) -> Deferred:
-        """``result`` at once when the call queued nothing, else once acknowledged."""
-        if type(result) is tuple and self.replication.last_accepted() == before:
-            return result  # nothing to replicate: answered at once
-        return self._acknowledged(result, before)
+        Also for a call that changed nothing: its answer may rest on a change whose own call
+        was answered 503 and is not acknowledged yet (an add retried after a timeout answers
+        409), and a client takes that answer as acknowledging the change."""
+        rep = self.replication
+        if type(result) is tuple and (
+            rep.last_accepted() <= rep.acknowledged_through() or result[0] not in STATE_ANSWERS
+        ):
+            return result  # nothing waits, or a refusal about the request itself (422, 413)
+        return self._acknowledged(result)
 
-    async def _acknowledged(self, result: Deferred, before: int) -> Result:
+    async def _acknowledged(self, result: Deferred) -> Result:
         if type(result) is not tuple:
             try:
                 result = await result  # type: ignore[misc]
             except EXPECTED as e:
                 return error_result(e)
         seq = self.replication.last_accepted()
-        if seq == before:
+        if seq <= self.replication.acknowledged_through():
             return result  # type: ignore[return-value]
         counters = self.counters
         counters.ack_waits += 1

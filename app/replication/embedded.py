@@ -41,6 +41,9 @@ class EmbeddedReplication:
     def last_accepted(self) -> int:
         return 0
 
+    def acknowledged_through(self) -> int:
+        return 0
+
     async def appended(self, seq: int, timeout_s: float) -> bool:
         return True
 

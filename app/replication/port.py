@@ -88,6 +88,11 @@ class Replication(Protocol):
         """The sequence number of this instance's newest record queued for its peers."""
         ...
 
+    def acknowledged_through(self) -> int:
+        """This instance's records up to this sequence number are in the shared stream (and
+        held by the replicas that durable acknowledgements wait for)."""
+        ...
+
     async def appended(self, seq: int, timeout_s: float) -> bool:
         """Until this instance's records up to ``seq`` are in the shared stream (True), at most
         ``timeout_s`` (False)."""

@@ -7,6 +7,7 @@ debug level) and not in ``GET /replication``; a wrong password keeps an instance
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 import uuid
@@ -15,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.settings import Settings
 from tests.e2e.servers import Fleet
 from tests.ha.conftest import redis_binary
-from tests.ha.topology import RedisProcess, make_certificates, wait_for
+from tests.ha.topology import MASTER, RedisProcess, SentinelGroup, make_certificates, wait_for
+from tests.replication.apps import register, running_apps, until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -100,3 +103,44 @@ def test_two_instances_replicate_over_tls_as_an_acl_user(
         assert "invalid username-password pair" in c.log_path.read_text(), c.log_tail()
     finally:
         server.kill()
+
+
+async def test_sentinels_and_redis_over_tls_with_a_password(tmp_path: Path) -> None:
+    """The Sentinel shape of a managed service: Redis nodes and Sentinels on TLS ports only,
+    every one requiring the password; two instances follow a switch-over through them."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make test certificates with")
+    certs = make_certificates(tmp_path)
+    group = SentinelGroup(redis_binary(), password=PASSWORD, certs=certs)
+    try:
+        group.start()
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in group.sentinels)
+        settings = Settings(redis_sentinels=hosts, redis_password=PASSWORD, redis_tls=True,
+                            redis_tls_ca_file=str(certs["ca"]),
+                            namespace=f"tls-s-{uuid.uuid4().hex[:8]}", replication_ack="redis",
+                            snapshot_interval_seconds=3600)  # fmt: skip
+        async with running_apps(settings, settings) as (a, b):
+            await register(a, [b])
+            assert await a.add("before") == 201
+            old = group.primary_port()
+            with group.sentinels[0].client() as c:
+                c.execute_command("SENTINEL FAILOVER", MASTER)
+            wait_for(lambda: group.primary_port() != old, 30, "the switch-over")
+            for _ in range(200):  # a client retrying 503s while the instances follow
+                status = await b.add("after")
+                if status in (201, 409):
+                    break
+                assert status == 503, status
+                await asyncio.sleep(0.05)
+
+            async def both() -> bool:
+                counts = [sum(r["active_requests"] for r in await x.loads()) for x in (a, b)]
+                return counts == [2, 2]
+
+            await until(both, 15, "both requests on both instances")
+            for x in (a, b):
+                raw = (await x.client.get("/replication")).text
+                assert PASSWORD not in raw
+                assert f'"redis":"rediss+sentinel://:***@{hosts}/mymaster"' in raw, raw
+    finally:
+        group.close()

@@ -46,6 +46,7 @@ class RedisProcess:
         self.conf: str | None = None  # a config file (Sentinels need one they may rewrite)
         self.proc: subprocess.Popen[bytes] | None = None
         self.port_args = ["--port", str(self.port)]  # TLS only: --port 0 --tls-port PORT
+        self.client_kwargs: dict[str, Any] = {}  # what the test's own clients need (TLS, auth)
 
     def start(self, *extra: str) -> None:
         command = [self.binary]
@@ -59,7 +60,8 @@ class RedisProcess:
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def client(self, **kwargs: Any) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=5, **kwargs)
+        return redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=5,
+                           **self.client_kwargs, **kwargs)  # fmt: skip
 
     def wait_up(self, timeout: float = 10.0, **kwargs: Any) -> None:
         def up() -> bool:
@@ -84,13 +86,34 @@ class RedisProcess:
 
 
 class SentinelGroup:
-    """A primary, one replica and three Sentinels (quorum 2, down after 1 s)."""
+    """A primary, one replica and three Sentinels (quorum 2, down after 1 s); with ``password``
+    every one of them requires it, with ``certs`` (``make_certificates``) they speak TLS only."""
 
-    def __init__(self, binary: str) -> None:
+    def __init__(
+        self, binary: str, password: str | None = None, certs: dict[str, Path] | None = None
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="slot-tracker-ha-"))
         self.servers = [RedisProcess(binary, "redis-a", self.root),
                         RedisProcess(binary, "redis-b", self.root)]  # fmt: skip
         self.sentinels = [RedisProcess(binary, f"sentinel-{i}", self.root) for i in range(3)]
+        self.password = password
+        self.certs = certs
+        self.common = ""  # configuration lines of every process
+        if certs is not None:
+            self.common += (f"tls-cert-file {certs['server_cert']}\n"
+                            f"tls-key-file {certs['server_key']}\n"
+                            f"tls-ca-cert-file {certs['ca']}\n"
+                            "tls-auth-clients optional\ntls-replication yes\n")  # fmt: skip
+        if password is not None:
+            self.common += f"requirepass {password}\n"
+        for p in [*self.servers, *self.sentinels]:
+            if certs is not None:
+                p.port_args = ["--port", "0", "--tls-port", str(p.port)]
+                p.client_kwargs.update(ssl=True, ssl_ca_certs=str(certs["ca"]))
+            if password is not None:
+                p.client_kwargs["password"] = password
+        for server in self.servers:
+            server.conf = self.common + (f"masterauth {password}\n" if password else "")
 
     def start(self) -> None:
         first, second = self.servers
@@ -101,11 +124,19 @@ class SentinelGroup:
         wait_for(lambda: self.role(second) == "slave" and self._link_up(second), 10,
                  "the replica to sync")  # fmt: skip
         for s in self.sentinels:
+            auth = ""
+            if self.password:
+                auth = (f"sentinel auth-pass {MASTER} {self.password}\n"
+                        f"sentinel sentinel-pass {self.password}\n")  # fmt: skip
             s.conf = (
-                f"sentinel monitor {MASTER} 127.0.0.1 {first.port} 2\n"
-                f"sentinel down-after-milliseconds {MASTER} 1000\n"
-                f"sentinel failover-timeout {MASTER} 10000\n"
-                f"sentinel parallel-syncs {MASTER} 1\n"
+                self.common
+                + (
+                    f"sentinel monitor {MASTER} 127.0.0.1 {first.port} 2\n"
+                    f"sentinel down-after-milliseconds {MASTER} 1000\n"
+                    f"sentinel failover-timeout {MASTER} 10000\n"
+                    f"sentinel parallel-syncs {MASTER} 1\n"
+                )
+                + auth
             )
             s.args = ["--sentinel"]
             s.start()
@@ -189,7 +220,10 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         "-keyout", str(out["ca_key"]), "-out", str(out["ca"]), "-days", "1",
         "-subj", "/CN=slot-tracker test CA")  # fmt: skip
     for who, ext in (
-        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+        (
+            "server",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth",
+        ),  # also a replica's own
         ("client", "extendedKeyUsage=clientAuth"),
     ):
         key, csr, cert, extfile = (d / f"{who}.key", d / f"{who}.csr", d / f"{who}.pem",

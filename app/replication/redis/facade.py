@@ -203,6 +203,10 @@ class RedisReplication:
         """The sequence number of our newest record queued for the stream."""
         return self.outbox.last_accepted_seq
 
+    def acknowledged_through(self) -> int:
+        """Our records up to this seq are in the stream (and confirmed by the replicas)."""
+        return self.outbox.confirmed_seq
+
     async def appended(self, seq: int, timeout_s: float) -> bool:
         """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
         return await self.outbox.appended(seq, timeout_s)

@@ -44,7 +44,7 @@ from app.replication.records import encode_record
 from app.replication.redis.connection import IO_ERRORS, backoff_delay, honour_cancellation
 from app.replication.redis.instance import Instance
 from app.replication.redis.schedule import SnapshotSchedule
-from app.replication.redis.stream import APPEND_SCRIPT, id_text
+from app.replication.redis.stream import APPEND_SCRIPT, CONFIRM_SCRIPT, id_text
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
 # then they are let through again, and the next append's WAIT tells whether replicas are back.
 REPLICAS_RETRY_NS = 1 * NS_PER_S
 FULL = "Redis is out of memory (maxmemory, noeviction) and refuses appends"
+# While calls wait for records already appended and nothing new comes to append, the publisher
+# asks the replicas again this often (``_confirm_idle``).
+CONFIRM_IDLE_S = 0.2
 
 
 class Outbox:
@@ -92,6 +95,7 @@ class Outbox:
         follows that append on the same connection."""
         self._client = client
         self.append = client.register_script(APPEND_SCRIPT)
+        self.confirm = client.register_script(CONFIRM_SCRIPT)
 
     # -- accepting records ------------------------------------------------------------------
 
@@ -172,6 +176,14 @@ class Outbox:
         max_ns = self.settings.replication_batch_ms * NS_PER_MS
         while True:
             honour_cancellation()
+            # With replicas to wait for, an idle publisher looks up every CONFIRM_IDLE_S: calls
+            # may wait for records appended but not confirmed yet (a call that queued nothing
+            # waits for earlier records too), and nothing new may come whose append's WAIT
+            # would answer for them: then it asks the replicas again.
+            if self.replicas and not await self._queue.wait_ready(CONFIRM_IDLE_S):
+                if self._calls_waiting() and self.confirmed_seq < self.appended_seq:
+                    await self._confirm_idle()
+                continue
             batch, stop = await collect_batch(
                 self._queue,
                 max_events=max_events,
@@ -286,6 +298,42 @@ class Outbox:
             self._replicas_held = int(held)
             return ids
         raise NoScriptError("the append script could not be loaded")
+
+    def _calls_waiting(self) -> bool:
+        """Whether a call still waits for an acknowledgement (those that gave up are dropped)."""
+        acks = self._acks
+        while acks and acks[0][1].done():
+            acks.popleft()
+        return bool(acks)
+
+    async def _confirm_idle(self) -> None:
+        """WAIT for the replicas again without appending (``stream.CONFIRM_SCRIPT``); if the
+        stream lost our last record meanwhile, re-send the recent ones (with their WAITs)."""
+        assert self._client is not None
+        keys = [self.me.keys.events, self.me.keys.ack_probe]
+        args = [self._last_appended, str(self.me.instance_id)]
+        try:
+            for _ in range(2):
+                pipe = self._client.pipeline(transaction=False)
+                pipe.evalsha(self.confirm.sha, len(keys), *keys, *args)
+                pipe.wait(self.replicas, self._wait_ms())
+                try:
+                    present, held = await pipe.execute()
+                except NoScriptError:
+                    await self._client.script_load(CONFIRM_SCRIPT)
+                    continue
+                self._replicas_held = int(held)
+                if not present:
+                    await self._resend_recent()
+                break
+        except IO_ERRORS as e:
+            self._set_connected(False, e)
+            await asyncio.sleep(backoff_delay(1))
+            return
+        self._set_connected(True)
+        if self._held_by_replicas():
+            self.confirmed_seq = self.appended_seq
+            self._acknowledge()
 
     def _wait_ms(self) -> int:
         """How long WAIT may wait: less than the calls' own timeout, so that when they time out

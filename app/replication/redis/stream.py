@@ -17,11 +17,13 @@ class NamespaceKeys:
     snapshot: str
     snapshot_lease: str
     reset: str  # exists while Redis lost data and no snapshot has been written since
+    ack_probe: str  # written by CONFIRM_SCRIPT so that a WAIT after it means something
 
     @classmethod
     def of(cls, namespace: str) -> NamespaceKeys:
         tag = "{" + namespace + "}"
-        return cls(f"{tag}:events", f"{tag}:snapshot", f"{tag}:snapshot-lease", f"{tag}:reset")
+        return cls(f"{tag}:events", f"{tag}:snapshot", f"{tag}:snapshot-lease", f"{tag}:reset",
+                   f"{tag}:ack-probe")  # fmt: skip
 
 
 def parse_id(stream_id: str | bytes) -> tuple[int, int]:
@@ -61,6 +63,19 @@ if ARGV[3] ~= '0' then
   redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[3])
 end
 return ids
+"""
+
+# Confirm appended records when nothing new is appended: 0 when the stream no longer holds
+# this publisher's last entry (ARGV[1]; then they must be re-sent), else a small write (so that
+# the WAIT sent after this script on the same connection waits for the replicas to reach an
+# offset past every record this primary holds, ours included) and 1.
+CONFIRM_SCRIPT = """
+local last = ARGV[1]
+if last ~= '' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', 60000)
+return 1
 """
 
 # Write a snapshot only while holding the lease (KEYS[2] == ARGV[1]; empty ARGV[1] = unfenced).
