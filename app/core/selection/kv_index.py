@@ -1,0 +1,339 @@
+"""The index of real cache contents: which blocks each rank holds, fed by the engines' KV events.
+
+Why it exists: with KV events on (the reference's default) the router does not guess what a rank
+caches from what it routed there (``approx_cache``); each engine publishes the blocks it stores,
+removes and clears, and overlap scores read this index. One index per partition ``(model_name,
+routing_group)``.
+
+How a block is identified. An engine names its blocks with its own hashes (``block_hash``,
+vLLM's ``ExternalBlockHash``; any 64-bit value, signed or not, taken as u64) and links a stored
+run to its parent by that hash. Prompts arrive here as the router's *local* hashes (xxh3 of the
+block's tokens, ``compute_block_hash_for_seq`` with the partition's block size and LoRA name), so
+a stored block is re-hashed from the ``token_ids`` the event carries (``local_hashes``) and then
+keyed by its *chain key*: the chained local hashes from block 0 (``compute_seq_hash_for_block``),
+which is the prompt's own sequence hash at that depth. The engine's hash only serves to find a
+parent and to remove a block; the parent's chain key and the new block's local hash give the new
+chain key. A rank therefore keeps, per tier, ``engine hash -> (chain key, local hash, parent
+engine hash)``, and the index keeps, per tier, ``chain key -> ranks holding it``.
+
+What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1):
+
+* ``BlockStored`` with a parent the rank does not hold (in any tier) is skipped whole; a store
+  repeating a hash (the parent included) is dropped; an event whose ``block_size`` differs from
+  the partition's, or whose ``token_ids`` cover fewer blocks than it names, stores the full blocks
+  it covers and stops (``local_hashes``).
+* ``BlockRemoved`` drops the named blocks of that tier from the rank; unknown hashes are skipped.
+  Removing a middle block leaves its descendants stored, but a rank's overlap counts consecutive
+  blocks from block 0, so it stops there (stores ``[1,2,3]``, removes ``2``: overlap 1).
+* ``AllBlocksCleared`` empties the publishing rank only (other dp ranks of the worker keep theirs).
+* Tiers: ``device`` (GPU), ``host_pinned`` (CPU) and ``disk``; a rank's overlap is its device
+  prefix ``d``, then the ``host_pinned`` extension (consecutive blocks from depth ``d`` held in
+  host memory), then the ``disk`` extension after that. ``/overlap_scores`` reports
+  ``host_pinned_blocks = d + host_ext`` and ``disk_blocks = host_pinned_blocks + disk_ext``.
+
+Cost: a store or removal is proportional to its blocks; clearing a rank to the blocks it holds; a
+lookup walks the prompt's chain keys once per non-empty tier and compares rank sets only where a
+rank stops matching (never a scan over the partition's ranks or blocks). Pure: no time, I/O or
+asyncio.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ..hashing import XXH3_SEED, compute_block_hash_for_seq
+from ..types import U64_MAX, WorkerWithDpRank
+
+DEVICE, HOST_PINNED, DISK = 0, 1, 2
+TIERS = (DEVICE, HOST_PINNED, DISK)
+TIER_NAMES = ("device", "host_pinned", "disk")
+
+# The engines' medium names (vLLM's ``medium``; the reference's ``StorageTier::from_kv_medium``).
+# A missing or unknown medium is the device tier; an external/shared medium is no tier of a rank.
+_MEDIA = {
+    "GPU": DEVICE,
+    "DEVICE": DEVICE,
+    "CPU": HOST_PINNED,
+    "CPU_PINNED": HOST_PINNED,
+    "CPU_TIER1": HOST_PINNED,
+    "CPU_TIER2": DISK,
+    "DISK": DISK,
+    "NVME": DISK,
+}
+_EXTERNAL = frozenset({"EXTERNAL", "NETWORK", "REMOTE", "SHARED"})
+
+_h = xxhash.xxh3_64_intdigest
+_pack = struct.Struct("<QQ").pack
+
+
+def tier_of_medium(medium: str | None) -> int | None:
+    """The tier of an event's ``medium``; ``None`` for a medium outside the workers (ignored)."""
+    if medium is None:
+        return DEVICE
+    if medium in _EXTERNAL:
+        return None
+    return _MEDIA.get(medium, DEVICE)
+
+
+def chain_key(parent_key: int | None, local_hash: int) -> int:
+    """The chain key of a block: its local hash at depth 0, else xxh3 of (parent key, local)."""
+    if parent_key is None:
+        return local_hash
+    return _h(_pack(parent_key, local_hash), seed=XXH3_SEED)
+
+
+def local_hashes(
+    token_ids: Sequence[int],
+    event_block_size: int,
+    num_blocks: int,
+    block_size: int,
+    lora_name: str | None = None,
+) -> list[int]:
+    """The router's local hash of each stored block, as the reference derives them: only when the
+    event's block size is the partition's, and only for the blocks ``token_ids`` fully covers
+    (at most ``num_blocks``)."""
+    if event_block_size != block_size or block_size <= 0:
+        return []
+    n = min(num_blocks, len(token_ids) // block_size)
+    return compute_block_hash_for_seq(list(token_ids[: n * block_size]), block_size, lora_name)
+
+
+@dataclass(frozen=True, slots=True)
+class TierOverlap:
+    """A rank's cached prefix of a prompt: device blocks, then the host and disk extensions."""
+
+    device: int
+    host_extension: int = 0
+    disk_extension: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedBlock:
+    """One block of one rank and tier, as ``/dump`` lists it."""
+
+    worker: WorkerWithDpRank
+    tier: int
+    block_hash: int
+    """The engine's hash (u64)."""
+    parent_hash: int | None
+    """The engine's hash of the parent block, ``None`` at depth 0."""
+    tokens_hash: int
+    """The router's local hash (u64)."""
+
+
+class KvIndex:
+    """Blocks per rank and tier of one partition, keyed by chain key."""
+
+    def __init__(self) -> None:
+        # tier -> chain key -> ranks holding it (a dict as an ordered set)
+        self._holders: tuple[dict[int, dict[WorkerWithDpRank, None]], ...] = ({}, {}, {})
+        # rank -> per tier: engine hash -> (chain key, local hash, parent engine hash or None)
+        self._ranks: dict[WorkerWithDpRank, tuple[dict[int, tuple[int, int, int | None]], ...]] = {}
+        self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
+        self._size = 0
+        self.lookup_probes = 0
+        """Work done by ``overlaps``: chain keys looked up plus ranks compared (never reset)."""
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def _rank(self, worker: WorkerWithDpRank) -> tuple[dict[int, tuple[int, int, int | None]], ...]:
+        maps = self._ranks.get(worker)
+        if maps is None:
+            maps = self._ranks[worker] = ({}, {}, {})
+            self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
+        return maps
+
+    def store(
+        self,
+        worker: WorkerWithDpRank,
+        tier: int,
+        parent_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+    ) -> bool:
+        """Store ``blocks`` (``(engine hash, local hash)`` each, in order) on ``worker`` in
+        ``tier`` under the parent ``parent_hash`` (an engine hash, or ``None`` for block 0).
+
+        Returns False, storing nothing, when the parent is unknown on the rank or a hash repeats.
+        """
+        parent = None if parent_hash is None else parent_hash & U64_MAX
+        hashes = [b & U64_MAX for b, _ in blocks]
+        seen = set(hashes)
+        if len(seen) != len(hashes) or (parent is not None and parent in seen):
+            return False
+        maps = self._ranks.get(worker)
+        parent_key: int | None = None
+        if parent is not None:
+            entry = None
+            if maps is not None:
+                entry = maps[tier].get(parent)
+                if entry is None:
+                    for other in TIERS:
+                        entry = maps[other].get(parent)
+                        if entry is not None:
+                            break
+            if entry is None:
+                return False
+            parent_key = entry[0]
+        if not blocks:
+            return True
+        maps = self._rank(worker)
+        mine = maps[tier]
+        holders = self._holders[tier]
+        prev = parent
+        for h, (_, local) in zip(hashes, blocks, strict=True):
+            local &= U64_MAX
+            key = chain_key(parent_key, local)
+            old = mine.get(h)
+            if old is not None:  # stored again: moves to its new place in the chain
+                self._unhold(holders, old[0], worker)
+                self._size -= 1
+            mine[h] = (key, local, prev)
+            ranks = holders.get(key)
+            if ranks is None:
+                ranks = holders[key] = {}
+            ranks[worker] = None
+            self._size += 1
+            parent_key, prev = key, h
+        return True
+
+    @staticmethod
+    def _unhold(
+        holders: dict[int, dict[WorkerWithDpRank, None]], key: int, worker: WorkerWithDpRank
+    ) -> None:
+        ranks = holders.get(key)
+        if ranks is not None:
+            ranks.pop(worker, None)
+            if not ranks:
+                del holders[key]
+
+    def remove(self, worker: WorkerWithDpRank, tier: int, block_hashes: Sequence[int]) -> int:
+        """Drop the named blocks of ``tier`` from ``worker``; returns how many it held."""
+        maps = self._ranks.get(worker)
+        if maps is None:
+            return 0
+        mine = maps[tier]
+        holders = self._holders[tier]
+        removed = 0
+        for h in block_hashes:
+            entry = mine.pop(h & U64_MAX, None)
+            if entry is None:
+                continue
+            self._unhold(holders, entry[0], worker)
+            removed += 1
+        self._size -= removed
+        return removed
+
+    def clear_rank(self, worker: WorkerWithDpRank) -> int:
+        """Forget every block ``worker`` holds, all tiers (``AllBlocksCleared``, a lost gap, a
+        rank leaving); returns how many."""
+        maps = self._ranks.pop(worker, None)
+        if maps is None:
+            return 0
+        ranks = self._ranks_of_worker[worker.worker_id]
+        ranks.discard(worker)
+        if not ranks:
+            del self._ranks_of_worker[worker.worker_id]
+        n = 0
+        for tier in TIERS:
+            holders = self._holders[tier]
+            for key, _, _ in maps[tier].values():
+                self._unhold(holders, key, worker)
+            n += len(maps[tier])
+        self._size -= n
+        return n
+
+    def remove_worker(self, worker_id: int) -> int:
+        """Forget every rank of ``worker_id``; returns blocks dropped."""
+        return sum(self.clear_rank(r) for r in list(self._ranks_of_worker.get(worker_id, ())))
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def overlaps(self, keys: Sequence[int]) -> dict[WorkerWithDpRank, TierOverlap]:
+        """Each rank's cached prefix of a prompt given by its chain keys (ranks with nothing
+        omitted): consecutive device blocks from block 0, then the host and disk extensions."""
+        out: dict[WorkerWithDpRank, TierOverlap] = {}
+        if not keys:
+            return out
+        device = self._device_prefix(keys)
+        host_holders, disk_holders = self._holders[HOST_PINNED], self._holders[DISK]
+        if not host_holders and not disk_holders:
+            return {w: TierOverlap(d) for w, d in device.items()}
+        n = len(keys)
+        host = [host_holders.get(k & U64_MAX) for k in keys] if host_holders else [None] * n
+        disk = [disk_holders.get(k & U64_MAX) for k in keys] if disk_holders else [None] * n
+        self.lookup_probes += 2 * n
+        lower: set[WorkerWithDpRank] = set()
+        for col in (host, disk):
+            for ranks in col:
+                if ranks:
+                    lower.update(ranks)
+        for w, d in device.items():
+            if w not in lower:
+                out[w] = TierOverlap(d)
+        for w in lower:
+            d = device.get(w, 0)
+            i = d
+            while i < n and (ranks := host[i]) is not None and w in ranks:
+                i += 1
+            h = i - d
+            while i < n and (ranks := disk[i]) is not None and w in ranks:
+                i += 1
+            self.lookup_probes += i - d
+            if i:
+                out[w] = TierOverlap(d, h, i - d - h)
+        return out
+
+    def _device_prefix(self, keys: Sequence[int]) -> dict[WorkerWithDpRank, int]:
+        """The reference's walk (``RadixTree::find_matches``): the ranks at block 0 are active;
+        where a deeper block has fewer holders than there are active ranks, the active ranks it
+        lacks score the depth reached so far and its holders become the active ranks; the ranks
+        still active at the end score the whole matched depth. Without removed middle blocks a
+        block's holders are a subset of its parent's, so this is the consecutive prefix per rank;
+        rank sets are compared only where some rank stops."""
+        holders = self._holders[DEVICE]
+        result: dict[WorkerWithDpRank, int] = {}
+        active = holders.get(keys[0] & U64_MAX)
+        if not active:
+            self.lookup_probes += 1
+            return result
+        count = len(active)
+        matched = 1
+        probes = 1
+        for depth in range(1, len(keys)):
+            ranks = holders.get(keys[depth] & U64_MAX)
+            probes += 1
+            if not ranks:
+                break
+            if len(ranks) < count:
+                probes += count
+                for w in active:
+                    if w not in ranks:
+                        result[w] = matched
+                active, count = ranks, len(ranks)
+            matched = depth + 1
+        for w in active:
+            result[w] = matched
+        self.lookup_probes += probes + count
+        return result
+
+    def blocks(self) -> Iterator[IndexedBlock]:
+        """Every indexed block, per rank and tier, in store order."""
+        for worker, maps in self._ranks.items():
+            for tier in TIERS:
+                for h, (_, local, parent) in maps[tier].items():
+                    yield IndexedBlock(worker, tier, h, parent, local)
+
+    def ranks(self) -> list[WorkerWithDpRank]:
+        return list(self._ranks)
+
+    def rank_size(self, worker: WorkerWithDpRank) -> int:
+        maps = self._ranks.get(worker)
+        return 0 if maps is None else sum(len(m) for m in maps)
+
+    def __len__(self) -> int:
+        """Indexed (rank, tier, block) entries."""
+        return self._size

@@ -1,0 +1,135 @@
+"""The index of real cache contents, against behaviour observed on the reference (1.6.1).
+
+Every scenario here was first run on ``python -m dynamo.select_service`` with KV events on, fed
+by a vLLM-format publisher; the numbers are the reference's ``/overlap_scores`` columns
+``(device_blocks, host_pinned_extension_blocks, disk_extension_blocks)``.
+"""
+
+from __future__ import annotations
+
+from app.core.hashing import compute_seq_hash_for_block, sequence_hashes_for_tokens
+from app.core.selection.kv_index import (
+    DEVICE,
+    DISK,
+    HOST_PINNED,
+    KvIndex,
+    TierOverlap,
+    local_hashes,
+    tier_of_medium,
+)
+from app.core.types import WorkerWithDpRank as W
+
+BS = 4
+TOKENS = list(range(100, 124))  # six blocks of four tokens
+LOCAL = local_hashes(TOKENS, BS, 6, BS)
+KEYS = sequence_hashes_for_tokens(TOKENS, BS)
+A, B = W(1, 0), W(2, 0)
+
+
+def blocks(engine: list[int], first: int = 0) -> list[tuple[int, int]]:
+    """``(engine hash, local hash)`` of consecutive blocks starting at block ``first``."""
+    return [(h, LOCAL[first + i]) for i, h in enumerate(engine)]
+
+
+def test_local_hashes_are_the_reference_tokens_hashes() -> None:
+    # /dump of the reference after BlockStored([11, 12, 13], token_ids 100..111, block_size 4)
+    assert LOCAL[:3] == [6320977984009303047, 16988655349664461655, 6717274780279712737]
+    assert compute_seq_hash_for_block(LOCAL) == KEYS
+
+
+def test_local_hashes_only_for_the_partition_block_size_and_full_blocks() -> None:
+    assert local_hashes(TOKENS, 16, 2, BS) == []  # "Block size must be 4 tokens"
+    assert local_hashes(TOKENS[:10], BS, 3, BS) == LOCAL[:2]  # "token_ids too short"
+    assert local_hashes(TOKENS, BS, 2, BS) == LOCAL[:2]
+    assert local_hashes(TOKENS[:8], BS, 2, BS, "ad1") != LOCAL[:2]  # LoRA changes the seed
+
+
+def test_store_and_prefix_overlap() -> None:
+    ix = KvIndex()
+    assert ix.store(A, DEVICE, None, blocks([11, 12, 13]))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(3)}
+    assert ix.overlaps(KEYS[:2]) == {A: TierOverlap(2)}
+    assert ix.store(A, DEVICE, 13, blocks([14], 3))
+    assert ix.store(B, DEVICE, None, blocks([21]))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(4), B: TierOverlap(1)}
+    assert len(ix) == 5
+    # another prompt sharing nothing
+    assert ix.overlaps(sequence_hashes_for_tokens(list(range(8)), BS)) == {}
+
+
+def test_removing_a_middle_block_cuts_the_prefix() -> None:
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([11, 12, 13]))
+    assert ix.remove(A, DEVICE, [12]) == 1
+    assert ix.overlaps(KEYS) == {A: TierOverlap(1)}  # reference: device_blocks 1
+    assert len(ix) == 2
+    assert ix.remove(A, DEVICE, [12, 999]) == 0  # unknown hashes are skipped
+
+
+def test_parent_unknown_or_repeated_hash_stores_nothing() -> None:
+    ix = KvIndex()
+    assert not ix.store(A, DEVICE, 999, blocks([12], 1))
+    assert not ix.store(A, DEVICE, None, [(5, LOCAL[0]), (5, LOCAL[1])])
+    assert ix.store(A, DEVICE, None, blocks([11]))
+    assert not ix.store(A, DEVICE, 11, blocks([11], 1))  # the parent again
+    assert ix.overlaps(KEYS) == {A: TierOverlap(1)}
+    assert len(ix) == 1
+
+
+def test_signed_and_unsigned_engine_hashes_are_one_block() -> None:
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([-5, 2**64 - 3]))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
+    assert ix.remove(A, DEVICE, [2**64 - 5]) == 1  # -5 as u64
+    assert ix.overlaps(KEYS) == {}
+
+
+def test_clear_rank_keeps_the_other_ranks() -> None:
+    ix = KvIndex()
+    a1 = W(1, 1)
+    ix.store(A, DEVICE, None, blocks([1, 2]))
+    ix.store(a1, DEVICE, None, blocks([1, 2]))
+    assert ix.clear_rank(A) == 2
+    assert ix.overlaps(KEYS) == {a1: TierOverlap(2)}
+    ix.store(A, DEVICE, None, blocks([1]))
+    assert ix.remove_worker(1) == 3
+    assert ix.overlaps(KEYS) == {} and len(ix) == 0
+
+
+def test_tiers_extend_the_device_prefix() -> None:
+    # reference: GPU [1,2], CPU [3,4] under 2, DISK [5] under 4 -> (2, 4, 5, ext 2, ext 1)
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2]))
+    assert ix.store(A, HOST_PINNED, 2, blocks([3, 4], 2))
+    assert ix.store(A, DISK, 4, blocks([5], 4))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2, 2, 1)}
+    # the same blocks again in host memory from block 0 change nothing (the device prefix wins)
+    ix.store(A, HOST_PINNED, None, blocks([1, 2, 3]))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2, 2, 1)}
+    # a rank holding only host blocks
+    ix.store(B, HOST_PINNED, None, blocks([7, 8]))
+    assert ix.overlaps(KEYS)[B] == TierOverlap(0, 2, 0)
+    assert ix.remove(A, DEVICE, [1]) == 1
+    assert ix.overlaps(KEYS)[A] == TierOverlap(0, 4, 1)
+
+
+def test_medium_names() -> None:
+    assert [tier_of_medium(m) for m in (None, "GPU", "CPU", "CPU_PINNED", "DISK", "NVME")] == [
+        DEVICE, DEVICE, HOST_PINNED, HOST_PINNED, DISK, DISK,
+    ]  # fmt: skip
+    assert tier_of_medium("EXTERNAL") is None
+    assert tier_of_medium("whatever") == DEVICE
+
+
+def test_lookup_cost_does_not_grow_with_unrelated_ranks() -> None:
+    ix = KvIndex()
+    for wid in range(1000):
+        ix.store(W(wid + 10, 0), DEVICE, None, [(1, 12345 + wid)])
+    ix.store(A, DEVICE, None, blocks([11, 12, 13, 14, 15, 16]))
+    before = ix.lookup_probes
+    assert ix.overlaps(KEYS) == {A: TierOverlap(6)}
+    assert ix.lookup_probes - before == 6 + 1
+    ix.store(B, DEVICE, None, blocks([21, 22]))
+    before = ix.lookup_probes
+    assert ix.overlaps(KEYS) == {A: TierOverlap(6), B: TierOverlap(2)}
+    assert ix.lookup_probes - before == 6 + 2 + 1
