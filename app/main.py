@@ -23,7 +23,14 @@ from prometheus_client import CollectorRegistry
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
-from app.observability import build_registry, watch_consistency, watch_selection, watch_service
+from app.ingest.zmq import ZmqIngest
+from app.observability import (
+    build_registry,
+    watch_consistency,
+    watch_ingest,
+    watch_selection,
+    watch_service,
+)
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
@@ -54,6 +61,14 @@ def create_app(
     selection = build_selection(settings, service)
     watch_service(registry, service)
     watch_selection(registry, selection)
+    ingest = None
+    if selection.config.use_kv_events:
+        ingest = ZmqIngest(
+            selection,
+            max_message_bytes=settings.kv_events_max_message_bytes,
+            replay_timeout=settings.kv_events_replay_timeout_seconds,
+        )
+        watch_ingest(registry, ingest, selection)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -64,9 +79,13 @@ def create_app(
             _expiry_sweeper(service, selection, settings), name="expiry-sweep"
         )
         await replication.start(service)
+        if ingest is not None:
+            ingest.start()
         try:
             yield
         finally:
+            if ingest is not None:
+                await ingest.stop()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -84,6 +103,7 @@ def create_app(
     app.state.settings = settings
     app.state.service = service
     app.state.selection = selection
+    app.state.ingest = ingest
     app.state.replication = replication
     app.state.registry = registry
     return app
@@ -120,6 +140,7 @@ def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
         router_temperature=settings.router_temperature,
         track_prefill_tokens=settings.router_track_prefill_tokens,
         router_ttl_secs=settings.router_ttl_seconds,
+        use_kv_events=settings.router_use_kv_events,
     ).with_env(env)
 
 

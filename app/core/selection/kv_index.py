@@ -288,36 +288,40 @@ class KvIndex:
         return out
 
     def _device_prefix(self, keys: Sequence[int]) -> dict[WorkerWithDpRank, int]:
-        """The reference's walk (``RadixTree::find_matches``): the ranks at block 0 are active;
-        where a deeper block has fewer holders than there are active ranks, the active ranks it
-        lacks score the depth reached so far and its holders become the active ranks; the ranks
-        still active at the end score the whole matched depth. Without removed middle blocks a
-        block's holders are a subset of its parent's, so this is the consecutive prefix per rank;
-        rank sets are compared only where some rank stops."""
+        """Consecutive device blocks from block 0, per rank: the ranks holding block 0 are
+        active; at each deeper block the active ranks it lacks score the depth reached so far
+        and drop out. (The reference's tree gives the same: a rank whose middle block was removed
+        stops there even though it still holds deeper blocks, and another rank holding those
+        deeper blocks is not credited with it.) The active set is compared with a block's holders
+        by one C-level subset test per depth; ranks are visited only where some drop out."""
         holders = self._holders[DEVICE]
         result: dict[WorkerWithDpRank, int] = {}
-        active = holders.get(keys[0] & U64_MAX)
-        if not active:
+        first = holders.get(keys[0] & U64_MAX)
+        if not first:
             self.lookup_probes += 1
             return result
-        count = len(active)
-        matched = 1
+        active = first.keys()
         probes = 1
+        depth = 1
         for depth in range(1, len(keys)):
             ranks = holders.get(keys[depth] & U64_MAX)
             probes += 1
             if not ranks:
                 break
-            if len(ranks) < count:
-                probes += count
-                for w in active:
-                    if w not in ranks:
-                        result[w] = matched
-                active, count = ranks, len(ranks)
-            matched = depth + 1
+            if not active <= ranks.keys():
+                probes += len(active)
+                kept = active & ranks.keys()
+                for w in active - kept:
+                    result[w] = depth
+                if not kept:
+                    active = kept
+                    break
+                active = kept
+        else:
+            depth = len(keys)
         for w in active:
-            result[w] = matched
-        self.lookup_probes += probes + count
+            result[w] = depth
+        self.lookup_probes += probes + len(active)
         return result
 
     def blocks(self) -> Iterator[IndexedBlock]:

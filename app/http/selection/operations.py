@@ -196,6 +196,9 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
     return out
 
 
+_NO_EXTENSION = (0, 0)
+
+
 def overlap_json(o: OverlapScores) -> dict[str, Any]:
     return {
         "block_size": o.block_size,
@@ -205,13 +208,14 @@ def overlap_json(o: OverlapScores) -> dict[str, Any]:
                 "worker_id": wid,
                 "dp_rank": rank,
                 "device_blocks": k,
-                "host_pinned_blocks": k,
-                "disk_blocks": k,
-                "host_pinned_extension_blocks": 0,
-                "disk_extension_blocks": 0,
+                "host_pinned_blocks": k + h,
+                "disk_blocks": k + h + d,
+                "host_pinned_extension_blocks": h,
+                "disk_extension_blocks": d,
                 "shared_beyond_device_blocks": None,
             }
             for wid, rank, k in o.rows
+            for h, d in (o.extensions.get((wid, rank), _NO_EXTENSION),)
         ],
         "shared_cache": _SHARED_CACHE_OFF,
     }
@@ -383,7 +387,7 @@ class SelectionQueries:
             events = [
                 {
                     "worker_id": run.worker.worker_id,
-                    "storage_tier": "device",
+                    "storage_tier": run.storage_tier,
                     "residency_domain": "worker",
                     "event": {
                         "event_id": i,

@@ -41,6 +41,7 @@ from app.core.selection import (
 from app.core.selection.approx_cache import StoredRun
 from app.core.selection.catalog import (
     INCOMPLETE,
+    MAX_DP_SIZE,
     SCHEDULABLE,
     WorkerRecord,
     WorkerSpec,
@@ -53,8 +54,12 @@ from app.core.selection.errors import (
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
 )
+from app.core.selection.kv_index import TIER_NAMES, local_hashes
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
+from app.core.types import WorkerWithDpRank
+from app.ingest.port import RankKey, Subscription
+from app.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
 from app.service.commands import Key
 from app.service.errors import TooManyHashes
 from app.service.registry import TrackerRegistry
@@ -113,6 +118,12 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
         self.counters = SelectionCounters()
+        self._kv_version = 0  # bumped whenever the wanted KV-event subscriptions may change
+        self._kv_epochs: dict[int, int] = {}  # worker id -> times it left its partition
+        self.kv_stores_refused = 0
+        """KV-event stores skipped: parent unknown on the rank, or a hash repeated."""
+        self.kv_events_unrouted = 0
+        """KV events for a worker or rank that is not (or no longer) schedulable here."""
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -185,6 +196,13 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
     def _reasons(self, spec: WorkerSpec, placed_here: int) -> list[str]:
         """Why ``spec`` cannot be placed; ``placed_here`` = its ranks already in that tracker."""
         reasons = intrinsic_reasons(spec)
+        if self.config.use_kv_events and spec.dp_size <= MAX_DP_SIZE:
+            endpoints = kv_endpoints(spec)
+            reasons += [
+                f"kv_events endpoint is required for dp_rank {rank}"
+                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size)
+                if not endpoints.get(rank)
+            ]
         if reasons:
             return reasons
         assert spec.block_size is not None
@@ -233,6 +251,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
 
     def _place(self, spec: WorkerSpec) -> None:
         """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""
+        self._kv_version += 1
         key = spec.key
         assert spec.block_size is not None
         t = self.registry.find(key)
@@ -247,6 +266,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part.block_size = t.block_size
         part.workers[spec.worker_id] = spec
         if change.removed:
+            for w in change.removed:
+                part.index.clear_rank(w)
             self._orphan(spec.worker_id, {w.dp_rank for w in change.removed})
 
     def _unplace(self, spec: WorkerSpec) -> None:
@@ -260,6 +281,9 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if part is not None:
             part.workers.pop(spec.worker_id, None)
             part.cache.remove_worker(spec.worker_id)
+            part.index.remove_worker(spec.worker_id)
+        self._kv_version += 1
+        self._kv_epochs[spec.worker_id] = self._kv_epochs.get(spec.worker_id, 0) + 1
         self._orphan(spec.worker_id, None)
 
     def _orphan(self, worker_id: int, ranks: set[int] | None) -> None:
@@ -334,7 +358,13 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             return Candidates([], [], [], [], [])
         workers, prefill, decode, requests = t.load_columns(list(prompt.sequence_hashes), now)
         blocks = prompt.block_hashes
-        over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain) if blocks else {}
+        if not blocks:
+            over: dict[WorkerWithDpRank, int] = {}
+        elif self.config.use_kv_events:
+            keys = chain or prompt.cache_chain
+            over = {w: o.device for w, o in part.index.overlaps(keys).items()} if keys else {}
+        else:
+            over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain)
         known = part.workers
         if not t.table.ranges.keys() <= known.keys():
             # ranks the slot-tracker routes registered are not candidates of the selection API
@@ -465,7 +495,15 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part, prompt, candidates = self._query(cmd)
         blocks = prompt.block_hashes or ()
         rows = dict(zip(candidates.workers, candidates.overlap, strict=True))
-        if blocks:
+        extensions: dict[tuple[int, int], tuple[int, int]] = {}
+        if blocks and self.config.use_kv_events:
+            keys = prompt.cache_chain
+            for w, o in (part.index.overlaps(keys) if keys else {}).items():
+                if w in rows:  # ranks no longer placed were cleared; lower tiers only here
+                    rows[w] = o.device
+                    if o.host_extension or o.disk_extension:
+                        extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
+        elif blocks:
             now = self.clock()
             for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
                 rows.setdefault(w, k)
@@ -473,6 +511,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             part.block_size,
             len(blocks),
             [(w.worker_id, w.dp_rank, k) for w, k in sorted(rows.items())],
+            extensions,
         )
 
     def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
@@ -509,12 +548,96 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         return out
 
     def dump(self) -> list[tuple[Key, int, list[StoredRun]]]:
-        """Every partition's live approximate-cache content, as stored runs."""
+        """Every partition's live approximate-cache content, as stored runs; with KV events on,
+        every indexed block as a one-block run under its engine parent, with its tier."""
         now = self.clock()
+        if self.config.use_kv_events:
+            return [
+                (
+                    key,
+                    part.block_size,
+                    [
+                        StoredRun(
+                            b.worker,
+                            b.parent_hash,
+                            ((b.block_hash, b.tokens_hash),),
+                            TIER_NAMES[b.tier],
+                        )  # fmt: skip
+                        for b in part.index.blocks()
+                    ],
+                )
+                for key, part in sorted(self.partitions.items())
+            ]
         return [
             (key, part.block_size, list(part.cache.stored_runs(now)))
             for key, part in sorted(self.partitions.items())
         ]
+
+    # -- KV events (the ingest's sink, app.ingest.port.KvEventSink) -------------------------
+
+    @property
+    def kv_subscriptions_version(self) -> int:
+        return self._kv_version
+
+    def kv_subscriptions(self) -> dict[RankKey, Subscription]:
+        """Every rank of every schedulable worker and its engine's publisher (KV events on)."""
+        if not self.config.use_kv_events:
+            return {}
+        out: dict[RankKey, Subscription] = {}
+        for part in self.partitions.values():
+            for wid, spec in part.workers.items():
+                endpoints = kv_endpoints(spec)
+                epoch = self._kv_epochs.get(wid, 0)
+                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size):
+                    endpoint = endpoints.get(rank)
+                    if endpoint:
+                        out[wid, rank] = Subscription(endpoint, spec.replay_endpoint or None, epoch)
+        return out
+
+    def _kv_partition(self, worker_id: int) -> Partition | None:
+        record = self.catalog.get(worker_id)
+        if record is None or not record.schedulable:
+            return None
+        part = self.partitions.get(record.spec.key)
+        if part is None or worker_id not in part.workers:
+            return None
+        return part
+
+    def apply_kv_batch(self, worker_id: int, dp_rank: int, batch: KvBatch) -> None:
+        """One engine batch into the worker's partition index, in one synchronous call. The
+        batch's own ``data_parallel_rank`` wins over the socket's rank (as the reference)."""
+        part = self._kv_partition(worker_id)
+        if part is None:
+            self.kv_events_unrouted += len(batch.events)
+            return
+        rank = WorkerWithDpRank(worker_id, dp_rank if batch.dp_rank is None else batch.dp_rank)
+        if not part.workers[worker_id].has_rank(rank.dp_rank):
+            self.kv_events_unrouted += len(batch.events)
+            return
+        index, bs = part.index, part.block_size
+        for ev in batch.events:
+            if isinstance(ev, BlocksStored):
+                if ev.tier is None:
+                    continue
+                locals_ = local_hashes(
+                    ev.token_ids, ev.block_size, len(ev.block_hashes), bs, ev.lora_name
+                )
+                blocks = list(zip(ev.block_hashes, locals_, strict=False))
+                if not index.store(rank, ev.tier, ev.parent_hash, blocks):
+                    self.kv_stores_refused += 1
+            elif isinstance(ev, BlocksRemoved):
+                if ev.tier is not None:
+                    index.remove(rank, ev.tier, ev.block_hashes)
+            elif isinstance(ev, AllCleared):
+                index.clear_rank(rank)
+
+    def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
+        part = self._kv_partition(worker_id)
+        if part is not None:
+            part.index.clear_rank(WorkerWithDpRank(worker_id, dp_rank))
+
+    def kv_indexed_blocks(self) -> dict[Key, int]:
+        return {key: len(part.index) for key, part in self.partitions.items()}
 
     # -- background ------------------------------------------------------------------------
 
@@ -555,6 +678,22 @@ def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
     if prompt.from_tokens:
         return prompt.sequence_hashes
     return tuple(chain_keys(prompt.block_hashes))
+
+
+def kv_endpoints(spec: WorkerSpec) -> dict[int, str]:
+    """The rank -> publisher map of a worker, as the reference reads it: ``kv_events_endpoints``
+    when non-empty (keys are ranks), else ``kv_events_endpoint`` for a worker of one rank."""
+    if spec.kv_events_endpoints:
+        out = {}
+        for rank, endpoint in spec.kv_events_endpoints.items():
+            try:
+                out[int(rank)] = endpoint
+            except ValueError:
+                continue
+        return out
+    if spec.dp_size == 1 and spec.kv_events_endpoint is not None:
+        return {spec.dp_start: spec.kv_events_endpoint}
+    return {}
 
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:

@@ -133,3 +133,14 @@ def test_lookup_cost_does_not_grow_with_unrelated_ranks() -> None:
     before = ix.lookup_probes
     assert ix.overlaps(KEYS) == {A: TierOverlap(6), B: TierOverlap(2)}
     assert ix.lookup_probes - before == 6 + 2 + 1
+
+
+def test_a_removed_middle_block_credits_no_other_rank() -> None:
+    # reference: rank 0 stores [11,12,13], rank 1 [11,12]; rank 0 removes 12 -> (1, 2), not 3
+    ix = KvIndex()
+    a1 = W(1, 1)
+    ix.store(A, DEVICE, None, blocks([11, 12, 13]))
+    ix.store(a1, DEVICE, None, blocks([11, 12]))
+    ix.remove(A, DEVICE, [12])
+    assert ix.overlaps(KEYS) == {A: TierOverlap(1), a1: TierOverlap(2)}
+    assert ix.overlaps(KEYS[:1]) == {A: TierOverlap(1), a1: TierOverlap(1)}
