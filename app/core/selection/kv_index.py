@@ -18,14 +18,17 @@ engine hash)``, and the index keeps, per tier, ``chain key -> ranks holding it``
 
 What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1):
 
-* ``BlockStored`` with a parent the rank does not hold (in any tier) is skipped whole; a store
-  repeating a hash (the parent included) is dropped; an event whose ``block_size`` differs from
+* ``BlockStored`` with a parent the rank does not hold is skipped whole (a device block's parent
+  must be a device block; a host or disk block's parent may be in any tier); a store repeating a
+  hash (the parent included) is dropped; an event whose ``block_size`` differs from
   the partition's, or whose ``token_ids`` cover fewer blocks than it names, stores the full blocks
   it covers and stops (``local_hashes``).
-* ``BlockRemoved`` drops the named blocks of that tier from the rank; unknown hashes are skipped.
-  Removing a middle block leaves its descendants stored, but a rank's overlap counts consecutive
-  blocks from block 0, so it stops there (stores ``[1,2,3]``, removes ``2``: overlap 1).
-* ``AllBlocksCleared`` empties the publishing rank only (other dp ranks of the worker keep theirs).
+* ``BlockRemoved`` drops the named blocks of that tier from the rank; in the device tier each
+  with every block the rank stored under it (stores ``[1,2,3]``, removes ``2``: ``/dump`` lists
+  ``1`` only, a later store under ``3`` is refused, overlap 1), in the host and disk tiers just
+  the named blocks. Unknown hashes are skipped.
+* ``AllBlocksCleared`` empties the publishing rank, every tier (other dp ranks of the worker keep
+  theirs).
 * Tiers: ``device`` (GPU), ``host_pinned`` (CPU) and ``disk``; a rank's overlap is its device
   prefix ``d``, then the ``host_pinned`` extension (consecutive blocks from depth ``d`` held in
   host memory), then the ``disk`` extension after that. ``/overlap_scores`` reports
@@ -133,6 +136,8 @@ class KvIndex:
         self._holders: tuple[dict[int, dict[WorkerWithDpRank, None]], ...] = ({}, {}, {})
         # rank -> per tier: engine hash -> (chain key, local hash, parent engine hash or None)
         self._ranks: dict[WorkerWithDpRank, tuple[dict[int, tuple[int, int, int | None]], ...]] = {}
+        # rank -> per tier: parent engine hash -> its children's engine hashes (for removals)
+        self._kids: dict[WorkerWithDpRank, tuple[dict[int, set[int]], ...]] = {}
         self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
         self._size = 0
         self.lookup_probes = 0
@@ -144,6 +149,7 @@ class KvIndex:
         maps = self._ranks.get(worker)
         if maps is None:
             maps = self._ranks[worker] = ({}, {}, {})
+            self._kids[worker] = ({}, {}, {})
             self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
         return maps
 
@@ -170,7 +176,7 @@ class KvIndex:
             entry = None
             if maps is not None:
                 entry = maps[tier].get(parent)
-                if entry is None:
+                if entry is None and tier != DEVICE:
                     for other in TIERS:
                         entry = maps[other].get(parent)
                         if entry is not None:
@@ -182,6 +188,7 @@ class KvIndex:
             return True
         maps = self._rank(worker)
         mine = maps[tier]
+        kids = self._kids[worker][tier]
         holders = self._holders[tier]
         prev = parent
         for h, (_, local) in zip(hashes, blocks, strict=True):
@@ -191,7 +198,11 @@ class KvIndex:
             if old is not None:  # stored again: moves to its new place in the chain
                 self._unhold(holders, old[0], worker)
                 self._size -= 1
+                if old[2] is not None and (siblings := kids.get(old[2])) is not None:
+                    siblings.discard(h)
             mine[h] = (key, local, prev)
+            if prev is not None:
+                kids.setdefault(prev, set()).add(h)
             ranks = holders.get(key)
             if ranks is None:
                 ranks = holders[key] = {}
@@ -211,19 +222,37 @@ class KvIndex:
                 del holders[key]
 
     def remove(self, worker: WorkerWithDpRank, tier: int, block_hashes: Sequence[int]) -> int:
-        """Drop the named blocks of ``tier`` from ``worker``; returns how many it held."""
+        """Drop the named blocks of ``tier`` from ``worker``, each with the blocks the rank
+        stored under it in that tier; returns how many blocks went."""
         maps = self._ranks.get(worker)
         if maps is None:
             return 0
         mine = maps[tier]
+        kids = self._kids[worker][tier]
         holders = self._holders[tier]
         removed = 0
         for h in block_hashes:
-            entry = mine.pop(h & U64_MAX, None)
+            h &= U64_MAX
+            entry = mine.get(h)
             if entry is None:
                 continue
-            self._unhold(holders, entry[0], worker)
-            removed += 1
+            if entry[2] is not None and (siblings := kids.get(entry[2])) is not None:
+                siblings.discard(h)
+            if tier != DEVICE:
+                del mine[h]
+                kids.pop(h, None)
+                self._unhold(holders, entry[0], worker)
+                removed += 1
+                continue
+            stack = [h]
+            while stack:
+                b = stack.pop()
+                gone = mine.pop(b, None)
+                if gone is None:
+                    continue
+                self._unhold(holders, gone[0], worker)
+                removed += 1
+                stack.extend(kids.pop(b, ()))
         self._size -= removed
         return removed
 
@@ -233,6 +262,7 @@ class KvIndex:
         maps = self._ranks.pop(worker, None)
         if maps is None:
             return 0
+        del self._kids[worker]
         ranks = self._ranks_of_worker[worker.worker_id]
         ranks.discard(worker)
         if not ranks:

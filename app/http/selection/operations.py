@@ -167,6 +167,8 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
         out["isl_tokens"] = o.prompt.isl_tokens
         out["track_prefill_tokens"] = o.track_prefill_tokens
     overlap = sel.overlap.max_tokens
+    cpu = overlap if sel.overlap.cpu_tokens is None else sel.overlap.cpu_tokens
+    disk = overlap if sel.overlap.disk_tokens is None else sel.overlap.disk_tokens
     out.update(
         model_name=o.model_name,
         routing_group=o.routing_group,
@@ -175,11 +177,11 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
         endpoint=o.endpoint,
         block_size=o.block_size,
         overlap={
-            "longest_matched": overlap,
+            "longest_matched": disk,
             "gpu": overlap,
             "dp": {str(rank): tokens for rank, tokens in sel.overlap.dp_tokens.items()},
-            "cpu": overlap,
-            "disk": overlap,
+            "cpu": cpu,
+            "disk": disk,
         },
         effective_prefill_tokens=sel.effective_prefill_tokens,
         potential_decode_blocks=sel.potential_decode_blocks,

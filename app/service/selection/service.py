@@ -358,11 +358,18 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             return Candidates([], [], [], [], [])
         workers, prefill, decode, requests = t.load_columns(list(prompt.sequence_hashes), now)
         blocks = prompt.block_hashes
+        tiers = None
         if not blocks:
             over: dict[WorkerWithDpRank, int] = {}
         elif self.config.use_kv_events:
             keys = chain or prompt.cache_chain
-            over = {w: o.device for w, o in part.index.overlaps(keys).items()} if keys else {}
+            found = part.index.overlaps(keys) if keys else {}
+            over = {w: o.device for w, o in found.items()}
+            tiers = {
+                w: (o.host_extension, o.disk_extension)
+                for w, o in found.items()
+                if o.host_extension or o.disk_extension
+            }
         else:
             over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain)
         known = part.workers
@@ -374,7 +381,11 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             decode = [decode[i] for i in keep]
             requests = [requests[i] for i in keep]
         get = over.get
-        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers])
+        lower = None
+        if tiers:
+            none = (0, 0)
+            lower = [tiers.get(w, none) for w in workers]
+        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers], lower)
 
     # -- selection -------------------------------------------------------------------------
 
@@ -399,7 +410,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if not candidates.workers:
             raise self._no_workers(key)
         chosen = select_columns(
-            *candidates,
+            *candidates[:5],
+            lower=candidates.lower,
             isl_tokens=prompt.isl_tokens,
             block_size=part.block_size,
             num_sequence_hashes=len(prompt.sequence_hashes),
@@ -476,16 +488,24 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
         # without prefill tracking the prompt's own tokens are not added (as in the reference)
-        track = self._config_for(cmd).track_prefill_tokens
+        config = self._config_for(cmd)
+        track = config.track_prefill_tokens
+        lower = c.lower or [(0, 0)] * len(c.workers)
+        hw, dw = config.host_cache_hit_weight, config.disk_cache_hit_weight
         return [
             (
                 w.worker_id,
                 w.dp_rank,
-                p + (effective_prefill_tokens(isl, k, bs) if track else 0),
+                p
+                + (
+                    max(0, effective_prefill_tokens(isl, k, bs) - int((hw * h + dw * dd) * bs))
+                    if track
+                    else 0
+                ),
                 d,
                 a,
             )
-            for w, p, d, a, k in zip(*c, strict=True)
+            for w, p, d, a, k, (h, dd) in zip(*c[:5], lower, strict=True)
         ]
 
     def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
@@ -498,11 +518,12 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         extensions: dict[tuple[int, int], tuple[int, int]] = {}
         if blocks and self.config.use_kv_events:
             keys = prompt.cache_chain
+            # the index's ranks outside the candidates too (a batch may name a rank the worker
+            # did not declare: the reference indexes and lists it)
             for w, o in (part.index.overlaps(keys) if keys else {}).items():
-                if w in rows:  # ranks no longer placed were cleared; lower tiers only here
-                    rows[w] = o.device
-                    if o.host_extension or o.disk_extension:
-                        extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
+                rows[w] = o.device
+                if o.host_extension or o.disk_extension:
+                    extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
         elif blocks:
             now = self.clock()
             for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
@@ -610,10 +631,9 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if part is None:
             self.kv_events_unrouted += len(batch.events)
             return
+        # the batch's rank is indexed even when the worker did not declare it (as the
+        # reference); it is listed by /overlap_scores but is no candidate
         rank = WorkerWithDpRank(worker_id, dp_rank if batch.dp_rank is None else batch.dp_rank)
-        if not part.workers[worker_id].has_rank(rank.dp_rank):
-            self.kv_events_unrouted += len(batch.events)
-            return
         index, bs = part.index, part.block_size
         for ev in batch.events:
             if isinstance(ev, BlocksStored):

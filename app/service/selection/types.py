@@ -108,4 +108,8 @@ class Candidates(NamedTuple):
     requests: list[int]
     """A: requests booked on the rank."""
     overlap: list[int]
-    """k: leading prompt blocks the approximate cache holds on the rank."""
+    """k: leading prompt blocks the approximate cache (or, KV events on, the device tier of the
+    index) holds on the rank."""
+    lower: list[tuple[int, int]] | None = None
+    """KV events on, when some rank holds prompt blocks in host or disk memory: per rank its
+    ``(host_pinned_extension, disk_extension)`` blocks."""

@@ -57,13 +57,20 @@ def test_store_and_prefix_overlap() -> None:
     assert ix.overlaps(sequence_hashes_for_tokens(list(range(8)), BS)) == {}
 
 
-def test_removing_a_middle_block_cuts_the_prefix() -> None:
+def test_removing_a_middle_block_removes_what_the_rank_stored_under_it() -> None:
+    # reference: store [1,2,3], remove 2 -> /dump lists 1 only; store 2 again -> overlap 2;
+    # a store under 3 is then refused (its parent is gone)
     ix = KvIndex()
-    ix.store(A, DEVICE, None, blocks([11, 12, 13]))
-    assert ix.remove(A, DEVICE, [12]) == 1
-    assert ix.overlaps(KEYS) == {A: TierOverlap(1)}  # reference: device_blocks 1
+    ix.store(A, DEVICE, None, blocks([1, 2, 3]))
+    ix.store(A, DEVICE, 2, [(7, LOCAL[4])])  # a branch under 2
+    assert ix.remove(A, DEVICE, [2]) == 3
+    assert ix.overlaps(KEYS) == {A: TierOverlap(1)}
+    assert [(b.block_hash, b.parent_hash) for b in ix.blocks()] == [(1, None)]
+    assert ix.store(A, DEVICE, 1, blocks([2], 1))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
+    assert not ix.store(A, DEVICE, 3, blocks([4], 3))
+    assert ix.remove(A, DEVICE, [3, 999]) == 0  # unknown hashes are skipped
     assert len(ix) == 2
-    assert ix.remove(A, DEVICE, [12, 999]) == 0  # unknown hashes are skipped
 
 
 def test_parent_unknown_or_repeated_hash_stores_nothing() -> None:
@@ -80,7 +87,7 @@ def test_signed_and_unsigned_engine_hashes_are_one_block() -> None:
     ix = KvIndex()
     ix.store(A, DEVICE, None, blocks([-5, 2**64 - 3]))
     assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
-    assert ix.remove(A, DEVICE, [2**64 - 5]) == 1  # -5 as u64
+    assert ix.remove(A, DEVICE, [2**64 - 5]) == 2  # -5 as u64, and its child
     assert ix.overlaps(KEYS) == {}
 
 
@@ -109,7 +116,7 @@ def test_tiers_extend_the_device_prefix() -> None:
     # a rank holding only host blocks
     ix.store(B, HOST_PINNED, None, blocks([7, 8]))
     assert ix.overlaps(KEYS)[B] == TierOverlap(0, 2, 0)
-    assert ix.remove(A, DEVICE, [1]) == 1
+    assert ix.remove(A, DEVICE, [1]) == 2  # and 2, stored under it
     assert ix.overlaps(KEYS)[A] == TierOverlap(0, 4, 1)
 
 
@@ -144,3 +151,22 @@ def test_a_removed_middle_block_credits_no_other_rank() -> None:
     ix.remove(A, DEVICE, [12])
     assert ix.overlaps(KEYS) == {A: TierOverlap(1), a1: TierOverlap(2)}
     assert ix.overlaps(KEYS[:1]) == {A: TierOverlap(1), a1: TierOverlap(1)}
+
+
+def test_tier_rules_for_parents_removals_and_clears() -> None:
+    # reference: a device store under a host-only parent is refused; a host store under a
+    # device parent is taken; removing a device block leaves host blocks stored under it; a host
+    # removal takes only the named block; AllBlocksCleared empties every tier
+    ix = KvIndex()
+    ix.store(A, HOST_PINNED, None, blocks([1, 2]))
+    assert not ix.store(A, DEVICE, 2, blocks([3], 2))
+    ix.store(B, DEVICE, None, blocks([1, 2]))
+    assert ix.store(B, HOST_PINNED, 2, blocks([3], 2))
+    assert ix.remove(B, DEVICE, [2]) == 1
+    assert [(b.tier, b.block_hash) for b in ix.blocks() if b.worker == B] == [
+        (DEVICE, 1), (HOST_PINNED, 3),
+    ]  # fmt: skip
+    ix.store(A, HOST_PINNED, 2, blocks([3, 4], 2))
+    assert ix.remove(A, HOST_PINNED, [2]) == 1
+    assert [b.block_hash for b in ix.blocks() if b.worker == A] == [1, 3, 4]
+    assert ix.clear_rank(A) == 3
