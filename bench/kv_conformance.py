@@ -82,6 +82,9 @@ class Run:
     def __init__(self, rng: random.Random, ref: httpx.Client, ours: httpx.Client, tag: str,
                  first_worker: int, args: argparse.Namespace) -> None:  # fmt: skip
         self.rng, self.ref, self.ours, self.args = rng, ref, ours, args
+        self.ours_metrics = httpx.Client(
+            base_url=str(ours.base_url).removesuffix("/selection/"), timeout=10
+        )
         self.model = f"kv{tag}"
         self.diffs: Counter[str] = Counter()
         self.checks: Counter[str] = Counter()
@@ -186,12 +189,26 @@ class Run:
         drop = replay and self.rng.random() < 0.25
         self.log.append(f"publish w{wid} dp{dp} drop={drop} {events}")
         self.pub.publish(rank, events, dp_rank=dp, drop=drop)
+        self.args.published += 1
         if drop:  # the gap shows with the next batch, which both servers then replay
-            self.pub.publish(rank, [self.random_event(rank)], dp_rank=dp)
+            follow = [self.random_event(rank)]
+            self.log.append(f"publish w{wid} dp{dp} {follow}")
+            self.pub.publish(rank, follow, dp_rank=dp)
+            self.args.published += 1
         self.settle()
 
+    def ours_batches(self) -> float:
+        for line in self.ours_metrics.get("/metrics").text.splitlines():
+            if line.startswith("kv_slot_tracker_kv_events_batches_total "):
+                return float(line.split()[-1])
+        return 0.0
+
     def settle(self) -> None:
+        """Wait until this service has applied every batch published so far (its counter), then
+        until both dumps agree (the reference has no counter to read)."""
         deadline = time.monotonic() + self.args.settle
+        while self.ours_batches() < self.args.published and time.monotonic() < deadline:
+            time.sleep(0.01)
         while True:
             a = dump_facts(self.ref.get("/dump").json(), self.model)
             b = dump_facts(self.ours.get("/dump").json(), self.model)
@@ -253,6 +270,7 @@ class Run:
                     self.select()
         finally:
             self.pub.close()
+            self.ours_metrics.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print the batches before the first difference of a run",
     )
     args = ap.parse_args(argv)
+    args.published = 0  # batches published in all runs (this service counts the ones it applied)
     env = {k: v for k, v in os.environ.items() if k != "DYN_ROUTER_USE_KV_EVENTS"}
     ref_srv = start_reference(module="dynamo.select_service", env=env)
     ours_srv = start_ours(env={**env, "DYN_ROUTER_USE_KV_EVENTS": "true"})
