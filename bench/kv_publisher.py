@@ -15,6 +15,8 @@ The first stdout line is ``{"endpoints": [...], "replay_endpoints": [...]}`` (bo
   events as vLLM's tagged arrays; ``drop`` keeps the batch in the replay buffer without sending
   it (a gap the subscriber will see);
 * ``{"op": "raw", "rank": r, "frames": ["hex", ...]}`` -> ``{}``: send frames as given;
+* ``{"op": "bulk", "batches": [[r, [events]], ...]}`` -> ``{"published": n}``: many batches, each
+  on rank r with data_parallel_rank 0 (benchmarks);
 * ``{"op": "subscribers", "rank": r}`` -> ``{"subscribers": n}``: subscriptions seen so far;
 * ``{"op": "restart", "rank": r}`` -> ``{}``: sequence numbers start again at 0, buffer emptied;
 * ``{"op": "quit"}``.
@@ -129,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 if op == "publish":
                     dp = cmd.get("dp_rank", cmd.get("rank", 0))
                     reply({"seq": rank.publish(cmd["events"], dp, bool(cmd.get("drop")))})
+                elif op == "bulk":  # many batches in one command: [[rank, events], ...]
+                    for r, events in cmd["batches"]:
+                        ranks[r].publish(events, 0, False)
+                    reply({"published": len(cmd["batches"])})
                 elif op == "raw":
                     rank.pub.send_multipart([bytes.fromhex(f) for f in cmd["frames"]])
                     reply({})
