@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import xxhash
@@ -128,16 +129,49 @@ class IndexedBlock:
     """The router's local hash (u64)."""
 
 
+Holders = WorkerWithDpRank | dict[WorkerWithDpRank, None]
+"""The ranks holding a chain key: the rank itself when one does (the usual case), else a dict."""
+
+
+def _members(held: Holders) -> AbstractSet[WorkerWithDpRank]:
+    """``held`` as a set-like of ranks (a dict's keys view, or a one-rank frozenset)."""
+    return held.keys() if type(held) is dict else frozenset((held,))
+
+
+def _holds(held: Holders, worker: WorkerWithDpRank) -> bool:
+    return worker in held if type(held) is dict else held == worker
+
+
+def _link(kids: dict[int, int | set[int]], parent: int, child: int) -> None:
+    have = kids.get(parent)
+    if have is None:
+        kids[parent] = child
+    elif type(have) is set:
+        have.add(child)
+    elif have != child:
+        kids[parent] = {have, child}
+
+
+def _unlink(kids: dict[int, int | set[int]], parent: int, child: int) -> None:
+    have = kids.get(parent)
+    if type(have) is set:
+        have.discard(child)
+    elif have == child:
+        del kids[parent]
+
+
 class KvIndex:
     """Blocks per rank and tier of one partition, keyed by chain key."""
 
     def __init__(self) -> None:
-        # tier -> chain key -> ranks holding it (a dict as an ordered set)
-        self._holders: tuple[dict[int, dict[WorkerWithDpRank, None]], ...] = ({}, {}, {})
+        # tier -> chain key -> the rank holding it, or a dict (ordered set) when several do: most
+        # blocks have one holder, and a dict per block would double the index's memory
+        self._holders: tuple[dict[int, Holders], ...] = ({}, {}, {})
         # rank -> per tier: engine hash -> (chain key, local hash, parent engine hash or None)
         self._ranks: dict[WorkerWithDpRank, tuple[dict[int, tuple[int, int, int | None]], ...]] = {}
-        # rank -> per tier: parent engine hash -> its children's engine hashes (for removals)
-        self._kids: dict[WorkerWithDpRank, tuple[dict[int, set[int]], ...]] = {}
+        # rank -> device parent engine hash -> its child's engine hash, or a set when several
+        # (removals cascade in the device tier only)
+        self._kids: dict[WorkerWithDpRank, dict[int, int | set[int]]] = {}
         self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
         self._size = 0
         self.lookup_probes = 0
@@ -149,7 +183,7 @@ class KvIndex:
         maps = self._ranks.get(worker)
         if maps is None:
             maps = self._ranks[worker] = ({}, {}, {})
-            self._kids[worker] = ({}, {}, {})
+            self._kids[worker] = {}
             self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
         return maps
 
@@ -188,7 +222,7 @@ class KvIndex:
             return True
         maps = self._rank(worker)
         mine = maps[tier]
-        kids = self._kids[worker][tier]
+        kids = self._kids[worker] if tier == DEVICE else None
         holders = self._holders[tier]
         prev = parent
         for h, (_, local) in zip(hashes, blocks, strict=True):
@@ -198,28 +232,35 @@ class KvIndex:
             if old is not None:  # stored again: moves to its new place in the chain
                 self._unhold(holders, old[0], worker)
                 self._size -= 1
-                if old[2] is not None and (siblings := kids.get(old[2])) is not None:
-                    siblings.discard(h)
+                if kids is not None and old[2] is not None:
+                    _unlink(kids, old[2], h)
             mine[h] = (key, local, prev)
-            if prev is not None:
-                kids.setdefault(prev, set()).add(h)
-            ranks = holders.get(key)
-            if ranks is None:
-                ranks = holders[key] = {}
-            ranks[worker] = None
+            if kids is not None and prev is not None:
+                _link(kids, prev, h)
+            held = holders.get(key)
+            if held is None:
+                holders[key] = worker
+            elif type(held) is dict:
+                held[worker] = None
+            elif held != worker:
+                holders[key] = {held: None, worker: None}
             self._size += 1
             parent_key, prev = key, h
         return True
 
     @staticmethod
-    def _unhold(
-        holders: dict[int, dict[WorkerWithDpRank, None]], key: int, worker: WorkerWithDpRank
-    ) -> None:
-        ranks = holders.get(key)
-        if ranks is not None:
-            ranks.pop(worker, None)
-            if not ranks:
+    def _unhold(holders: dict[int, Holders], key: int, worker: WorkerWithDpRank) -> None:
+        held = holders.get(key)
+        if held is None:
+            return
+        if type(held) is dict:
+            held.pop(worker, None)
+            if len(held) == 1:
+                holders[key] = next(iter(held))
+            elif not held:
                 del holders[key]
+        elif held == worker:
+            del holders[key]
 
     def remove(self, worker: WorkerWithDpRank, tier: int, block_hashes: Sequence[int]) -> int:
         """Drop the named blocks of ``tier`` from ``worker``, each with the blocks the rank
@@ -228,7 +269,7 @@ class KvIndex:
         if maps is None:
             return 0
         mine = maps[tier]
-        kids = self._kids[worker][tier]
+        kids = self._kids[worker]
         holders = self._holders[tier]
         removed = 0
         for h in block_hashes:
@@ -236,14 +277,13 @@ class KvIndex:
             entry = mine.get(h)
             if entry is None:
                 continue
-            if entry[2] is not None and (siblings := kids.get(entry[2])) is not None:
-                siblings.discard(h)
             if tier != DEVICE:
                 del mine[h]
-                kids.pop(h, None)
                 self._unhold(holders, entry[0], worker)
                 removed += 1
                 continue
+            if entry[2] is not None:
+                _unlink(kids, entry[2], h)
             stack = [h]
             while stack:
                 b = stack.pop()
@@ -252,7 +292,11 @@ class KvIndex:
                     continue
                 self._unhold(holders, gone[0], worker)
                 removed += 1
-                stack.extend(kids.pop(b, ()))
+                below = kids.pop(b, None)
+                if type(below) is set:
+                    stack.extend(below)
+                elif below is not None:
+                    stack.append(below)
         self._size -= removed
         return removed
 
@@ -298,19 +342,19 @@ class KvIndex:
         self.lookup_probes += 2 * n
         lower: set[WorkerWithDpRank] = set()
         for col in (host, disk):
-            for ranks in col:
-                if ranks:
-                    lower.update(ranks)
+            for held in col:
+                if held is not None:
+                    lower.update(_members(held))
         for w, d in device.items():
             if w not in lower:
                 out[w] = TierOverlap(d)
         for w in lower:
             d = device.get(w, 0)
             i = d
-            while i < n and (ranks := host[i]) is not None and w in ranks:
+            while i < n and (held := host[i]) is not None and _holds(held, w):
                 i += 1
             h = i - d
-            while i < n and (ranks := disk[i]) is not None and w in ranks:
+            while i < n and (held := disk[i]) is not None and _holds(held, w):
                 i += 1
             self.lookup_probes += i - d
             if i:
@@ -327,26 +371,26 @@ class KvIndex:
         holders = self._holders[DEVICE]
         result: dict[WorkerWithDpRank, int] = {}
         first = holders.get(keys[0] & U64_MAX)
-        if not first:
+        if first is None:
             self.lookup_probes += 1
             return result
-        active = first.keys()
+        active = _members(first)
         probes = 1
         depth = 1
         for depth in range(1, len(keys)):
-            ranks = holders.get(keys[depth] & U64_MAX)
+            held = holders.get(keys[depth] & U64_MAX)
             probes += 1
-            if not ranks:
+            if held is None:
                 break
-            if not active <= ranks.keys():
+            ranks = _members(held)
+            if not active <= ranks:
                 probes += len(active)
-                kept = active & ranks.keys()
+                kept = active & ranks
                 for w in active - kept:
                     result[w] = depth
-                if not kept:
-                    active = kept
-                    break
                 active = kept
+                if not kept:
+                    break
         else:
             depth = len(keys)
         for w in active:

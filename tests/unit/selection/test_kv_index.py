@@ -170,3 +170,101 @@ def test_tier_rules_for_parents_removals_and_clears() -> None:
     assert ix.remove(A, HOST_PINNED, [2]) == 1
     assert [b.block_hash for b in ix.blocks() if b.worker == A] == [1, 3, 4]
     assert ix.clear_rank(A) == 3
+
+
+class NaiveIndex:
+    """The same rules, written as plainly as possible: per rank and tier, engine hash -> (chain
+    key, parent); every read scans everything."""
+
+    def __init__(self) -> None:
+        self.maps: dict[W, list[dict[int, tuple[int, int | None]]]] = {}
+
+    def store(self, w: W, tier: int, parent: int | None, blks: list[tuple[int, int]]) -> bool:
+        hashes = [h for h, _ in blks]
+        if len(set(hashes)) != len(hashes) or parent in hashes:
+            return False
+        maps = self.maps.get(w)
+        pkey = None
+        if parent is not None:
+            tiers = [tier] if tier == DEVICE else [tier, DEVICE, HOST_PINNED, DISK]
+            found = [maps[t][parent][0] for t in tiers if maps and parent in maps[t]]
+            if not found:
+                return False
+            pkey = found[0]
+        maps = self.maps.setdefault(w, [{}, {}, {}])
+        prev = parent
+        for h, local in blks:
+            pkey = compute_seq_hash_for_block([local])[0] if pkey is None else (
+                compute_seq_hash_for_block([pkey, local])[1]
+            )  # fmt: skip
+            maps[tier][h] = (pkey, prev)
+            prev = h
+        return True
+
+    def remove(self, w: W, tier: int, hashes: list[int]) -> None:
+        maps = self.maps.get(w)
+        if maps is None:
+            return
+        for h in hashes:
+            if h not in maps[tier]:
+                continue
+            gone = [h]
+            while gone:
+                b = gone.pop()
+                if maps[tier].pop(b, None) is not None and tier == DEVICE:
+                    gone += [c for c, (_, p) in maps[tier].items() if p == b]
+
+    def overlaps(self, keys: list[int]) -> dict[W, TierOverlap]:
+        out = {}
+        for w, maps in self.maps.items():
+            held = [{k for k, _ in m.values()} for m in maps]
+            i = 0
+            while i < len(keys) and keys[i] in held[DEVICE]:
+                i += 1
+            d = i
+            while i < len(keys) and keys[i] in held[HOST_PINNED]:
+                i += 1
+            h = i - d
+            while i < len(keys) and keys[i] in held[DISK]:
+                i += 1
+            if i:
+                out[w] = TierOverlap(d, h, i - d - h)
+        return out
+
+
+def engine(prompt: int, depth: int) -> int:
+    """The engine hash of a block of the two test prompts (they share their first two blocks)."""
+    return 1000 * (prompt if depth >= 2 else 0) + depth + 1
+
+
+def test_random_operations_agree_with_a_naive_model() -> None:
+    import random
+
+    for seed in range(150):
+        rng = random.Random(seed)
+        fast, slow = KvIndex(), NaiveIndex()
+        ranks = [W(1, 0), W(1, 1), W(2, 0)]
+        prompts = [TOKENS, TOKENS[:8] + list(range(500, 516))]
+        local = [local_hashes(p, BS, 6, BS) for p in prompts]
+        for _ in range(40):
+            w, tier = rng.choice(ranks), rng.choice([DEVICE, DEVICE, HOST_PINNED, DISK])
+            roll = rng.random()
+            if roll < 0.6:
+                p = rng.randrange(2)
+                start = rng.randrange(6)
+                n = rng.randrange(1, 7 - start)
+                # engine hashes: content-addressed (same prefix, same hash), as vLLM's
+                blks = [(engine(p, start + i), local[p][start + i]) for i in range(n)]
+                parent = engine(p, start - 1) if start else None
+                assert fast.store(w, tier, parent, blks) == slow.store(w, tier, parent, blks)
+            elif roll < 0.9:
+                hashes = [engine(rng.randrange(2), rng.randrange(6)) for _ in range(2)]
+                fast.remove(w, tier, hashes)
+                slow.remove(w, tier, hashes)
+            else:
+                fast.clear_rank(w)
+                slow.maps.pop(w, None)
+            for p in range(2):
+                keys = compute_seq_hash_for_block(local[p])
+                assert fast.overlaps(keys) == slow.overlaps(keys), seed
+        assert len(fast) == sum(len(m) for maps in slow.maps.values() for m in maps)
