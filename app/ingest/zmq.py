@@ -241,7 +241,7 @@ class ZmqIngest:
             self._task = None
         for key in list(self.listeners):
             await self._stop_listener(key)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes any socket a listener left open
 
     async def _run(self) -> None:
         while True:
