@@ -53,10 +53,12 @@ from app.core.selection.errors import (
     CatalogWorkerNotFound,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
+    SessionBoundElsewhere,
 )
 from app.core.selection.kv_index import TIER_NAMES, local_hashes
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
+from app.core.selection.sessions import SessionAffinity
 from app.core.types import WorkerWithDpRank
 from app.ingest.port import RankKey, Subscription
 from app.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
@@ -98,6 +100,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         pending_max_entries: int = 100_000,
         pending_ttl_ns: int = 120_000_000_000,
         max_hashes_per_request: int = 1_048_576,
+        session_affinity_ttl_ns: int = 0,
+        session_affinity_max_entries: int = 100_000,
     ) -> None:
         self.registry = registry
         self.config = config or RouterConfig()
@@ -118,6 +122,12 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
         self.counters = SelectionCounters()
+        self.sessions = (
+            SessionAffinity(session_affinity_ttl_ns, session_affinity_max_entries)
+            if session_affinity_ttl_ns > 0
+            else None
+        )
+        """Sessions bound to workers (off when the TTL is 0); kept per instance."""
         self._kv_version = 0  # bumped whenever the wanted KV-event subscriptions may change
         self._kv_epochs: dict[int, int] = {}  # worker id -> times it left its partition
         self.kv_stores_refused = 0
@@ -409,6 +419,16 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         candidates = self._candidates(part, prompt, now, chain)
         if not candidates.workers:
             raise self._no_workers(key)
+        session = cmd.session_id if self.sessions is not None else None
+        bound = None
+        allowed = cmd.allowed_worker_ids
+        if session is not None and cmd.pinned_worker is None:
+            assert self.sessions is not None
+            bound = self.sessions.bound(session, now)
+            if bound is not None and bound not in part.workers:
+                bound = None  # its worker left the partition: chosen as without a session
+            if bound is not None and (allowed is None or bound in allowed):
+                allowed = [bound]
         chosen = select_columns(
             *candidates[:5],
             lower=candidates.lower,
@@ -418,10 +438,13 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             config=config,
             rng=self.rng,
             pinned_worker=cmd.pinned_worker,
-            allowed_worker_ids=cmd.allowed_worker_ids,
+            allowed_worker_ids=allowed,
             grouped=True,  # the tracker lists ranks sorted
         )
         worker = chosen.worker
+        if cmd.reserve and bound is not None and worker.worker_id != bound:
+            assert session is not None
+            raise SessionBoundElsewhere(session, bound, worker.worker_id)
         spec = part.workers[worker.worker_id]
         ept = chosen.effective_prefill_tokens
         if cmd.reserve:
@@ -470,6 +493,12 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
                 else DEFAULT_PREFILL_TOKEN_CAPACITY,
                 spec.total_kv_blocks,
             )
+        if session is not None:
+            assert self.sessions is not None
+            if cmd.reserve:
+                self.sessions.bind(session, worker.worker_id, now)
+            else:
+                self.sessions.touch(session, now)
         self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
         return SelectOutcome(
             selection_id=sid,
