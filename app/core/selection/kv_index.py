@@ -18,9 +18,10 @@ engine hash)``, and the index keeps, per tier, ``chain key -> ranks holding it``
 
 What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1):
 
-* ``BlockStored`` with a parent the rank does not hold is skipped whole (a device block's parent
-  must be a device block; a host or disk block's parent may be in any tier); a store repeating a
-  hash (the parent included) is dropped; an event whose ``block_size`` differs from
+* ``BlockStored`` in the device tier with a parent the rank does not hold there is skipped whole;
+  a host or disk block's parent may be in any tier, and when the rank holds it nowhere the blocks
+  are kept (``/dump`` lists them) under a key no prompt reaches; a store repeating a hash (the
+  parent included) is dropped; an event whose ``block_size`` differs from
   the partition's, or whose ``token_ids`` cover fewer blocks than it names, stores the full blocks
   it covers and stops (``local_hashes``).
 * ``BlockRemoved`` drops the named blocks of that tier from the rank; in the device tier each
@@ -88,6 +89,14 @@ def chain_key(parent_key: int | None, local_hash: int) -> int:
     if parent_key is None:
         return local_hash
     return _h(_pack(parent_key, local_hash), seed=XXH3_SEED)
+
+
+def orphan_key(parent_hash: int) -> int:
+    """The chain key standing for a host/disk block's parent that the rank does not hold."""
+    return _h(_pack(parent_hash, _ORPHAN), seed=XXH3_SEED)
+
+
+_ORPHAN = 0x6F7270_68616E  # any constant: it only separates these keys from the chain keys
 
 
 def local_hashes(
@@ -215,9 +224,12 @@ class KvIndex:
                         entry = maps[other].get(parent)
                         if entry is not None:
                             break
-            if entry is None:
+            if entry is not None:
+                parent_key = entry[0]
+            elif tier == DEVICE:
                 return False
-            parent_key = entry[0]
+            else:  # kept under a key no prompt can reach, as the reference keeps it
+                parent_key = orphan_key(parent)
         if not blocks:
             return True
         maps = self._rank(worker)

@@ -15,6 +15,7 @@ from app.core.selection.kv_index import (
     KvIndex,
     TierOverlap,
     local_hashes,
+    orphan_key,
     tier_of_medium,
 )
 from app.core.types import WorkerWithDpRank as W
@@ -160,6 +161,10 @@ def test_tier_rules_for_parents_removals_and_clears() -> None:
     ix = KvIndex()
     ix.store(A, HOST_PINNED, None, blocks([1, 2]))
     assert not ix.store(A, DEVICE, 2, blocks([3], 2))
+    # a host store under a parent held nowhere is kept, but no prompt reaches it
+    assert ix.store(B, HOST_PINNED, 999, blocks([6], 1))
+    assert ix.overlaps(KEYS) == {A: TierOverlap(0, 2, 0)}
+    assert ix.remove(B, HOST_PINNED, [6]) == 1
     ix.store(B, DEVICE, None, blocks([1, 2]))
     assert ix.store(B, HOST_PINNED, 2, blocks([3], 2))
     assert ix.remove(B, DEVICE, [2]) == 1
@@ -188,9 +193,9 @@ class NaiveIndex:
         if parent is not None:
             tiers = [tier] if tier == DEVICE else [tier, DEVICE, HOST_PINNED, DISK]
             found = [maps[t][parent][0] for t in tiers if maps and parent in maps[t]]
-            if not found:
+            if not found and tier == DEVICE:
                 return False
-            pkey = found[0]
+            pkey = found[0] if found else orphan_key(parent)
         maps = self.maps.setdefault(w, [{}, {}, {}])
         prev = parent
         for h, local in blks:
