@@ -24,7 +24,14 @@ from app import __version__
 from app.core.selection import RouterConfig
 from app.core.types import NS_PER_S
 from app.http.app import build_http_app
-from app.observability import build_registry, watch_consistency, watch_selection, watch_service
+from app.ingest.zmq import ZmqIngest
+from app.observability import (
+    build_registry,
+    watch_consistency,
+    watch_ingest,
+    watch_selection,
+    watch_service,
+)
 from app.replication import Replication, make_replication
 from app.service import SlotTrackerService
 from app.service.consistency import Consistency
@@ -64,6 +71,14 @@ def create_app(
     selection = build_selection(settings, service)
     watch_service(registry, service)
     watch_selection(registry, selection)
+    ingest = None
+    if selection.config.use_kv_events:
+        ingest = ZmqIngest(
+            selection,
+            max_message_bytes=settings.kv_events_max_message_bytes,
+            replay_timeout=settings.kv_events_replay_timeout_seconds,
+        )
+        watch_ingest(registry, ingest, selection)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -78,12 +93,16 @@ def create_app(
                 asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
             )
         await replication.start(service)
+        if ingest is not None:
+            ingest.start()
         if wait_ready_s > 0:
             await _until_ready(replication, wait_ready_s)
         log.info("%s", startup_summary(settings, replication))
         try:
             yield
         finally:
+            if ingest is not None:
+                await ingest.stop()
             for sweeper in sweepers:
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -102,6 +121,7 @@ def create_app(
     app.state.settings = settings
     app.state.service = service
     app.state.selection = selection
+    app.state.ingest = ingest
     app.state.replication = replication
     app.state.registry = registry
     return app
@@ -138,6 +158,7 @@ def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
         router_temperature=settings.router_temperature,
         track_prefill_tokens=settings.router_track_prefill_tokens,
         router_ttl_secs=settings.router_ttl_seconds,
+        use_kv_events=settings.router_use_kv_events,
     ).with_env(env)
 
 
@@ -157,6 +178,7 @@ def build_selection(
         rng=rng,
         pending_max_entries=settings.selection_cache_max_entries,
         pending_ttl_ns=settings.selection_cache_ttl_seconds * NS_PER_S,
+        session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
     )
     service.replica.bind_selection(selection)

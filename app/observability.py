@@ -24,6 +24,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from app.core.selection.catalog import INCOMPLETE, SCHEDULABLE, UNSCHEDULABLE
+from app.ingest.zmq import ZmqIngest
 from app.service import SlotTrackerService
 from app.service.commands import Key
 from app.service.consistency import ConsistencyCounters
@@ -195,6 +196,63 @@ class SelectionCollector(Collector):
             counter = CounterMetricFamily(f"kv_slot_tracker_selection_{name}", doc)
             counter.add_metric([], value)
             yield counter
+
+
+class IngestCollector(Collector):
+    """KV events: what the listeners received and how each rank's publisher is doing; the
+    counters are totals kept by the ingest, read at scrape time."""
+
+    _DOCS = {
+        "batches": "KV-event batches applied to the index (live and replayed)",
+        "events": "KV events in the applied batches",
+        "malformed": "KV-event messages skipped because they did not decode",
+        "stale": "KV-event batches skipped: sequence number not above the last one applied",
+        "gaps": "Sequence gaps in a rank's KV-event stream",
+        "replays": "Sequence gaps filled from the engine's replay socket",
+        "replayed_batches": "KV-event batches received through replays",
+        "gaps_lost": "Sequence gaps that could not be replayed (the rank's index was cleared)",
+        "restarts": "KV-event publishers seen restarting at sequence 0 (the rank was cleared)",
+    }
+
+    def __init__(self, ingest: ZmqIngest, selection: SelectionService) -> None:
+        self.ingest, self.selection = ingest, selection
+
+    def collect(self) -> Iterator:
+        for name, value in self.ingest.counters.as_dict().items():
+            counter = CounterMetricFamily(f"kv_slot_tracker_kv_events_{name}", self._DOCS[name])
+            counter.add_metric([], value)
+            yield counter
+        for name, value, doc in (
+            ("stores_refused", self.selection.kv_stores_refused,
+             "KV-event stores skipped: parent block unknown on the rank, or a hash repeated"),
+            ("unrouted", self.selection.kv_events_unrouted,
+             "KV events for a worker or rank that is not schedulable here"),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(f"kv_slot_tracker_kv_events_{name}", doc)
+            counter.add_metric([], value)
+            yield counter
+        blocks = GaugeMetricFamily(
+            "kv_slot_tracker_kv_indexed_blocks",
+            "Blocks (rank, tier, block) the KV-event index holds per partition",
+            labels=KEY_LABELS,
+        )
+        for (model, group), n in sorted(self.selection.kv_indexed_blocks().items()):
+            blocks.add_metric([model, group], n)
+        yield blocks
+        silent = GaugeMetricFamily(
+            "kv_slot_tracker_kv_events_silent_seconds",
+            "Seconds since each subscribed rank's publisher last sent a message (-1: nothing yet)",
+            labels=["worker_id", "dp_rank"],
+        )
+        for (wid, rank), secs in sorted(self.ingest.silent_for().items()):
+            silent.add_metric([str(wid), str(rank)], -1.0 if secs is None else secs)
+        yield silent
+
+
+def watch_ingest(
+    registry: CollectorRegistry, ingest: ZmqIngest, selection: SelectionService
+) -> None:
+    registry.register(IngestCollector(ingest, selection))
 
 
 class ConsistencyCollector(Collector):

@@ -156,6 +156,10 @@ class Settings(BaseSettings):
     router_temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     router_track_prefill_tokens: bool = True
     router_ttl_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    router_use_kv_events: bool = True
+    session_affinity_ttl_seconds: float = Field(default=0.0, ge=0, le=86_400, allow_inf_nan=False)
+    kv_events_max_message_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 30)
+    kv_events_replay_timeout_seconds: float = Field(default=2.0, gt=0, le=60, allow_inf_nan=False)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -3,7 +3,8 @@
 Generates seeded random sequences of HTTP requests over every route of SELECTION.md (valid and
 malformed), sends each request to the reference (``python -m dynamo.select_service`` from
 ``ai-dynamo-runtime`` 1.6.1 in its own virtualenv, started with ``DYN_ROUTER_USE_KV_EVENTS=false``,
-see ``bench/reference.py``) at ``http://HOST:P`` and to kv-slot-tracker at
+see ``bench/reference.py``; kv-slot-tracker likewise; ``bench/kv_conformance.py`` compares the
+KV-events mode) at ``http://HOST:P`` and to kv-slot-tracker at
 ``http://HOST:P/selection``, and compares status codes and JSON bodies request by request.
 
     .venv/bin/python bench/selection_conformance.py --seed 1 --runs 40 --ops 300
@@ -806,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ours_url:
             ours_url = args.ours_url
         else:
-            ours = start_ours()
+            # both in the approximate-cache mode (KV events off), which this harness compares
+            ours = start_ours(env={**os.environ, "DYN_ROUTER_USE_KV_EVENTS": "false"})
             servers.append(ours)
             ours_url = ours.url
         runner = Runner(

@@ -15,6 +15,12 @@ import redis
 
 REDIS_URL_ENV = "SLOT_TRACKER_TEST_REDIS_URL"
 
+# The suites written for the selection API's approximate cache (KV events off) run in that mode:
+# every app and server process the tests build reads this setting unless it is given explicitly.
+# Tests of the KV-events mode pass router_use_kv_events=True (an explicit setting wins over the
+# environment) or set the variable in their child's environment.
+os.environ.setdefault("SLOT_TRACKER_ROUTER_USE_KV_EVENTS", "false")
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:

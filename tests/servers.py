@@ -51,10 +51,20 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+KV_EVENTS_ENV = "SLOT_TRACKER_ROUTER_USE_KV_EVENTS"
+
+
+def suite_mode() -> dict[str, str]:
+    """The suite's selection mode (set in tests/conftest.py), for a child process that gets no
+    other ``SLOT_TRACKER_*`` variable of the test environment."""
+    return {KV_EVENTS_ENV: os.environ[KV_EVENTS_ENV]} if KV_EVENTS_ENV in os.environ else {}
+
+
 @contextlib.contextmanager
 def live_server(log_dir: Path, **env: str) -> Iterator[str]:
     """Run an instance on a free port until the block ends; yields its base URL."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    clean.update(suite_mode())
     for _ in range(3):  # the free port may be taken before the child binds it
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -81,6 +81,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     sel.PrefillExceedsIsl: (400, _text),
     sel.InvalidDecayFraction: (400, _text),
     sel.PinnedWorkerNotAllowed: (400, _text),
+    sel.SessionBoundElsewhere: (400, _text),
     sel.CatalogWorkerNotFound: (404, _text),
     sel.SchedulableWorkerNotFound: (404, _text),
     sel.RankNotFound: (404, _text),

@@ -24,6 +24,7 @@ import httpx
 from kv_slot_tracker_client import SlotTrackerClient, TransportError
 
 from tests.replication.helpers import TcpProxy, free_port
+from tests.servers import suite_mode
 
 REPO = Path(__file__).resolve().parents[2]
 _VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -215,6 +216,7 @@ class Fleet:
 
     def _env(self, overrides: dict[str, str]) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env.update(suite_mode())
         env["PYTHONUNBUFFERED"] = "1"
         for key, value in {**self.settings, **overrides}.items():
             env[ENV_PREFIX + key] = value

@@ -59,7 +59,7 @@ class Node:
         self.service.replica.use_early_calls(1000, 60 * S)
         self.selection = SelectionService(
             self.service.registry,
-            config=RouterConfig(),
+            config=RouterConfig(use_kv_events=False),
             clock=clock.now,
             rng=random.Random(origin),
         )

@@ -58,6 +58,8 @@ class StoredRun:
     parent_hash: int | None
     blocks: tuple[tuple[int, int], ...]
     """``(block_hash, tokens_hash)`` per block: the chained key and the local block hash."""
+    storage_tier: str = "device"
+    """``/dump``'s tier (the KV-event index also lists host_pinned and disk blocks)."""
 
 
 class _Node:

@@ -84,6 +84,13 @@ class RouterConfig:
     """Accepted for parity; there is no shared cache tier here, so it never changes a cost."""
     router_ttl_secs: float = 120.0
     """Lifetime of an approximate-cache block after its last write."""
+    use_kv_events: bool = True
+    """On (the reference's default): overlap comes from the engines' KV events (``kv_index``)
+    and a worker needs a ``kv_events_endpoint`` per dp rank; off: the approximate cache."""
+    host_cache_hit_weight: float = 0.75
+    """Prefill blocks each host-memory extension block saves (KV events on)."""
+    disk_cache_hit_weight: float = 0.25
+    """Prefill blocks each disk extension block saves (KV events on)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -165,6 +172,7 @@ _BOOL_ENV = (
     ("DYN_ROUTER_TRACK_PREFILL_TOKENS", "track_prefill_tokens"),
     ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS", "track_output_blocks"),
     ("DYN_ROUTER_ASSUME_KV_REUSE", "assume_kv_reuse"),
+    ("DYN_ROUTER_USE_KV_EVENTS", "use_kv_events"),
 )
 # Rust's f64 grammar (no whitespace, no digit separators, inf/infinity/nan in any case).
 _RUST_F64 = re.compile(

@@ -129,13 +129,24 @@ def rank_logits(
     block_size: int,
     config: RouterConfig,
     min_prefill_tokens: int,
+    lower_credit: Sequence[float] | None = None,
 ) -> list[float]:
     """``rank_logit`` of every rank given as columns (P, D + new, A, k), in one loop: the hot
     path of a selection.
 
     The arithmetic is ``rank_logit``'s, operation for operation, so the costs are bit-identical
     (a test compares them); only the per-rank objects, calls and attribute lookups are saved.
+
+    ``lower_credit`` (KV events on): per rank, the prefill blocks its host and disk extensions
+    save (``host_cache_hit_weight * host_ext + disk_cache_hit_weight * disk_ext``), subtracted
+    with the device credit as the reference does; ``None`` when no rank has any.
     """
+    if lower_credit is not None:
+        return _rank_logits_tiered(
+            prefill, decode, requests, overlap, lower_credit,
+            isl_tokens=isl_tokens, block_size=block_size, config=config,
+            min_prefill_tokens=min_prefill_tokens,
+        )  # fmt: skip
     bs = float(block_size)
     credit = config.overlap_score_credit
     scale = config.prefill_load_scale
@@ -171,3 +182,48 @@ def rank_logits(
             adjusted = 0.0
         append(scale * adjusted + d + weight * a)
     return out
+
+
+def _rank_logits_tiered(
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    requests: Sequence[int],
+    overlap: Sequence[int],
+    lower: Sequence[float],
+    *,
+    isl_tokens: int,
+    block_size: int,
+    config: RouterConfig,
+    min_prefill_tokens: int,
+) -> list[float]:
+    """``rank_logits`` with each rank's host/disk credit subtracted (rare: lower tiers cached)."""
+    bs = float(block_size)
+    credit = config.overlap_score_credit
+    decay_rate = config.overlap_score_credit_decay
+    with_decay = config.track_prefill_tokens and decay_rate > 0.0
+    rb = request_blocks(isl_tokens, block_size)
+    isl = isl_tokens
+    if not config.track_prefill_tokens:
+        prefill = [0] * len(prefill)
+    out = []
+    for p, d, a, k, low in zip(prefill, decode, requests, overlap, lower, strict=True):
+        cached = k * block_size
+        raw = (p + (isl - (isl if isl < cached else cached)) + cached) / bs
+        decay = 1.0
+        if with_decay:
+            excess = max(0, p - min_prefill_tokens) / bs
+            normalised = excess / rb if rb else (math.inf if excess else math.nan)
+            decay = 1.0 / (1.0 + decay_rate * normalised)
+        adjusted = raw - (credit * decay * k + low)
+        if not adjusted >= 0.0:
+            adjusted = 0.0
+        out.append(
+            config.prefill_load_scale * adjusted + d + config.decode_active_request_weight * a
+        )
+    return out
+
+
+def lower_credit_tokens(credit_blocks: float, block_size: int) -> int:
+    """Prompt tokens the host/disk extensions count as cached for ``effective_prefill_tokens``
+    (their weighted blocks in tokens, truncated)."""
+    return int(credit_blocks * block_size)

@@ -84,6 +84,13 @@ class PinnedWorkerNotAllowed(SelectionError):
         super().__init__(f"pinned worker {worker_id} is not in allowed worker set")
 
 
+class SessionBoundElsewhere(SelectionError):
+    """A booking whose ``allowed_worker_ids`` exclude the worker its session is bound to."""
+
+    def __init__(self, session_id: str, bound: int, chosen: int) -> None:
+        super().__init__(f"session {session_id} is bound to worker {bound}, not {chosen}")
+
+
 # -- router configuration -------------------------------------------------------------------------
 
 

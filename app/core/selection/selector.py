@@ -28,6 +28,7 @@ from .config import RouterConfig
 from .cost import (
     RankInput,
     effective_prefill_tokens,
+    lower_credit_tokens,
     rank_logits,
     request_blocks,
 )
@@ -46,6 +47,11 @@ class WorkerOverlap:
 
     dp_tokens: dict[int, int]
     max_tokens: int
+    cpu_tokens: int | None = None
+    """KV events on: the largest device + host prefix in tokens (``None``: ``max_tokens``)."""
+    disk_tokens: int | None = None
+    """KV events on: the largest device + host + disk prefix in tokens; also
+    ``longest_matched`` (``None``: ``max_tokens``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +158,7 @@ def select_columns(
     pinned_worker: WorkerWithDpRank | None = None,
     allowed_worker_ids: Collection[int] | None = None,
     grouped: bool = False,
+    lower: Sequence[tuple[int, int]] | None = None,
 ) -> Selection:
     """``select`` on candidates given as columns: each rank's P, D + new, A and k (the
     ``RankInput`` fields) at the same index. Building no object per rank is what makes a
@@ -181,12 +188,17 @@ def select_columns(
         columns = (prefill, decode, requests, overlap)
     else:
         columns = tuple([col[i] for i in rows] for col in (prefill, decode, requests, overlap))
+    credit_of = None
+    if lower is not None:
+        hw, dw = config.host_cache_hit_weight, config.disk_cache_hit_weight
+        credit_of = [hw * h + dw * d for h, d in lower]
     costs = rank_logits(
         *columns,
         isl_tokens=isl_tokens,
         block_size=block_size,
         config=config,
         min_prefill_tokens=floor,
+        lower_credit=None if credit_of is None else [credit_of[i] for i in rows],
     )
     if len(costs) == 1:
         pick = 0
@@ -197,15 +209,28 @@ def select_columns(
     i = rows[pick]
     chosen, k = workers[i], overlap[i]
     tail = request_blocks(isl_tokens, block_size) - num_sequence_hashes
+    ept = effective_prefill_tokens(isl_tokens, k, block_size)
+    answer = (
+        worker_overlap(workers, overlap, chosen.worker_id, block_size)
+        if not grouped
+        else _adjacent_overlap(workers, overlap, i, block_size)
+    )
+    if lower is not None and credit_of is not None:
+        ept = max(0, ept - lower_credit_tokens(credit_of[i], block_size))
+        ranks = [j for j, w in enumerate(workers) if w.worker_id == chosen.worker_id]
+        answer = WorkerOverlap(
+            answer.dp_tokens,
+            answer.max_tokens,
+            max((overlap[j] + lower[j][0]) * block_size for j in ranks),
+            max((overlap[j] + lower[j][0] + lower[j][1]) * block_size for j in ranks),
+        )
     return Selection(
         worker=chosen,
         logit=costs[pick],
         overlap_blocks=k,
-        effective_prefill_tokens=effective_prefill_tokens(isl_tokens, k, block_size),
+        effective_prefill_tokens=ept,
         potential_decode_blocks=decode[i] + (tail if tail > 0 else 0),
-        overlap=worker_overlap(workers, overlap, chosen.worker_id, block_size)
-        if not grouped
-        else _adjacent_overlap(workers, overlap, i, block_size),
+        overlap=answer,
         scored=workers if isinstance(rows, range) else [workers[r] for r in rows],
         costs=costs,
     )

@@ -167,6 +167,8 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
         out["isl_tokens"] = o.prompt.isl_tokens
         out["track_prefill_tokens"] = o.track_prefill_tokens
     overlap = sel.overlap.max_tokens
+    cpu = overlap if sel.overlap.cpu_tokens is None else sel.overlap.cpu_tokens
+    disk = overlap if sel.overlap.disk_tokens is None else sel.overlap.disk_tokens
     out.update(
         model_name=o.model_name,
         routing_group=o.routing_group,
@@ -175,11 +177,11 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
         endpoint=o.endpoint,
         block_size=o.block_size,
         overlap={
-            "longest_matched": overlap,
+            "longest_matched": disk,
             "gpu": overlap,
             "dp": {str(rank): tokens for rank, tokens in sel.overlap.dp_tokens.items()},
-            "cpu": overlap,
-            "disk": overlap,
+            "cpu": cpu,
+            "disk": disk,
         },
         effective_prefill_tokens=sel.effective_prefill_tokens,
         potential_decode_blocks=sel.potential_decode_blocks,
@@ -196,6 +198,9 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
     return out
 
 
+_NO_EXTENSION = (0, 0)
+
+
 def overlap_json(o: OverlapScores) -> dict[str, Any]:
     return {
         "block_size": o.block_size,
@@ -205,13 +210,14 @@ def overlap_json(o: OverlapScores) -> dict[str, Any]:
                 "worker_id": wid,
                 "dp_rank": rank,
                 "device_blocks": k,
-                "host_pinned_blocks": k,
-                "disk_blocks": k,
-                "host_pinned_extension_blocks": 0,
-                "disk_extension_blocks": 0,
+                "host_pinned_blocks": k + h,
+                "disk_blocks": k + h + d,
+                "host_pinned_extension_blocks": h,
+                "disk_extension_blocks": d,
                 "shared_beyond_device_blocks": None,
             }
             for wid, rank, k in o.rows
+            for h, d in (o.extensions.get((wid, rank), _NO_EXTENSION),)
         ],
         "shared_cache": _SHARED_CACHE_OFF,
     }
@@ -383,7 +389,7 @@ class SelectionQueries:
             events = [
                 {
                     "worker_id": run.worker.worker_id,
-                    "storage_tier": "device",
+                    "storage_tier": run.storage_tier,
                     "residency_domain": "worker",
                     "event": {
                         "event_id": i,

@@ -168,7 +168,11 @@ class SelectBody(PromptBody):
         description="Caches the pick for a later `POST /selection/reservations` "
         "(on select) or names the reservation (select_and_reserve; a UUID when absent).",
     )
-    session_id: Text | None = Field(None, description="Accepted; not used.")
+    session_id: Text | None = Field(
+        None,
+        description="With session_affinity_ttl_seconds > 0: a booking binds the session to its "
+        "worker, and later selections of the session stay on it.",
+    )
     expected_output_tokens: U32 | None = Field(None, description="Stored with a booking.")
     pinned_worker: PinnedWorker | None = Field(None, description="Forces this rank.")
     allowed_worker_ids: list[U64] | None = Field(

@@ -75,7 +75,7 @@ class SelectionReplicaMixin:
     def _apply_peer_book(self: SelectionService, b: m.Book, instant: int) -> bool:
         key, sid = b.key, b.selection_id
         part = self.partitions.get(key)
-        if part is not None and b.block_hashes:
+        if part is not None and b.block_hashes and not self.config.use_kv_events:
             part.cache.record(b.worker, b.block_hashes, instant, chain=b.cache_chain)
         if b.consumes_pending:
             self.pending.discard((*key, sid))

@@ -187,7 +187,7 @@ class ReservationsMixin:
         )
         self.registry.counters_of(key).added += 1
         self._hold(b.selection_id, Reservation(key, b.worker, now))
-        if b.block_hashes:
+        if b.block_hashes and not self.config.use_kv_events:
             self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
         if b.consumes_pending:
             self.pending.discard((*key, b.selection_id))

@@ -42,6 +42,7 @@ from app.core.selection import (
 from app.core.selection.approx_cache import StoredRun
 from app.core.selection.catalog import (
     INCOMPLETE,
+    MAX_DP_SIZE,
     SCHEDULABLE,
     WorkerRecord,
     WorkerSpec,
@@ -53,9 +54,15 @@ from app.core.selection.errors import (
     CatalogWorkerNotFound,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
+    SessionBoundElsewhere,
 )
+from app.core.selection.kv_index import TIER_NAMES, local_hashes
 from app.core.selection.pending import PendingSelection, PendingSelections
 from app.core.selection.selector import select_columns
+from app.core.selection.sessions import SessionAffinity
+from app.core.types import WorkerWithDpRank
+from app.ingest.port import RankKey, Subscription
+from app.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
 from app.service.commands import Key
 from app.service.errors import TooManyHashes, TooManyTrackers
 from app.service.registry import TrackerRegistry
@@ -95,6 +102,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         pending_max_entries: int = 100_000,
         pending_ttl_ns: int = 120_000_000_000,
         max_hashes_per_request: int = 1_048_576,
+        session_affinity_ttl_ns: int = 0,
+        session_affinity_max_entries: int = 100_000,
     ) -> None:
         self.registry = registry
         self.config = config or RouterConfig()
@@ -115,6 +124,18 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
         self.counters = SelectionCounters()
+        self.sessions = (
+            SessionAffinity(session_affinity_ttl_ns, session_affinity_max_entries)
+            if session_affinity_ttl_ns > 0
+            else None
+        )
+        """Sessions bound to workers (off when the TTL is 0); kept per instance."""
+        self._kv_version = 0  # bumped whenever the wanted KV-event subscriptions may change
+        self._kv_epochs: dict[int, int] = {}  # worker id -> times it left its partition
+        self.kv_stores_refused = 0
+        """KV-event stores skipped: parent unknown on the rank, or a hash repeated."""
+        self.kv_events_unrouted = 0
+        """KV events for a worker or rank that is not (or no longer) schedulable here."""
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -187,6 +208,13 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
     def _reasons(self, spec: WorkerSpec, placed_here: int) -> list[str]:
         """Why ``spec`` cannot be placed; ``placed_here`` = its ranks already in that tracker."""
         reasons = intrinsic_reasons(spec)
+        if self.config.use_kv_events and spec.dp_size <= MAX_DP_SIZE:
+            endpoints = kv_endpoints(spec)
+            reasons += [
+                f"kv_events endpoint is required for dp_rank {rank}"
+                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size)
+                if not endpoints.get(rank)
+            ]
         if reasons:
             return reasons
         assert spec.block_size is not None
@@ -271,6 +299,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
 
     def _place(self, spec: WorkerSpec) -> None:
         """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""
+        self._kv_version += 1
         key = spec.key
         assert spec.block_size is not None
         t = self.registry.find(key)
@@ -285,6 +314,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part.block_size = t.block_size
         part.workers[spec.worker_id] = spec
         if change.removed:
+            for w in change.removed:
+                part.index.clear_rank(w)
             self._orphan(spec.worker_id, {w.dp_rank for w in change.removed})
 
     def _unplace(self, spec: WorkerSpec) -> None:
@@ -298,6 +329,9 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if part is not None:
             part.workers.pop(spec.worker_id, None)
             part.cache.remove_worker(spec.worker_id)
+            part.index.remove_worker(spec.worker_id)
+        self._kv_version += 1
+        self._kv_epochs[spec.worker_id] = self._kv_epochs.get(spec.worker_id, 0) + 1
         self._orphan(spec.worker_id, None)
 
     def _orphan(self, worker_id: int, ranks: set[int] | None) -> None:
@@ -372,7 +406,20 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             return Candidates([], [], [], [], [])
         workers, prefill, decode, requests = t.load_columns(list(prompt.sequence_hashes), now)
         blocks = prompt.block_hashes
-        over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain) if blocks else {}
+        tiers = None
+        if not blocks:
+            over: dict[WorkerWithDpRank, int] = {}
+        elif self.config.use_kv_events:
+            keys = chain or prompt.cache_chain
+            found = part.index.overlaps(keys) if keys else {}
+            over = {w: o.device for w, o in found.items()}
+            tiers = {
+                w: (o.host_extension, o.disk_extension)
+                for w, o in found.items()
+                if o.host_extension or o.disk_extension
+            }
+        else:
+            over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain)
         known = part.workers
         if not t.table.ranges.keys() <= known.keys():
             # ranks the slot-tracker routes registered are not candidates of the selection API
@@ -382,7 +429,11 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             decode = [decode[i] for i in keep]
             requests = [requests[i] for i in keep]
         get = over.get
-        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers])
+        lower = None
+        if tiers:
+            none = (0, 0)
+            lower = [tiers.get(w, none) for w in workers]
+        return Candidates(workers, prefill, decode, requests, [get(w, 0) for w in workers], lower)
 
     # -- selection -------------------------------------------------------------------------
 
@@ -406,18 +457,32 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         candidates = self._candidates(part, prompt, now, chain)
         if not candidates.workers:
             raise self._no_workers(key)
+        session = cmd.session_id if self.sessions is not None else None
+        bound = None
+        allowed = cmd.allowed_worker_ids
+        if session is not None and cmd.pinned_worker is None:
+            assert self.sessions is not None
+            bound = self.sessions.bound(session, now)
+            if bound is not None and bound not in part.workers:
+                bound = None  # its worker left the partition: chosen as without a session
+            if bound is not None and (allowed is None or bound in allowed):
+                allowed = [bound]
         chosen = select_columns(
-            *candidates,
+            *candidates[:5],
+            lower=candidates.lower,
             isl_tokens=prompt.isl_tokens,
             block_size=part.block_size,
             num_sequence_hashes=len(prompt.sequence_hashes),
             config=config,
             rng=self.rng,
             pinned_worker=cmd.pinned_worker,
-            allowed_worker_ids=cmd.allowed_worker_ids,
+            allowed_worker_ids=allowed,
             grouped=True,  # the tracker lists ranks sorted
         )
         worker = chosen.worker
+        if cmd.reserve and bound is not None and worker.worker_id != bound:
+            assert session is not None
+            raise SessionBoundElsewhere(session, bound, worker.worker_id)
         spec = part.workers[worker.worker_id]
         ept = chosen.effective_prefill_tokens
         if cmd.reserve:
@@ -466,6 +531,12 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
                 else DEFAULT_PREFILL_TOKEN_CAPACITY,
                 spec.total_kv_blocks,
             )
+        if session is not None:
+            assert self.sessions is not None
+            if cmd.reserve:
+                self.sessions.bind(session, worker.worker_id, now)
+            else:
+                self.sessions.touch(session, now)
         self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
         return SelectOutcome(
             selection_id=sid,
@@ -484,16 +555,24 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
         # without prefill tracking the prompt's own tokens are not added (as in the reference)
-        track = self._config_for(cmd).track_prefill_tokens
+        config = self._config_for(cmd)
+        track = config.track_prefill_tokens
+        lower = c.lower or [(0, 0)] * len(c.workers)
+        hw, dw = config.host_cache_hit_weight, config.disk_cache_hit_weight
         return [
             (
                 w.worker_id,
                 w.dp_rank,
-                p + (effective_prefill_tokens(isl, k, bs) if track else 0),
+                p
+                + (
+                    max(0, effective_prefill_tokens(isl, k, bs) - int((hw * h + dw * dd) * bs))
+                    if track
+                    else 0
+                ),
                 d,
                 a,
             )
-            for w, p, d, a, k in zip(*c, strict=True)
+            for w, p, d, a, k, (h, dd) in zip(*c[:5], lower, strict=True)
         ]
 
     def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
@@ -503,7 +582,16 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         part, prompt, candidates = self._query(cmd)
         blocks = prompt.block_hashes or ()
         rows = dict(zip(candidates.workers, candidates.overlap, strict=True))
-        if blocks:
+        extensions: dict[tuple[int, int], tuple[int, int]] = {}
+        if blocks and self.config.use_kv_events:
+            keys = prompt.cache_chain
+            # the index's ranks outside the candidates too (a batch may name a rank the worker
+            # did not declare: the reference indexes and lists it)
+            for w, o in (part.index.overlaps(keys) if keys else {}).items():
+                rows[w] = o.device
+                if o.host_extension or o.disk_extension:
+                    extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
+        elif blocks:
             now = self.clock()
             for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
                 rows.setdefault(w, k)
@@ -511,6 +599,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             part.block_size,
             len(blocks),
             [(w.worker_id, w.dp_rank, k) for w, k in sorted(rows.items())],
+            extensions,
         )
 
     def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
@@ -547,12 +636,95 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         return out
 
     def dump(self) -> list[tuple[Key, int, list[StoredRun]]]:
-        """Every partition's live approximate-cache content, as stored runs."""
+        """Every partition's live approximate-cache content, as stored runs; with KV events on,
+        every indexed block as a one-block run under its engine parent, with its tier."""
         now = self.clock()
+        if self.config.use_kv_events:
+            return [
+                (
+                    key,
+                    part.block_size,
+                    [
+                        StoredRun(
+                            b.worker,
+                            b.parent_hash,
+                            ((b.block_hash, b.tokens_hash),),
+                            TIER_NAMES[b.tier],
+                        )  # fmt: skip
+                        for b in part.index.blocks()
+                    ],
+                )
+                for key, part in sorted(self.partitions.items())
+            ]
         return [
             (key, part.block_size, list(part.cache.stored_runs(now)))
             for key, part in sorted(self.partitions.items())
         ]
+
+    # -- KV events (the ingest's sink, app.ingest.port.KvEventSink) -------------------------
+
+    @property
+    def kv_subscriptions_version(self) -> int:
+        return self._kv_version
+
+    def kv_subscriptions(self) -> dict[RankKey, Subscription]:
+        """Every rank of every schedulable worker and its engine's publisher (KV events on)."""
+        if not self.config.use_kv_events:
+            return {}
+        out: dict[RankKey, Subscription] = {}
+        for part in self.partitions.values():
+            for wid, spec in part.workers.items():
+                endpoints = kv_endpoints(spec)
+                epoch = self._kv_epochs.get(wid, 0)
+                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size):
+                    endpoint = endpoints.get(rank)
+                    if endpoint:
+                        out[wid, rank] = Subscription(endpoint, spec.replay_endpoint or None, epoch)
+        return out
+
+    def _kv_partition(self, worker_id: int) -> Partition | None:
+        record = self.catalog.get(worker_id)
+        if record is None or not record.schedulable:
+            return None
+        part = self.partitions.get(record.spec.key)
+        if part is None or worker_id not in part.workers:
+            return None
+        return part
+
+    def apply_kv_batch(self, worker_id: int, dp_rank: int, batch: KvBatch) -> None:
+        """One engine batch into the worker's partition index, in one synchronous call. The
+        batch's own ``data_parallel_rank`` wins over the socket's rank (as the reference)."""
+        part = self._kv_partition(worker_id)
+        if part is None:
+            self.kv_events_unrouted += len(batch.events)
+            return
+        # the batch's rank is indexed even when the worker did not declare it (as the
+        # reference); it is listed by /overlap_scores but is no candidate
+        rank = WorkerWithDpRank(worker_id, dp_rank if batch.dp_rank is None else batch.dp_rank)
+        index, bs = part.index, part.block_size
+        for ev in batch.events:
+            if isinstance(ev, BlocksStored):
+                if ev.tier is None:
+                    continue
+                locals_ = local_hashes(
+                    ev.token_ids, ev.block_size, len(ev.block_hashes), bs, ev.lora_name
+                )
+                blocks = list(zip(ev.block_hashes, locals_, strict=False))
+                if not index.store(rank, ev.tier, ev.parent_hash, blocks):
+                    self.kv_stores_refused += 1
+            elif isinstance(ev, BlocksRemoved):
+                if ev.tier is not None:
+                    index.remove(rank, ev.tier, ev.block_hashes)
+            elif isinstance(ev, AllCleared):
+                index.clear_rank(rank)
+
+    def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
+        part = self._kv_partition(worker_id)
+        if part is not None:
+            part.index.clear_rank(WorkerWithDpRank(worker_id, dp_rank))
+
+    def kv_indexed_blocks(self) -> dict[Key, int]:
+        return {key: len(part.index) for key, part in self.partitions.items()}
 
     # -- background ------------------------------------------------------------------------
 
@@ -593,6 +765,22 @@ def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
     if prompt.from_tokens:
         return prompt.sequence_hashes
     return tuple(chain_keys(prompt.block_hashes))
+
+
+def kv_endpoints(spec: WorkerSpec) -> dict[int, str]:
+    """The rank -> publisher map of a worker, as the reference reads it: ``kv_events_endpoints``
+    when non-empty (keys are ranks), else ``kv_events_endpoint`` for a worker of one rank."""
+    if spec.kv_events_endpoints:
+        out = {}
+        for rank, endpoint in spec.kv_events_endpoints.items():
+            try:
+                out[int(rank)] = endpoint
+            except ValueError:
+                continue
+        return out
+    if spec.dp_size == 1 and spec.kv_events_endpoint is not None:
+        return {spec.dp_start: spec.kv_events_endpoint}
+    return {}
 
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from app.core.selection import ApproximateCache, Prompt, Selection
 from app.core.selection.catalog import WorkerSpec
+from app.core.selection.kv_index import KvIndex
 from app.core.types import WorkerWithDpRank
 from app.service.commands import Key
 
@@ -19,6 +20,8 @@ class Partition:
     block_size: int
     cache: ApproximateCache
     workers: dict[int, WorkerSpec] = field(default_factory=dict)
+    index: KvIndex = field(default_factory=KvIndex)
+    """What the ranks really hold, from their engines' KV events (KV events on)."""
     """The schedulable workers placed in this partition's tracker."""
 
 
@@ -86,6 +89,8 @@ class OverlapScores:
     num_blocks: int
     rows: list[tuple[int, int, int]]
     """``(worker_id, dp_rank, device_blocks)`` per candidate rank, sorted."""
+    extensions: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """``(worker_id, dp_rank) -> (host_pinned_extension, disk_extension)`` where not 0."""
 
 
 # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
@@ -103,4 +108,8 @@ class Candidates(NamedTuple):
     requests: list[int]
     """A: requests booked on the rank."""
     overlap: list[int]
-    """k: leading prompt blocks the approximate cache holds on the rank."""
+    """k: leading prompt blocks the approximate cache (or, KV events on, the device tier of the
+    index) holds on the rank."""
+    lower: list[tuple[int, int]] | None = None
+    """KV events on, when some rank holds prompt blocks in host or disk memory: per rank its
+    ``(host_pinned_extension, disk_extension)`` blocks."""

@@ -1,0 +1,73 @@
+"""The seam between the KV-event ingest and the selection service, and the ingest's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+from .records import KvBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """One worker rank's event source, as the worker registered it."""
+
+    endpoint: str
+    """The engine's ZMQ PUB address (``kv_events_endpoint(s)``)."""
+    replay_endpoint: str | None
+    """The engine's ZMQ ROUTER address serving missed batches, when it has one."""
+    epoch: int
+    """Changes when the worker leaves and comes back: its listener then starts afresh."""
+
+
+RankKey = tuple[int, int]
+"""``(worker_id, dp_rank)``."""
+
+
+class KvEventSink(Protocol):
+    """What the ingest needs of the selection service."""
+
+    @property
+    def kv_subscriptions_version(self) -> int:
+        """Changes whenever ``kv_subscriptions`` may have changed (read every poll, O(1))."""
+        ...
+
+    def kv_subscriptions(self) -> dict[RankKey, Subscription]:
+        """The ranks whose events the index wants: every rank of every schedulable worker,
+        when KV events are on (empty when off)."""
+        ...
+
+    def apply_kv_batch(self, worker_id: int, dp_rank: int, batch: KvBatch) -> None:
+        """Apply one decoded batch published on the socket of ``(worker_id, dp_rank)``."""
+        ...
+
+    def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
+        """Forget what the rank holds (its events were lost)."""
+        ...
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Totals since start (read by the metrics at scrape time)."""
+
+    batches: int = 0
+    """Batches applied (live and replayed)."""
+    events: int = 0
+    """Events in those batches."""
+    malformed: int = 0
+    """Messages skipped because they did not decode (wrong framing, msgpack, event shape)."""
+    stale: int = 0
+    """Batches skipped because their sequence number was not above the last one applied."""
+    gaps: int = 0
+    """Sequence gaps seen (including a first batch after sequence 0 was missed)."""
+    replays: int = 0
+    """Gaps answered by the engine's replay socket."""
+    replayed_batches: int = 0
+    """Batches received through replays."""
+    gaps_lost: int = 0
+    """Gaps that could not be replayed: the rank's index was cleared."""
+    restarts: int = 0
+    """Publishers seen starting again at sequence 0: the rank's index was cleared."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

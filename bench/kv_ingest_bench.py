@@ -1,0 +1,122 @@
+"""KV-event ingest and selection throughput, and memory per indexed block, next to the reference.
+
+Both servers (KV events on) subscribe to the same publisher process (``bench/kv_publisher.py``):
+``--ranks`` workers of one rank each, block size 16. The publisher sends ``--blocks`` blocks as
+batches of one ``BlockStored`` of ``--chain`` blocks each (distinct prompts, round robin over
+the ranks); a server has ingested everything when the last prompt of every rank shows its full
+overlap. Reported per server: blocks and batches ingested per second (from the first publish to
+the last rank complete), resident memory added per indexed block, and sequential
+``/select`` calls per second (token prompts of stored chains).
+
+    .venv/bin/python bench/kv_ingest_bench.py --ranks 64 --blocks 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kv_publisher import PublisherProcess, stored  # noqa: E402
+from bench.reference import start_ours, start_reference  # noqa: E402
+
+BS = 16
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=100_000)
+    ap.add_argument("--chain", type=int, default=16)
+    ap.add_argument("--selects", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    env = {k: v for k, v in os.environ.items() if k != "DYN_ROUTER_USE_KV_EVENTS"}
+    servers = {
+        "reference": start_reference(module="dynamo.select_service", env=env),
+        "ours": start_ours(env={**env, "DYN_ROUTER_USE_KV_EVENTS": "true"}),
+    }
+    bases = {"reference": "", "ours": "/selection"}
+    pub = PublisherProcess(ranks=args.ranks)
+    try:
+        clients = {
+            n: httpx.Client(base_url=s.url + bases[n], timeout=30) for n, s in servers.items()
+        }
+        for wid in range(args.ranks):
+            for c in clients.values():
+                r = c.post("/workers", json={"worker_id": wid + 1, "endpoint": f"http://w{wid}",
+                                             "block_size": BS,
+                                             "kv_events_endpoint": pub.endpoints[wid]})  # fmt: skip
+                assert r.json()["lifecycle"] == "schedulable", r.text
+        for wid in range(args.ranks):
+            pub.wait_subscribers(wid, 2)
+        time.sleep(0.5)
+        before = {n: rss_kib(s.pid) for n, s in servers.items() if s.pid}
+        batches = args.blocks // args.chain
+        prompts: list[list[int]] = []
+        work = []
+        for i in range(batches):
+            tokens = [rng.randrange(1, 100_000) for _ in range(BS * args.chain)]
+            prompts.append(tokens)
+            hashes = [rng.randrange(1, 1 << 63) for _ in range(args.chain)]
+            work.append([i % args.ranks, [stored(hashes, tokens, BS)]])
+        last = {i % args.ranks: i for i in range(batches)}  # rank -> its last prompt
+        started = time.monotonic()
+        for i in range(0, batches, 500):
+            pub.call(op="bulk", batches=work[i : i + 500])
+        done: dict[str, float] = {}
+        pending = {n: dict(last) for n in servers}
+        while len(done) < len(servers) and time.monotonic() - started < 600:
+            for n, c in clients.items():
+                if n in done:
+                    continue
+                for rank, i in list(pending[n].items()):
+                    r = c.post("/overlap_scores", json={"token_ids": prompts[i]}).json()
+                    full = {w["worker_id"]: w["device_blocks"] for w in r["workers"]}
+                    if full.get(rank + 1) == args.chain:
+                        del pending[n][rank]
+                    else:
+                        break
+                if not pending[n]:
+                    done[n] = time.monotonic() - started
+            time.sleep(0.05)
+        time.sleep(0.5)
+        after = {n: rss_kib(s.pid) for n, s in servers.items() if s.pid}
+        for n in servers:
+            secs = done.get(n)
+            if secs is None:
+                print(f"{n}: not complete after 600 s")
+                continue
+            per_block = (after[n] - before[n]) * 1024 / (batches * args.chain)
+            print(f"{n}: {batches * args.chain / secs:,.0f} blocks/s ({batches / secs:,.0f} batches/s), "
+                  f"{per_block:,.0f} bytes RSS per indexed block")  # fmt: skip
+        for n, c in clients.items():
+            t0 = time.monotonic()
+            for _ in range(args.selects):
+                c.post("/select", json={"token_ids": prompts[rng.randrange(batches)]})
+            print(f"{n}: {args.selects / (time.monotonic() - t0):,.0f} /select per second "
+                  f"({args.ranks} ranks, sequential)")  # fmt: skip
+    finally:
+        pub.close()
+        for s in servers.values():
+            s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

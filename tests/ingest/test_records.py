@@ -1,0 +1,83 @@
+"""Decoding the engines' KV-event messages: both event encodings, bounds, and what is skipped."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from app.core.selection.kv_index import DISK, HOST_PINNED
+from app.ingest.records import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    MalformedMessage,
+    decode_batch,
+    decode_message,
+    seq_frame,
+)
+
+
+def batch(events: list, rank: object = 0) -> bytes:
+    return msgpack.packb([1.5, events, rank])
+
+
+def test_vllm_array_events() -> None:
+    got = decode_message([b"kv", seq_frame(7), batch([
+        ["BlockStored", [1, -2], None, [1, 2, 3, 4], 2, None, "CPU", "lora-a"],
+        ["BlockRemoved", [2**64 - 1], "DISK"],
+        ["AllBlocksCleared"],
+    ], rank=3)])  # fmt: skip
+    assert (got.seq, got.dp_rank) == (7, 3)
+    assert got.events == (
+        BlocksStored((1, -2), None, (1, 2, 3, 4), 2, HOST_PINNED, "lora-a"),
+        BlocksRemoved((2**64 - 1,), DISK),
+        AllCleared(),
+    )
+
+
+def test_msgspec_map_events_and_trailing_fields() -> None:
+    got = decode_batch(0, batch([
+        {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": 4,
+         "token_ids": [9, 9], "block_size": 2, "medium": None, "extra_keys": [None],
+         "group_idx": 0, "kv_cache_spec_kind": "full_attention", "future": 1},
+        ["BlockStored", [6], 5, [1, 1], 2, None, "GPU", None, None, 0, "full_attention", 7, 8],
+    ], rank=None))  # fmt: skip
+    assert got.dp_rank is None
+    assert [e.block_hashes for e in got.events] == [(5,), (6,)]
+    assert got.events[0].parent_hash == 4
+
+
+def test_other_kv_cache_groups_are_ignored() -> None:
+    got = decode_batch(0, batch([
+        ["BlockStored", [1], None, [1, 2], 2, None, "GPU", None, None, 1],
+        {"type": "BlockRemoved", "block_hashes": [1], "kv_cache_spec_kind": "sliding_window"},
+        ["Ignored"],
+    ]))  # fmt: skip
+    assert got.events == ()
+
+
+def test_eagle_bigrams_become_tokens() -> None:
+    got = decode_batch(0, batch([["BlockStored", [1], None, [[10, 11], [11, 12]], 2, None]]))
+    assert got.events[0].token_ids == (10, 11, 12)
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [
+        ([b"", b"\x00"], "expected 3 frames"),
+        ([b"", b"\x00" * 7, batch([])], "sequence number must be 8 bytes"),
+        ([b"", seq_frame(0), b"\xc1"], "not msgpack"),
+        ([b"", seq_frame(0), msgpack.packb({"a": 1})], "batch must be an array"),
+        ([b"", seq_frame(0), batch([["Nope"]])], "unknown event type"),
+        ([b"", seq_frame(0), batch([["BlockStored", [b"\x01" * 32], None, [1], 1]])], "64-bit"),
+        ([b"", seq_frame(0), batch([["BlockStored", [1.5], None, [1], 1]])], "64-bit"),
+        ([b"", seq_frame(0), batch([["BlockStored", [1], None, [-1], 1]])], "u32"),
+        ([b"", seq_frame(0), batch([["BlockStored", [1], None]])], "missing token_ids"),
+        ([b"", seq_frame(0), batch([["BlockRemoved"]])], "missing block_hashes"),
+        ([b"", seq_frame(0), batch([], rank="0")], "data_parallel_rank"),
+        ([b"", seq_frame(0), batch([42])], "tagged array or map"),
+    ],
+)
+def test_malformed_messages_say_why(frames: list[bytes], why: str) -> None:
+    with pytest.raises(MalformedMessage, match=why):
+        decode_message(frames)
