@@ -90,19 +90,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = create_app(settings)
     tune_gc()
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http=http_protocol(settings, app),
-        log_level=settings.log_level,
-        log_config=log_config(settings.log_level),
-        access_log=False,
-        limit_concurrency=settings.http_max_connections,
-        timeout_keep_alive=settings.http_keep_alive_seconds,
-    )
+    uvicorn.run(app, host=settings.host, port=settings.port, **server_options(settings, app))
     return 0
+
+
+def server_options(settings: Settings, app: Any) -> dict[str, Any]:
+    """uvicorn's options, the same for a single process and a ``--workers`` child."""
+    return {
+        "loop": "uvloop",
+        "http": http_protocol(settings, app),
+        "log_level": settings.log_level,
+        "log_config": log_config(settings.log_level),
+        "access_log": False,  # the service's own (``access_log``) covers the direct path too
+        "limit_concurrency": settings.http_max_connections,
+        "timeout_keep_alive": settings.http_keep_alive_seconds,
+    }
 
 
 def http_protocol(settings: Settings, app: Any) -> type:
@@ -164,16 +166,7 @@ def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int
             siblings=lambda: control_sockets(run_dir),
         )
     tune_gc()
-    config = uvicorn.Config(
-        app,
-        loop="uvloop",
-        http=http_protocol(settings, app),
-        log_level=settings.log_level,
-        log_config=log_config(settings.log_level),
-        access_log=False,
-        limit_concurrency=settings.http_max_connections,
-        timeout_keep_alive=settings.http_keep_alive_seconds,
-    )
+    config = uvicorn.Config(app, **server_options(settings, app))
     uvicorn.Server(config).run(sockets=sockets)
     return 0
 

@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -321,18 +322,28 @@ def json_of(resp: Any) -> Any:
 _request_seq = itertools.count()
 
 
-class RouterUser(FastHttpUser):
-    """One stream of LLM requests through a router that consults the tracker."""
+class _RouterBase(FastHttpUser):
+    """What both kinds of router share: the workload, the key, ids of their own, and the
+    requests (or reservations) started and not yet freed, which a stop frees."""
 
+    abstract = True
     wait_time = between(0.0, 0.05)
+    ID_PREFIX = "lt"
 
     def __init__(self, environment: Environment) -> None:
         self.wl = workload_from(environment)
         self.default_headers = self.wl.headers
         super().__init__(environment)
         self.rng = random.Random()
-        self.id_prefix = f"lt-{uuid.uuid4().hex[:10]}"
-        self.outstanding: set[str] = set()  # added (or maybe added) and not yet freed
+        self.id_prefix = f"{self.ID_PREFIX}-{uuid.uuid4().hex[:10]}"
+        self.outstanding: set[str] = set()  # started (or maybe started) and not yet freed
+
+
+class RouterUser(_RouterBase):
+    """One stream of LLM requests through a router that consults the tracker."""
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
         self.last_url = ""  # where the last post went
 
     def new_id(self) -> str:
@@ -500,18 +511,10 @@ class RouterUser(FastHttpUser):
                 self.outstanding.clear()
 
 
-class SelectionRouterUser(FastHttpUser):
+class SelectionRouterUser(_RouterBase):
     """A router that lets the service choose the rank: the selection API's reservations."""
 
-    wait_time = between(0.0, 0.05)
-
-    def __init__(self, environment: Environment) -> None:
-        self.wl = workload_from(environment)
-        self.default_headers = self.wl.headers
-        super().__init__(environment)
-        self.rng = random.Random()
-        self.id_prefix = f"lt-sel-{uuid.uuid4().hex[:10]}"
-        self.outstanding: set[str] = set()  # reserved (or maybe reserved) and not yet freed
+    ID_PREFIX = "lt-sel"
 
     def call(self, method: str, path: str, name: str, expected: int, body: Any = None) -> Any:
         """One call to a random instance; the parsed answer, or None when it failed."""
@@ -688,6 +691,45 @@ def register_workers(environment: Environment, **_: Any) -> None:
     )
 
 
+DRAIN_WAIT_S = 10.0
+
+
+def drain_problem(client: Any, wl: Workload) -> str | None:
+    """Why the model's ranks are not all empty (slot and selection APIs), or None."""
+    resp = client.get(
+        f"/loads?model_name={wl.model}&routing_group={wl.group}", name="/loads [drain check]"
+    )
+    try:
+        rows = json.loads(resp.text or "")
+    except ValueError:
+        rows = None
+    if not isinstance(rows, list):
+        return f"drain check: /loads answered {resp.status_code}"
+    busy = [
+        r
+        for r in rows
+        if r["active_requests"] or r["active_decode_blocks"] or r["active_prefill_tokens"]
+    ]
+    if busy:
+        return f"drain check: {len(busy)} ranks still hold load, e.g. {busy[0]}"
+    if not wl.selection_worker_ids:
+        return None
+    resp = client.get(
+        f"/selection/loads?model_name={wl.model}&routing_group={wl.group}",
+        name="/selection/loads [drain check]",
+    )
+    try:
+        parts = json.loads(resp.text or "")
+    except ValueError:
+        parts = None
+    if not isinstance(parts, list):
+        return f"drain check: /selection/loads answered {resp.status_code}"
+    busy = [r for part in parts for r in part["loads"] if r["active_requests"]]
+    if busy:
+        return f"drain check: {len(busy)} selection ranks still busy, e.g. {busy[0]}"
+    return None
+
+
 @events.test_stop.add_listener
 def drain_check_and_unregister(environment: Environment, **_: Any) -> None:
     if not controls_topology(environment) or not environment.host or PROBLEMS:
@@ -695,42 +737,17 @@ def drain_check_and_unregister(environment: Environment, **_: Any) -> None:
     wl = workload_from(environment)
     client = setup_client(environment, wl)
     if wl.check_drained:
-        resp = client.get(
-            f"/loads?model_name={wl.model}&routing_group={wl.group}", name="/loads [drain check]"
-        )
-        try:
-            rows = json.loads(resp.text or "")
-        except ValueError:
-            rows = None
-        if not isinstance(rows, list):
-            PROBLEMS.append(f"drain check: /loads answered {resp.status_code}")
+        # several instances apply each other's last frees a little later: give them a moment
+        deadline = time.monotonic() + (DRAIN_WAIT_S if wl.hosts else 0)
+        while True:
+            problem = drain_problem(client, wl)
+            if problem is None or time.monotonic() >= deadline:
+                break
+            gevent.sleep(0.2)
+        if problem is not None:
+            PROBLEMS.append(problem)
         else:
-            busy = [
-                r
-                for r in rows
-                if r["active_requests"] or r["active_decode_blocks"] or r["active_prefill_tokens"]
-            ]
-            if busy:
-                PROBLEMS.append(f"drain check: {len(busy)} ranks still hold load, e.g. {busy[0]}")
-            else:
-                log.info("drain check: all %d ranks are empty", len(rows))
-    if wl.check_drained and wl.selection_worker_ids:
-        resp = client.get(
-            f"/selection/loads?model_name={wl.model}&routing_group={wl.group}",
-            name="/selection/loads [drain check]",
-        )
-        try:
-            parts = json.loads(resp.text or "")
-        except ValueError:
-            parts = None
-        if not isinstance(parts, list):
-            PROBLEMS.append(f"drain check: /selection/loads answered {resp.status_code}")
-        else:
-            busy = [r for part in parts for r in part["loads"] if r["active_requests"]]
-            if busy:
-                PROBLEMS.append(
-                    f"drain check: {len(busy)} selection ranks still busy, e.g. {busy[0]}"
-                )
+            log.info("drain check: every rank is empty")
     if not wl.keep_workers:
         for worker_id in wl.worker_ids:
             client.post("/unregister", json={**wl.key, "worker_id": worker_id})

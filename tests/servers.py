@@ -24,6 +24,20 @@ _VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 PYTHON = str(_VENV_PYTHON) if _VENV_PYTHON.exists() else sys.executable
 
 
+def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m app ARGS`` to completion, with only ``env`` of the SLOT_TRACKER_* variables
+    (for a command that exits: ``--check-config``, ``--help``, a refused configuration)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
+    return subprocess.run(
+        [PYTHON, "-m", "app", *args],
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,20 +11,9 @@ from pathlib import Path
 from app import __version__ as app_version
 from app import cli
 from app.settings import Settings, load_settings
+from tests.servers import run_app
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args],
-        env={**clean, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
 
 
 def test_every_setting_but_the_secrets_is_a_documented_flag() -> None:

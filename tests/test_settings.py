@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from app.settings import (
     read_toml,
     unknown_environment,
 )
+from tests.servers import run_app
 
 
 @pytest.fixture(autouse=True)
@@ -108,19 +106,6 @@ def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
 
 
 # -- start-up checks, through the command line ----------------------------------------------
-
-
-def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m app ARGS`` with only ``env`` of the SLOT_TRACKER_* variables."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args],
-        env={**clean, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[1],
-    )
 
 
 def test_a_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
