@@ -100,7 +100,7 @@ def test_primary_killed_mid_traffic(
             new_port = group.primary_port()
             old.start("--replicaof", "127.0.0.1", str(new_port))
             old.wait_up()
-            wait_for(lambda: group.role(old) == "slave" and group._link_up(old), 20,
+            wait_for(lambda: group.role(old) == "slave" and group._link_up(old), 45,
                      "the old primary to sync as a replica")  # fmt: skip
             c.wait_ready(60)
             time.sleep(3.0)
