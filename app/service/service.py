@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from app.core.hashing import sequence_hashes_for_tokens
 from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
@@ -203,13 +205,15 @@ class SlotTrackerService:
     def _hashes(
         self,
         t: ActiveSequencesMultiWorker,
-        sequence_hashes: list[int] | None,
-        token_ids: list[int] | None,
+        sequence_hashes: list[int] | UnsetType | None,
+        token_ids: list[int] | UnsetType | None,
         lora_name: str | None,
     ) -> list[int]:
-        if token_ids is not None:
+        """The prompt as block hashes; a form not given is None or UNSET (a command built in
+        process rather than by the edge)."""
+        if token_ids is not None and token_ids is not UNSET:
             hashes = sequence_hashes_for_tokens(token_ids, t.block_size, lora_name)
-        elif sequence_hashes is not None:
+        elif sequence_hashes is not None and sequence_hashes is not UNSET:
             hashes = sequence_hashes
         else:
             raise ValueError("a prompt needs sequence_hashes or token_ids")
