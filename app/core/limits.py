@@ -27,6 +27,9 @@ MAX_NAME_LENGTH = 1024  # model names, routing groups, LoRA names
 MAX_ID_LENGTH = 1024  # request ids, selection ids
 MAX_TEXT_LENGTH = 4096  # what a selection worker declares: endpoints, domains, taints, ...
 
+# Longest modeled prefill a client may declare (``expected_prefill_ms``): about 31 years.
+MAX_PREFILL_MS = 1e12
+
 # Most output blocks one request may hold (each ``/output_block`` call adds one): a million
 # blocks are tens of millions of generated tokens.
 MAX_OUTPUT_BLOCKS_PER_REQUEST = 1 << 20

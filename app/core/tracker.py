@@ -281,21 +281,24 @@ class ActiveSequencesMultiWorker:
             self._ensure_worker(req.worker)
         hint = req.prefill_load_hint
         self.add_on_rank(
-            req.request_id,
-            req.worker.worker_id,
-            req.worker.dp_rank,
-            req.token_sequence,
-            req.track_prefill_tokens,
-            req.expected_output_tokens,
-            hint.initial_effective_prefill_tokens if hint is not None else 0,
-            hint.expected_prefill_duration_ns if hint is not None else None,
-            req.lora_name,
-            decay_now,
-            hint,
+            request_id=req.request_id,
+            worker_id=req.worker.worker_id,
+            dp_rank=req.worker.dp_rank,
+            token_sequence=req.token_sequence,
+            track_prefill_tokens=req.track_prefill_tokens,
+            expected_output_tokens=req.expected_output_tokens,
+            prefill_tokens=hint.initial_effective_prefill_tokens if hint is not None else 0,
+            expected_prefill_duration_ns=(
+                hint.expected_prefill_duration_ns if hint is not None else None
+            ),
+            lora_name=req.lora_name,
+            decay_now=decay_now,
+            hint=hint,
         )
 
     def add_on_rank(
         self,
+        *,
         request_id: str,
         worker_id: int,
         dp_rank: int,
@@ -308,8 +311,8 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         hint: PrefillLoadHint | None = None,
     ) -> None:
-        """``add_request_if_registered`` from the request's fields (the lifecycle hot path: no
-        request object). The prefill hint is ``prefill_tokens`` with its duration, none when
+        """``add_request_if_registered`` from the request's fields, by keyword (the lifecycle
+        hot path: no request object). The prefill hint is ``prefill_tokens`` with its duration, none when
         ``prefill_tokens`` is 0; ``hint``, when given, is the same hint as sent (it replicates)."""
         worker = self._rank_keys.get((worker_id, dp_rank))
         if worker is None:

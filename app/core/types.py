@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 U32_MAX = 0xFFFF_FFFF
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # the API's sequence hashes are signed 64-bit
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000
 

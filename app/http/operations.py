@@ -1,17 +1,18 @@
 """Body-level operations: JSON bytes in, ``(status, JSON bytes)`` out.
 
-Each operation validates its body (``app.http.body``), builds the service's command
-(``app.service.commands``), runs it and encodes the answer. Every route, whichever path serves it
-(the lean dispatcher or FastAPI), runs the same operation, so it answers identically. Expected
-errors become their status and ``{"error": ...}`` body through the one error table
-(``app.http.errors``).
+Each operation decodes its body into the service's command (``app.service.commands``): a plain
+body straight into it (``app.http.plain``), any other through its model (``app.http.body``,
+``app.http.schemas``, which alone write error messages); then it runs the command and encodes
+the answer. Every route, whichever path serves it (the lean dispatcher or FastAPI), runs the
+same operation, so it answers identically. Expected errors become their status and
+``{"error": ...}`` body through the one error table (``app.http.errors``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -28,6 +29,8 @@ OK = b'{"status":"ok"}'
 _CREATED = b'{"status":201}'
 _DONE = b'{"status":200}'
 
+C = TypeVar("C", bound=c.Keyed)
+P = TypeVar("P", bound=c.Prompt)
 Result = tuple[int, bytes]
 Operation = Callable[[bytes], Result]
 
@@ -42,53 +45,35 @@ def check_prompt(b: Any) -> None:
         raise HttpError(422, JSON_SHAPE + "give either `sequence_hashes` or `token_ids`, not both")
 
 
-def prompt_fields(b: Any) -> dict[str, Any]:
-    """A body's prompt fields, checked (``check_prompt``)."""
+def command(cls: type[C], b: Any) -> C:
+    """The command ``cls`` of a validated model: the model's values of the command's fields
+    (the two declare the same fields: ``tests/api/test_commands.py``)."""
+    return cls(**{name: getattr(b, name) for name in cls.__struct_fields__})
+
+
+def prompt_command(cls: type[P], b: Any) -> P:
+    """``command`` of a model with a prompt, its form checked (``check_prompt``) and its
+    hashes made unsigned."""
     check_prompt(b)
-    return {
-        "model_name": b.model_name,
-        "routing_group": b.routing_group,
-        "sequence_hashes": p.hashes_u64(b.sequence_hashes),
-        "token_ids": b.token_ids,
-        "lora_name": b.lora_name,
-    }
+    cmd = command(cls, b)
+    cmd.sequence_hashes = p.hashes_u64(cmd.sequence_hashes)
+    return cmd
 
 
-def add_command(b: s.AddBody) -> c.Add:
-    check_prompt(b)  # the hot path: no intermediate dict
-    return c.Add(
-        model_name=b.model_name,
-        routing_group=b.routing_group,
-        sequence_hashes=p.hashes_u64(b.sequence_hashes),
-        token_ids=b.token_ids,
-        lora_name=b.lora_name,
-        request_id=b.request_id,
-        worker_id=b.worker_id,
-        dp_rank=b.dp_rank,
-        new_isl_tokens=b.new_isl_tokens,
-        expected_prefill_ms=b.expected_prefill_ms,
-        track_prefill_tokens=b.track_prefill_tokens,
-        expected_output_tokens=b.expected_output_tokens,
-    )
+def add_command(b: Any) -> c.Add:
+    return prompt_command(c.Add, b)
 
 
 def free_command(b: Any) -> c.Free:
-    return c.Free(model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id)
+    return command(c.Free, b)
 
 
 def prefill_command(b: Any) -> c.PrefillComplete:
-    return c.PrefillComplete(
-        model_name=b.model_name, routing_group=b.routing_group, request_id=b.request_id
-    )
+    return command(c.PrefillComplete, b)
 
 
 def output_block_command(b: Any) -> c.OutputBlock:
-    return c.OutputBlock(
-        model_name=b.model_name,
-        routing_group=b.routing_group,
-        request_id=b.request_id,
-        decay_fraction=b.decay_fraction,
-    )
+    return command(c.OutputBlock, b)
 
 
 def worker_range(cls: type[c.Register], b: s.RegisterBody) -> c.Register:
@@ -176,27 +161,24 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        fields = p.add_body(raw)
-        if fields is None:  # not plain: the validating path, with its messages
-            self.service.add(add_command(parse_json(raw, s.AddBody)))
-        else:
-            self.service.add_fields(*fields)
+        cmd = p.add_body(raw)
+        if cmd is None:  # not plain: the validating path, with its messages
+            cmd = add_command(parse_json(raw, s.AddBody))
+        self.service.add(cmd)
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        fields = p.request_body(raw)
-        if fields is None:
-            self.service.prefill_complete(prefill_command(parse_json(raw, s.RequestBody)))
-        else:
-            self.service.prefill_complete_fields(*fields)
+        cmd = p.prefill_complete_body(raw)
+        if cmd is None:
+            cmd = prefill_command(parse_json(raw, s.RequestBody))
+        self.service.prefill_complete(cmd)
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        fields = p.request_body(raw)
-        if fields is None:
-            self.service.free(free_command(parse_json(raw, s.RequestBody)))
-        else:
-            self.service.free_fields(*fields)
+        cmd = p.free_body(raw)
+        if cmd is None:
+            cmd = free_command(parse_json(raw, s.RequestBody))
+        self.service.free(cmd)
         return 200, OK
 
     def output_block(self, raw: bytes) -> Result:
@@ -206,20 +188,15 @@ class Operations:
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
-        found = p.prompt_object(raw, p.POTENTIAL_KEYS)
-        fields = p.potential_fields(*found) if found is not None else None
-        if fields is None:  # not plain: the validating path, with its messages
+        cmd = p.potential_loads_body(raw)
+        if cmd is None:  # not plain: the validating path, with its messages
             b = parse_json(raw, s.PotentialLoadsBody)
-            cmd = c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
-        else:
-            model, group, hashes, tokens, lora, isl = fields
-            cmd = c.PotentialLoads(model_name=model, routing_group=group, sequence_hashes=hashes,
-                                   token_ids=tokens, lora_name=lora, new_isl_tokens=isl)  # fmt: skip
+            cmd = prompt_command(c.PotentialLoads, b)
         return 200, load_columns_json(*self.service.potential_loads(cmd))
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(
-            c.ProjectLoads(**prompt_fields(parse_json(raw, s.ProjectLoadsBody)))
+            prompt_command(c.ProjectLoads, parse_json(raw, s.ProjectLoadsBody))
         )
         return 200, orjson.dumps(rows)
 
@@ -265,27 +242,24 @@ class Operations:
             return self._run_batch(self._batch_ops(raw))
         self._check_size(len(ops))
         service = self.service
-        add, free = service.add_fields, service.free_fields
+        add, free = service.add, service.free
         results = []
         append = results.append
-        batch_free, batch_add = p.BatchFree, p.BatchAdd
+        free_cmd, add_cmd = c.Free, c.Add
         for o in ops:
             kind = type(o)
             try:
-                if kind is batch_free:
-                    free(o.model_name, o.routing_group, o.request_id)
+                if kind is free_cmd:
+                    free(o)
                     append(_DONE)
-                elif kind is batch_add:
-                    add(o.model_name, o.routing_group, o.sequence_hashes, o.token_ids,
-                        o.lora_name, o.request_id, o.worker_id, o.dp_rank, o.new_isl_tokens,
-                        o.expected_prefill_ms, o.track_prefill_tokens,
-                        o.expected_output_tokens)  # fmt: skip
+                elif kind is add_cmd:
+                    add(o)
                     append(_CREATED)
-                elif kind is p.BatchPrefillComplete:
-                    service.prefill_complete_fields(o.model_name, o.routing_group, o.request_id)
+                elif kind is c.PrefillComplete:
+                    service.prefill_complete(o)
                     append(_DONE)
                 else:
-                    service.output_block(output_block_command(o))
+                    service.output_block(o)
                     append(_DONE)
             except EXPECTED as e:
                 append(_batch_error(e))

@@ -21,11 +21,17 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from app.core.limits import MAX_DP_SIZE, MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
-from app.core.types import U32_MAX, U64_MAX
+from app.core.limits import (
+    MAX_DP_SIZE,
+    MAX_ID_LENGTH,
+    MAX_NAME_LENGTH,
+    MAX_PREFILL_MS,
+    MAX_RANKS_PER_TRACKER,
+    MAX_TEXT_LENGTH,
+)
+from app.core.types import I64_MAX, I64_MIN, U32_MAX, U64_MAX
 from app.replication import port
-
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+from app.service.commands import DEFAULT_ROUTING_GROUP
 
 U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
 U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
@@ -55,7 +61,9 @@ def number(low: float, high: float) -> Any:
 ONE_PROMPT_FORM = [{"required": ["sequence_hashes"]}, {"required": ["token_ids"]}]
 
 MODEL = Field(description="Model name; with the routing group it selects one tracker.")
-GROUP = Field("default", description="Routing group inside the model (default `default`).")
+GROUP = Field(
+    DEFAULT_ROUTING_GROUP, description="Routing group inside the model (default `default`)."
+)
 HASHES = Field(
     None,
     description="Sequence hashes of the prompt's full KV blocks, in order, as signed 64-bit "
@@ -84,8 +92,8 @@ class RegisterBody(_Keyed):
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
     dp_size: DpSize = Field(
-        description="Number of data-parallel ranks: at most 4,096 per worker, and a tracker "
-        "holds at most 16,384 ranks in all."
+        description=f"Number of data-parallel ranks: at most {MAX_DP_SIZE:,} per worker, and a "
+        f"tracker holds at most {MAX_RANKS_PER_TRACKER:,} ranks in all."
     )
 
     model_config = ConfigDict(
@@ -126,7 +134,7 @@ class HeartbeatBody(_Keyed):
 class ReconcileWorker(_Body):
     worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
-    dp_size: DpSize = Field(description="Number of data-parallel ranks (at most 4,096).")
+    dp_size: DpSize = Field(description=f"Number of data-parallel ranks (at most {MAX_DP_SIZE:,}).")
 
 
 class ReconcileBody(_Keyed):
@@ -155,7 +163,7 @@ class AddBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
     new_isl_tokens: U64 = Field(0, description="Prompt tokens still to prefill on this rank.")
-    expected_prefill_ms: number(0, 1e12) | None = Field(
+    expected_prefill_ms: number(0, MAX_PREFILL_MS) | None = Field(
         None, description="Modeled prefill duration in ms; the prefill tokens then decay linearly."
     )
     track_prefill_tokens: StrictBool | None = Field(

@@ -1,22 +1,52 @@
-"""One command per operation: the only definition of each operation's inputs.
+"""One command per operation: what the HTTP edge decodes a body into and the service executes.
 
-The HTTP edge builds these from validated bodies (and the batch route from each operation);
-the service executes them. Hashes are already unsigned (the edge reinterprets the API's signed
-64-bit values bit for bit), and a prompt is given either as ``sequence_hashes`` or as
-``token_ids``, never both (the edge enforces that, with the reference's messages).
+The lifecycle and query commands are msgspec structs whose fields carry the API's types and
+ranges, so the edge's fast path decodes a plain body straight into the command (in C, strict:
+no bool for an int, no float for an int, no null for a field with a default) and hands it to
+the service as it is. The pydantic models in ``app.http.schemas`` exist only for the OpenAPI
+document and the reference's error texts; ``tests/api/test_commands.py`` checks them equal to
+these structs field for field (names, types, bounds, defaults). The lifecycle commands are
+tagged by ``op``: a ``/batch`` body is a list of their union (``BatchOperation``).
+
+A prompt is given either as ``sequence_hashes`` or as ``token_ids``, never both: while decoding
+the form not given is ``UNSET`` (a JSON null is invalid for either); the edge checks the form
+(with the reference's messages) and hands the service the other one as None, and the hashes
+already unsigned (it reinterprets the API's signed 64-bit values bit for bit). The ranges
+beyond int64 (u64 ids and token counts) are checked by the edge after decoding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_PREFILL_MS
+from app.core.types import I64_MAX, I64_MIN, U32_MAX
 
 DEFAULT_ROUTING_GROUP = "default"
 
 Key = tuple[str, str]
 
+# The API's types, as the structs' fields declare them.
+Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
+Id = Annotated[str, Meta(max_length=MAX_ID_LENGTH)]  # request ids
+Hash = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
+U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
+U64 = Annotated[int, Meta(ge=0)]  # and <= U64_MAX, checked by the edge after decoding
+Ms = (
+    Annotated[int, Meta(ge=0, le=int(MAX_PREFILL_MS))]
+    | Annotated[float, Meta(ge=0, le=MAX_PREFILL_MS)]
+)
+Fraction = Annotated[int, Meta(ge=0, le=1)] | Annotated[float, Meta(ge=0, le=1)]
+
 
 @dataclass(slots=True, kw_only=True)
 class Command:
+    """A topology command's key (the topology commands are plain dataclasses)."""
+
     model_name: str
     routing_group: str = DEFAULT_ROUTING_GROUP
 
@@ -63,56 +93,56 @@ class Reconcile(Command):
     workers: list[tuple[int, int, int]]
 
 
-# -- lifecycle --------------------------------------------------------------------------------
+# -- lifecycle and queries --------------------------------------------------------------------
 
 
-@dataclass(slots=True, kw_only=True)
-class Prompt(Command):
+class Keyed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model_name: Name
+    routing_group: Name = DEFAULT_ROUTING_GROUP
+
+    @property
+    def key(self) -> Key:
+        return (self.model_name, self.routing_group)
+
+
+class Prompt(Keyed, kw_only=True):
     """A prompt as block hashes or as token ids (hashed with the tracker's block size)."""
 
-    sequence_hashes: list[int] | None = None
-    token_ids: list[int] | None = None
-    lora_name: str | None = None
+    sequence_hashes: list[Hash] | UnsetType = UNSET
+    token_ids: list[U32] | UnsetType = UNSET
+    lora_name: Name | None = None
 
 
-@dataclass(slots=True, kw_only=True)
-class Add(Prompt):
-    request_id: str
-    worker_id: int
-    dp_rank: int
-    new_isl_tokens: int = 0
-    expected_prefill_ms: float | None = None
+class Add(Prompt, tag_field="op", tag="add", kw_only=True):
+    request_id: Id
+    worker_id: U64
+    dp_rank: U32
+    new_isl_tokens: U64 = 0
+    expected_prefill_ms: Ms | None = None
     track_prefill_tokens: bool | None = None  # None: track when new_isl_tokens > 0
-    expected_output_tokens: int | None = None
+    expected_output_tokens: U32 | None = None
 
 
-@dataclass(slots=True, kw_only=True)
-class PrefillComplete(Command):
-    request_id: str
+class PrefillComplete(Keyed, tag_field="op", tag="prefill_complete", kw_only=True):
+    request_id: Id
 
 
-@dataclass(slots=True, kw_only=True)
-class Free(Command):
-    request_id: str
+class Free(Keyed, tag_field="op", tag="free", kw_only=True):
+    request_id: Id
 
 
-@dataclass(slots=True, kw_only=True)
-class OutputBlock(Command):
-    request_id: str
-    decay_fraction: float | None = None
+class OutputBlock(Keyed, tag_field="op", tag="output_block", kw_only=True):
+    request_id: Id
+    decay_fraction: Fraction | None = None
 
 
-# -- queries ----------------------------------------------------------------------------------
+class PotentialLoads(Prompt, kw_only=True):
+    new_isl_tokens: U64 = 0
 
 
-@dataclass(slots=True, kw_only=True)
-class PotentialLoads(Prompt):
-    new_isl_tokens: int = 0
-
-
-@dataclass(slots=True, kw_only=True)
-class ProjectLoads(Prompt):
+class ProjectLoads(Prompt, kw_only=True):
     pass
 
 
 Lifecycle = Add | PrefillComplete | Free | OutputBlock
+BatchOperation = Lifecycle  # a ``/batch`` operation: the command its ``op`` names

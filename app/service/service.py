@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from app.core.hashing import sequence_hashes_for_tokens
 from app.core.limits import DEFAULT_MAX_TRACKERS
 from app.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
@@ -203,13 +205,15 @@ class SlotTrackerService:
     def _hashes(
         self,
         t: ActiveSequencesMultiWorker,
-        sequence_hashes: list[int] | None,
-        token_ids: list[int] | None,
+        sequence_hashes: list[int] | UnsetType | None,
+        token_ids: list[int] | UnsetType | None,
         lora_name: str | None,
     ) -> list[int]:
-        if token_ids is not None:
+        """The prompt as block hashes; a form not given is None or UNSET (a command built in
+        process rather than by the edge)."""
+        if token_ids is not None and token_ids is not UNSET:
             hashes = sequence_hashes_for_tokens(token_ids, t.block_size, lora_name)
-        elif sequence_hashes is not None:
+        elif sequence_hashes is not None and sequence_hashes is not UNSET:
             hashes = sequence_hashes
         else:
             raise ValueError("a prompt needs sequence_hashes or token_ids")
@@ -217,86 +221,43 @@ class SlotTrackerService:
             raise TooManyHashes(len(hashes), self.max_hashes)
         return hashes
 
-    # The lifecycle operations also come as plain positional fields, in the commands' order:
-    # ``add_fields``, ``free_fields``, ``prefill_complete_fields``. The HTTP edge's hot paths
-    # call these with values it validated, so a call builds no command object.
+    # The lifecycle commands arrive as the HTTP edge decoded them (``app.http.plain``) or built
+    # them from the models: the service reads their fields, the tracker takes them by keyword.
 
     def add(self, cmd: c.Add) -> None:
-        self.add_fields(
-            cmd.model_name,
-            cmd.routing_group,
-            cmd.sequence_hashes,
-            cmd.token_ids,
-            cmd.lora_name,
-            cmd.request_id,
-            cmd.worker_id,
-            cmd.dp_rank,
-            cmd.new_isl_tokens,
-            cmd.expected_prefill_ms,
-            cmd.track_prefill_tokens,
-            cmd.expected_output_tokens,
-        )
-
-    def add_fields(
-        self,
-        model_name: str,
-        routing_group: str,
-        sequence_hashes: list[int] | None,
-        token_ids: list[int] | None,
-        lora_name: str | None,
-        request_id: str,
-        worker_id: int,
-        dp_rank: int,
-        new_isl_tokens: int = 0,
-        expected_prefill_ms: float | None = None,
-        track_prefill_tokens: bool | None = None,
-        expected_output_tokens: int | None = None,
-    ) -> None:
-        """``add`` of a ``c.Add`` with these fields."""
-        key = (model_name, routing_group)
+        key = (cmd.model_name, cmd.routing_group)
         t = self.registry.get(key)
-        if (
-            token_ids is None
-            and sequence_hashes is not None
-            and len(sequence_hashes) <= self.max_hashes
-        ):
-            hashes = sequence_hashes  # what ``_hashes`` returns for them, without the call
+        hashes, tokens = cmd.sequence_hashes, cmd.token_ids
+        if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
+            pass  # what ``_hashes`` returns for them, without the call
         else:
-            hashes = self._hashes(t, sequence_hashes, token_ids, lora_name)
-        tokens = new_isl_tokens
-        track = tokens > 0 if track_prefill_tokens is None else track_prefill_tokens
-        duration_ns = None
-        if tokens > 0 and expected_prefill_ms is not None:
-            duration_ns = round(expected_prefill_ms * NS_PER_MS)
+            hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
+        isl = cmd.new_isl_tokens
+        track = cmd.track_prefill_tokens
+        ms = cmd.expected_prefill_ms
         t.add_on_rank(
-            request_id,
-            worker_id,
-            dp_rank,
-            hashes,
-            track,
-            expected_output_tokens,
-            tokens,
-            duration_ns,
-            lora_name,
-            self.clock(),
+            request_id=cmd.request_id,
+            worker_id=cmd.worker_id,
+            dp_rank=cmd.dp_rank,
+            token_sequence=hashes,
+            track_prefill_tokens=isl > 0 if track is None else track,
+            expected_output_tokens=cmd.expected_output_tokens,
+            prefill_tokens=isl,
+            expected_prefill_duration_ns=(
+                round(ms * NS_PER_MS) if isl > 0 and ms is not None else None
+            ),
+            lora_name=cmd.lora_name,
+            decay_now=self.clock(),
         )
         self.registry.counters[key].added += 1
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
-        self.prefill_complete_fields(cmd.model_name, cmd.routing_group, cmd.request_id)
-
-    def prefill_complete_fields(self, model_name: str, routing_group: str, request_id: str) -> None:
-        """``prefill_complete`` of a ``c.PrefillComplete`` with these fields."""
-        t = self.registry.get((model_name, routing_group))
-        t.mark_prefill_completed(request_id, self.clock())
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
+        t.mark_prefill_completed(cmd.request_id, self.clock())
 
     def free(self, cmd: c.Free) -> None:
-        self.free_fields(cmd.model_name, cmd.routing_group, cmd.request_id)
-
-    def free_fields(self, model_name: str, routing_group: str, request_id: str) -> None:
-        """``free`` of a ``c.Free`` with these fields."""
-        key = (model_name, routing_group)
-        if self.registry.get(key).free(request_id, self.clock()):
+        key = (cmd.model_name, cmd.routing_group)
+        if self.registry.get(key).free(cmd.request_id, self.clock()):
             self.registry.counters[key].freed += 1
 
     def output_block(self, cmd: c.OutputBlock) -> None:

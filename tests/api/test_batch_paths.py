@@ -1,7 +1,7 @@
-"""``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two paths: plain bodies run
-straight from decoded values (msgspec's typed operations for a batch, orjson's for single calls:
-``app.http.plain``), anything else through the pydantic models,
-which alone write error messages. Both must give the same answers and leave the same state, for
+"""``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two
+paths: plain bodies are decoded straight into the service's commands (msgspec, for the lifecycle
+routes) or checked on orjson's decoded values (``/potential_loads``; ``app.http.plain``),
+anything else goes through the pydantic models, which alone write error messages. Both must give the same answers and leave the same state, for
 any body: these tests run every body through each path on its own fresh service and compare."""
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from app.http.operations import (
     add_command,
     free_command,
     prefill_command,
-    prompt_fields,
+    prompt_command,
 )
 from app.service import SlotTrackerService
 from app.service import commands as c
 
-ADD_KEYS = frozenset(plain_body.PlainAdd.__struct_fields__)  # the helpers take any key set
 REGISTER = [
     {"model_name": "m", "worker_id": w, "block_size": 2, "dp_start": 0, "dp_size": 2}
     for w in (1, 2)
@@ -279,9 +278,7 @@ def test_single_calls_with_duplicate_or_escaped_fields_take_the_validating_path(
 def validating_potential(ops: Operations, raw: bytes) -> tuple[int, bytes]:
     try:
         b = parse_json(raw, s.PotentialLoadsBody)
-        ranks, *columns = ops.service.potential_loads(
-            c.PotentialLoads(**prompt_fields(b), new_isl_tokens=b.new_isl_tokens)
-        )
+        ranks, *columns = ops.service.potential_loads(prompt_command(c.PotentialLoads, b))
         rows = [(w.worker_id, w.dp_rank, *row) for w, *row in zip(ranks, *columns, strict=True)]
     except EXPECTED as e:
         return error_result(e)
@@ -307,7 +304,7 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
 
 
 def test_a_key_given_twice_is_found_however_it_is_written() -> None:
-    """Quotes are counted against the decoded body (``plain.add_body``, ``request_body``): a
+    """Quotes are counted against the decoded body (``plain.add_body``, ``free_body``): a
     repeated key leaves the plain path whatever its value and spacing, and strings that hold
     colons, brackets or braces do not."""
     ops = fresh()
@@ -322,7 +319,7 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b',"routing_group":"g","routing_group":"g"}',
     ]:
         raw = start + tail
-        assert plain_body.request_body(raw) is None, raw
+        assert plain_body.free_body(raw) is None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     for raw in [
         b'{"model_name":":m","request_id":"a:"}',
@@ -330,7 +327,7 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b'{"model_name":"{a:1}","request_id":"]["}',
         b'{"request_id":"x","routing_group":"g:","model_name":"true, false"}',
     ]:
-        assert plain_body.request_body(raw) is not None, raw
+        assert plain_body.free_body(raw) is not None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     add = (b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
            b'"sequence_hashes":[1,2],"lora_name":"x","sequence_hashes":[3]}')  # fmt: skip
@@ -338,41 +335,37 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
     assert ops.get("add")(add) == validating_call(fresh(), "add", add)
 
 
-def test_booleans_and_keys_are_found_around_a_span_of_numbers() -> None:
-    """The quote count and the boolean search skip a long span of bare numbers
-    (``plain.number_span``): a boolean or a repeated key anywhere else, or a boolean among the
-    numbers, still leaves the plain path."""
+def test_booleans_and_keys_given_twice_leave_the_plain_path_however_long_the_prompt() -> None:
+    """A boolean among a long prompt's numbers, or a key given twice after them, leaves the
+    plain path (``plain.add_body``, ``potential_loads_body``); a boolean where one belongs does
+    not. Either way both paths answer the same."""
     add = b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,"sequence_hashes":%s%s}'
-    many = b",".join(b"%d" % (10**17 + i) for i in range(64))  # a span worth skipping
-    assert len(many) > plain_body.SPAN_WORTH
-    cases = {
-        add % (b"[%s]" % many, b""): (True, True),
-        add % (b"[%s,true,3]" % many, b""): (False, True),  # inside: not a span of numbers
-        add % (b"[1, false,%s]" % many, b""): (False, True),
-        add % (b"[%s]" % many, b',"track_prefill_tokens":true'): (False, True),
-        add % (b"[%s]" % many, b',"track_prefill_tokens":false,"lora_name":"[x]"'): (False, True),
-        add % (b"[%s]" % many, b',"request_id":"b"'): (True, False),  # a key given twice
-        add % (b"[1,2]", b',"request_id":"b"'): (True, False),  # no span
-        add % (b"[1,true]", b""): (False, True),
-        add % (b"[%s]" % many, b',"lora_name":"t\\"f"'): (True, True),
+    many = b",".join(b"%d" % (10**17 + i) for i in range(64))
+    cases = {  # body: whether it is plain
+        add % (b"[%s]" % many, b""): True,
+        add % (b"[%s,true,3]" % many, b""): False,
+        add % (b"[1, false,%s]" % many, b""): False,
+        add % (b"[%s]" % many, b',"track_prefill_tokens":true'): True,
+        add % (b"[%s]" % many, b',"track_prefill_tokens":false,"lora_name":"[x]"'): True,
+        add % (b"[%s]" % many, b',"request_id":"b"'): False,  # a key given twice
+        add % (b"[1,2]", b',"request_id":"b"'): False,
+        add % (b"[1,true]", b""): False,
+        add % (b"[%s]" % many, b',"lora_name":"t\\"f"'): False,  # an escape
+        add % (b"[%s]" % many, b',"routing_group":"default"'): True,  # a new string
+        add % (b"[%s]" % many, b',"new_isl_tokens":0'): False,  # the default's own object
     }
-    spans = [plain_body.number_span(raw) for raw in cases]
-    assert sum(1 for lo, hi in spans if hi) == 4  # the others are scanned whole
-    for raw, (no_bool, unique_keys) in cases.items():
-        assert plain_body.no_bools(raw) is no_bool, raw
-        if b"\\" not in raw:
-            for span in ((0, 0), plain_body.number_span(raw)):
-                d = plain_body.plain_object(raw, ADD_KEYS, span)
-                assert (d is not None) is unique_keys, raw
-            found = plain_body.prompt_object(raw, ADD_KEYS)
-            expected = (json.loads(raw), no_bool, b"-" in raw) if unique_keys else None
-            assert found == expected, raw
-        if not unique_keys:
-            assert plain_body.add_body(raw) is None, raw
+    for raw, plain in cases.items():
+        assert (plain_body.add_body(raw) is not None) is plain, raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
-    potential = b'{"model_name":"m","sequence_hashes":[1,true]}'
-    assert fresh().get("potential_loads")(potential) == validating_potential(fresh(), potential)
-    assert fresh().get("potential_loads")(potential)[0] == 422
+    for raw in [
+        b'{"model_name":"m","sequence_hashes":[1,true]}',
+        b'{"model_name":"m","sequence_hashes":[%s],"model_name":"n"}' % many,
+    ]:
+        assert plain_body.potential_loads_body(raw) is None, raw
+        assert fresh().get("potential_loads")(raw) == validating_potential(fresh(), raw)
+        assert fresh().get("potential_loads")(raw)[0] == 422
+    raw = b'{"model_name":"m","sequence_hashes":[%s],"new_isl_tokens":3}' % many
+    assert plain_body.potential_loads_body(raw) is not None
 
 
 def test_negative_hashes_are_unsigned_whether_or_not_the_body_has_a_minus_sign() -> None:

@@ -18,8 +18,18 @@ def tracker() -> tuple[ActiveSequencesMultiWorker, FakeClock]:
 
 def add(t: ActiveSequencesMultiWorker, rid: str, w: WorkerWithDpRank, hashes, tokens=0, ms=None):
     duration = None if ms is None else ms * 1_000_000
-    t.add_on_rank(rid, w.worker_id, w.dp_rank, hashes, tokens > 0, None, tokens, duration, None,
-                  t.clock())  # fmt: skip
+    t.add_on_rank(
+        request_id=rid,
+        worker_id=w.worker_id,
+        dp_rank=w.dp_rank,
+        token_sequence=hashes,
+        track_prefill_tokens=tokens > 0,
+        expected_output_tokens=None,
+        prefill_tokens=tokens,
+        expected_prefill_duration_ns=duration,
+        lora_name=None,
+        decay_now=t.clock(),
+    )
 
 
 def test_a_query_refreshes_only_the_ranks_changed_since_the_last_one() -> None:
