@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from app.http import plain as p
 from app.http import schemas as s
 from app.http.body import parse_json
 from app.http.errors import EXPECTED, error_result
@@ -173,11 +174,15 @@ class ReplicatedOperations(Operations):
         return 200, OK
 
     def prefill_complete(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        cmd = prefill_command(parse_json(raw, s.RequestBody))
+        cmd = p.prefill_complete_body(raw)  # plain bodies decode straight into the command
+        if cmd is None:  # not plain: the validating path, with its messages
+            cmd = prefill_command(parse_json(raw, s.RequestBody))
         return self._lifecycle(cmd, self.service.prefill_complete)
 
     def free(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        cmd = free_command(parse_json(raw, s.RequestBody))
+        cmd = p.free_body(raw)
+        if cmd is None:
+            cmd = free_command(parse_json(raw, s.RequestBody))
         return self._lifecycle(cmd, self.service.free)
 
     def output_block(self, raw: bytes) -> Deferred:  # type: ignore[override]

@@ -177,3 +177,34 @@ async def test_the_same_id_added_on_two_instances_keeps_the_first_in_stream_orde
         await until(lambda: converged([a, b, c]), what="convergence after the free")
         rows = await same_loads([a, b, c])
         assert [r["active_requests"] for r in rows] == [0, 0]
+
+
+async def test_plain_lifecycle_bodies_skip_the_models_in_redis_mode_too(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/prefill_complete`` and ``/free`` with plain bodies decode straight into their
+    commands on a replicated instance as on an embedded one; other bodies still get the
+    models' messages."""
+    import app.http.replicated as replicated
+
+    add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,
+           "sequence_hashes": [1, 2]}  # fmt: skip
+    async with running_apps(Settings(redis_url=redis_url, namespace=namespace)) as (a,):
+        await register(a, [])
+        assert (await a.post("/add", add)).status_code == 201
+        models = replicated.parse_json
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a plain body went through the models")
+
+        monkeypatch.setattr(replicated, "parse_json", refuse)
+        ref = {"model_name": "m", "request_id": "r"}
+        assert (await a.post("/prefill_complete", ref)).status_code == 200
+        assert (await a.post("/free", ref)).status_code == 200
+        monkeypatch.setattr(replicated, "parse_json", models)
+        bad = await a.post("/free", {"model_name": "m"})
+        assert bad.status_code == 422
+        assert bad.json() == {
+            "error": "Failed to deserialize the JSON body into the target type: "
+            "missing field `request_id`"
+        }
