@@ -126,8 +126,6 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, SecretStr):
-        return MASK if value.get_secret_value() else '""'
     return str(value)
 
 
