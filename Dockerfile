@@ -20,7 +20,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # .dockerignore lets only these into the build context.
 COPY pyproject.toml README.md ./
-COPY app ./app
+COPY kv_slot_tracker ./kv_slot_tracker
 # A regular (not editable) install without the dev extras; bytecode is compiled here, as the
 # final image's virtualenv is read-only to the service user.
 RUN pip install --no-cache-dir . \
@@ -48,4 +48,4 @@ EXPOSE 8091
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('SLOT_TRACKER_PORT', '8091'), timeout=2)"]
 
-CMD ["python", "-m", "app", "--host", "0.0.0.0"]
+CMD ["python", "-m", "kv_slot_tracker", "--host", "0.0.0.0"]

@@ -14,7 +14,7 @@ CLIENT := clients/python
 
 ARGS ?=
 PYTEST_ARGS ?=
-LINT_PATHS := $(wildcard app tests bench scripts loadtest clients docs)
+LINT_PATHS := $(wildcard kv_slot_tracker tests bench scripts loadtest clients docs)
 
 .DEFAULT_GOAL := help
 .PHONY: help venv dev run test lint fmt openapi clean chromium docker-lint loadtest
@@ -51,7 +51,7 @@ venv: $(VENV_STAMP)
 dev: $(DEV_STAMP)
 
 run: venv
-	$(VENV_PY) -m app $(ARGS)
+	$(VENV_PY) -m kv_slot_tracker $(ARGS)
 
 test: dev chromium
 	scripts/with_redis.sh $(VENV_PY) -m pytest $(PYTEST_ARGS)
@@ -73,7 +73,7 @@ fmt: dev
 	$(VENV_PY) -m ruff format $(LINT_PATHS)
 
 openapi: venv
-	$(VENV_PY) -m app.openapi_export > openapi.yaml.tmp
+	$(VENV_PY) -m kv_slot_tracker.openapi_export > openapi.yaml.tmp
 	mv openapi.yaml.tmp openapi.yaml
 
 # Starts a local instance, runs Locust headless, writes CSVs to loadtest/out/.

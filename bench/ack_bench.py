@@ -49,7 +49,15 @@ def start(mode: str, redis_url: str, namespace: str) -> Server:
     )
 
     def make(port: int) -> Server:
-        argv = [ours_python(), "-m", "app", "--port", str(port), "--log-level", "warning"]
+        argv = [
+            ours_python(),
+            "-m",
+            "kv_slot_tracker",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
         return Server(f"ours-{mode}", argv, port, cwd=REPO, env=env)
 
     server = _start_checked(make)

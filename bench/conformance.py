@@ -34,7 +34,7 @@ that later requests start from equal states again. The summary lists difference 
 finer classes with one example each, and (``--coverage``) the requests sent per operation kind.
 The last line is ``N requests, M differences``; the exit code is 1 when M > 0.
 
-Other flags: ``--workers N`` runs ours as N processes on one port (``python -m app --workers
+Other flags: ``--workers N`` runs ours as N processes on one port (``python -m kv_slot_tracker --workers
 N``), ``--only-run K`` replays one run of a seed, ``--ref-url/--ours-url`` use running
 servers, ``-v`` prints every request with the reference's answer, ``--array-bodies`` also sends
 positional-array bodies (a serde quirk that SPEC §7.3 makes optional).
@@ -1331,7 +1331,7 @@ class Pair:
         self, ref_url: str | None, ours_url: str | None, log_dir: Path | None, workers: int = 1
     ) -> None:
         self.given = ref_url is not None and ours_url is not None
-        self.workers = workers  # ours as ``python -m app --workers N``
+        self.workers = workers  # ours as ``python -m kv_slot_tracker --workers N``
         self.ref_url, self.ours_url = ref_url, ours_url
         self.log_dir = log_dir
         self.servers: list[Server] = []
@@ -1638,7 +1638,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-url", help="use a running reference instead of starting one")
     ap.add_argument("--ours-url", help="use a running kv-slot-tracker instead of starting one")
     ap.add_argument("--log-dir", help="where server logs go (default: a temp dir)")
-    ap.add_argument("--workers", type=int, default=1, help="run ours as python -m app --workers N")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="run ours as python -m kv_slot_tracker --workers N"
+    )
     ap.add_argument("--strict-wording", action="store_true", help="compare serde texts exactly")
     ap.add_argument("--wording", action="store_true", help="list differing serde texts")
     ap.add_argument(

@@ -1,4 +1,4 @@
-"""Consistency across instances, measured with real processes (``python -m app``) on a Redis
+"""Consistency across instances, measured with real processes (``python -m kv_slot_tracker``) on a Redis
 server of the bench's own (restartable, SIGSTOP-able), three instances on loopback.
 
   visibility  an add on A, one at a time on an idle system: when B has applied it. Exact per

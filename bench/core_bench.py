@@ -13,9 +13,19 @@ import random
 import statistics
 import time
 
-from app.core.events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest
-from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
-from app.core.types import PrefillLoadHint, PrefillTokenDeltas, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.events import (
+    FREE,
+    MARK_PREFILL_COMPLETED,
+    ActiveSequenceEvent,
+    AddRequest,
+)
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
+from kv_slot_tracker.core.types import (
+    PrefillLoadHint,
+    PrefillTokenDeltas,
+    SequenceRequest,
+    WorkerWithDpRank,
+)
 
 WORKERS = {w: (0, 4) for w in range(16)}  # 16 workers x 4 ranks = 64 ranks
 RANKS = [WorkerWithDpRank(w, r) for w in range(16) for r in range(4)]

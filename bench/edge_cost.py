@@ -7,7 +7,7 @@ prefix; potential loads of a 256-block prompt; ``/batch`` bodies of 100 operatio
 prefill completions, and ``batch_signed``: the same with full 64-bit hashes, about half of them
 negative, as a real prompt's are on the wire) and reports microseconds of CPU per call (per operation for a batch).
 ``direct`` feeds the same /add and /free calls as raw HTTP requests through the direct protocol
-(``app.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
+(``kv_slot_tracker.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
 adds, without sockets. With
 ``--instructions`` it runs itself under callgrind instead and reports instructions per call,
 which do not depend on what else the machine is doing: the figure to compare two commits on a
@@ -37,9 +37,9 @@ HERE = Path(__file__).resolve().parent
 
 def build(repo: Path):
     sys.path.insert(0, str(repo))
-    from app.http.operations import Operations
-    from app.main import create_app
-    from app.settings import load_settings
+    from kv_slot_tracker.http.operations import Operations
+    from kv_slot_tracker.main import create_app
+    from kv_slot_tracker.settings import load_settings
 
     app = create_app(load_settings(api_key="", redis_url=""))
     ops = Operations(app.state.service, 1_000_000)
@@ -75,7 +75,7 @@ class _Transport:
 
 
 def build_direct(repo: Path):
-    """A direct HTTP protocol connection (``app.http.direct``) on a fake transport: requests
+    """A direct HTTP protocol connection (``kv_slot_tracker.http.direct``) on a fake transport: requests
     go in as bytes through ``data_received``, the answers are written at once. None for a
     checkout without the direct path."""
     import asyncio
@@ -84,17 +84,17 @@ def build_direct(repo: Path):
     import uvicorn
     from uvicorn.server import ServerState
 
-    from app.main import create_app
-    from app.settings import load_settings
+    from kv_slot_tracker.main import create_app
+    from kv_slot_tracker.settings import load_settings
 
     try:
-        from app.http.direct import direct_protocol
+        from kv_slot_tracker.http.direct import direct_protocol
     except ImportError:
         return None
     app = create_app(load_settings(api_key="", redis_url=""))
     import uvloop
 
-    loop = uvloop.new_event_loop()  # the server's loop (``python -m app``)
+    loop = uvloop.new_event_loop()  # the server's loop (``python -m kv_slot_tracker``)
     asyncio.set_event_loop(loop)
     protocol = direct_protocol(app.lean)
     config = uvicorn.Config(app, http=protocol, log_level="warning")

@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from app.settings import Settings  # noqa: E402
+from kv_slot_tracker.settings import Settings  # noqa: E402
 from tests.ha.topology import RedisProcess, wait_for  # noqa: E402
 from tests.replication.apps import MODEL, register, running_apps  # noqa: E402
 

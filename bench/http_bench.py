@@ -16,8 +16,8 @@ Figures:
   p99         latency at half of our measured lifecycle maximum, open loop (bench/openloop.py)
   memory      resident size with 100,000 active requests of 32 blocks
 
-With ``--workers N`` (N > 1) ours also runs as ``python -m app --workers N`` (N processes on
-one port sharing one state, app/workers.py): the throughput figures then compare the reference,
+With ``--workers N`` (N > 1) ours also runs as ``python -m kv_slot_tracker --workers N`` (N processes on
+one port sharing one state, kv_slot_tracker/workers.py): the throughput figures then compare the reference,
 one process ("ours1") and N processes ("ours"), and nothing is pinned: every server may use
 every core (the reference's threads, our processes and the private Redis), wrk included.
 
@@ -48,7 +48,7 @@ from bench.reference import Server, start_ours, start_reference  # noqa: E402
 
 WRK = HERE / "wrk"
 WORKERS, RANKS_PER_WORKER = 16, 4
-# ``python -m app --workers N`` for "ours" (1: a single process); set by --workers
+# ``python -m kv_slot_tracker --workers N`` for "ours" (1: a single process); set by --workers
 OURS_WORKERS = 1
 
 
@@ -286,7 +286,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default="lifecycle,potential,batch,p99,memory")
     ap.add_argument("--fill", type=int, default=100_000)
-    ap.add_argument("--workers", type=int, default=1, help="ours as python -m app --workers N")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="ours as python -m kv_slot_tracker --workers N"
+    )
     args = ap.parse_args()
     global OURS_WORKERS
     OURS_WORKERS = args.workers

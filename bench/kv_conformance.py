@@ -21,7 +21,7 @@ the same publisher addresses, so both subscribe to the same sockets. Then random
 
 Prompts share prefixes (a few base prompts cut at random depths), so ranks overlap partially.
 Gaps without a replay endpoint are left out: there the reference carries on with the batches
-lost while this service clears the rank (documented in ``app/ingest/zmq.py``).
+lost while this service clears the rank (documented in ``kv_slot_tracker/ingest/zmq.py``).
 
     .venv/bin/python bench/kv_conformance.py --seed 1 --runs 10 --ops 60
 

@@ -1,4 +1,4 @@
-"""Recovery and propagation between real service processes (``python -m app``) through Redis.
+"""Recovery and propagation between real service processes (``python -m kv_slot_tracker``) through Redis.
 
 Three instances A, B, C of one namespace (tests/e2e/servers.py starts them). Figures:
 
@@ -47,8 +47,8 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 from kv_slot_tracker_client import BatchBuilder  # noqa: E402
 
-from app.replication.redis.stream import NamespaceKeys  # noqa: E402
-from app.settings import load_settings  # noqa: E402
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys  # noqa: E402
+from kv_slot_tracker.settings import load_settings  # noqa: E402
 from tests.e2e.servers import Fleet, ServerProcess, wait_until  # noqa: E402
 
 MODEL, LAT_MODEL, BG_MODEL = "bench", "lat", "bg"

@@ -300,7 +300,7 @@ def start_ours(
     log_dir: Path | None = None,
     log_level: str = "warning",
 ) -> Server:
-    """Start kv-slot-tracker (``python -m app --port P``) in embedded mode with no API key."""
+    """Start kv-slot-tracker (``python -m kv_slot_tracker --port P``) in embedded mode with no API key."""
     child_env = dict(os.environ if env is None else env)
     # Standalone, open, single instance: the reference has neither Redis nor an API key.
     child_env["SLOT_TRACKER_REDIS_URL"] = ""
@@ -313,7 +313,7 @@ def start_ours(
             [
                 ours_python(),
                 "-m",
-                "app",
+                "kv_slot_tracker",
                 "--port",
                 str(port),
                 "--log-level",

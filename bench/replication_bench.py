@@ -32,11 +32,11 @@ import uuid
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis import RedisReplication
-from app.replication.redis.snapshots import gc_paused
-from app.service import SlotTrackerService
-from app.service import commands as c
-from app.settings import Settings
+from kv_slot_tracker.replication.redis import RedisReplication
+from kv_slot_tracker.replication.redis.snapshots import gc_paused
+from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.settings import Settings
 
 KEY = ("bench-model", "default")
 BLOCK_SIZE = 16

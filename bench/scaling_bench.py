@@ -18,7 +18,7 @@ In process (``--inprocess``, ours only, through the service layer, no HTTP):
   add+free    one more request added and freed, at 1,000 and at N active (CPU time)
   memory      resident size above idle with N active requests
 
-With ``--workers N`` ours runs as ``python -m app --workers N`` (see bench/http_bench.py).
+With ``--workers N`` ours runs as ``python -m kv_slot_tracker --workers N`` (see bench/http_bench.py).
 
 Run:  .venv/bin/python bench/scaling_bench.py [--duration 5] [--rounds 3] [--levels 0,10000,100000]
                                               [--workers N]
@@ -41,9 +41,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from app.service import SlotTrackerService  # noqa: E402
 from bench import http_bench  # noqa: E402
 from bench.http_bench import post, rss_mb, setup_active, setup_topology, started, wrk  # noqa: E402
+from kv_slot_tracker.service import SlotTrackerService  # noqa: E402
 from tests.calls import AddCall, register  # noqa: E402
 from tests.calls import free as free_call  # noqa: E402
 
@@ -132,7 +132,7 @@ class GcTimer:
 
 def inprocess(fill_count: int, gc_mode: str) -> dict:
     if gc_mode == "tuned":
-        from app.gc_tuning import tune_gc
+        from kv_slot_tracker.gc_tuning import tune_gc
 
         tune_gc()
     timer = GcTimer()
@@ -314,7 +314,9 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=5, help="seconds per measured wrk run")
     ap.add_argument("--rounds", type=int, default=3, help="measured runs per service and level")
     ap.add_argument("--levels", default="0,10000,100000")
-    ap.add_argument("--workers", type=int, default=1, help="ours as python -m app --workers N")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="ours as python -m kv_slot_tracker --workers N"
+    )
     args = ap.parse_args()
     http_bench.OURS_WORKERS = args.workers  # nothing pinned when N > 1 (see http_bench.py)
     if args.inprocess:

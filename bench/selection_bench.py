@@ -2,7 +2,7 @@
 
 Both servers are started here (the reference is ``python -m dynamo.select_service`` from its own
 virtualenv with ``DYN_ROUTER_USE_KV_EVENTS=false``, see ``bench/reference.py``; ours is
-``python -m app``, its selection API under ``/selection``), given the same catalog (16 workers x
+``python -m kv_slot_tracker``, its selection API under ``/selection``), given the same catalog (16 workers x
 4 ranks, block size 16, one model), and loaded in turn (A B A B ...) with wrk: 1 thread,
 32 connections, wrk pinned to CPU 0 and the server to CPU 1, as ``bench/http_bench.py`` does.
 

@@ -56,8 +56,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.core.hashing import compute_seq_hash_for_block  # noqa: E402
 from bench.reference import Server, start_ours, start_reference  # noqa: E402
+from kv_slot_tracker.core.hashing import compute_seq_hash_for_block  # noqa: E402
 
 REF_MODULE = "dynamo.select_service"
 PREFIX = "/selection"

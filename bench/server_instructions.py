@@ -1,7 +1,7 @@
 """Instructions the running server spends per request, HTTP included, counted by callgrind.
 
 ``bench/edge_cost.py --instructions`` counts the operations in process; this starts the real
-server (``python -m app``) under ``valgrind --tool=callgrind``, gives it ``http_bench.py``'s
+server (``python -m kv_slot_tracker``) under ``valgrind --tool=callgrind``, gives it ``http_bench.py``'s
 topology and active requests, warms it with one of ``bench/wrk``'s scripts, zeroes the counters,
 loads it again with wrk on one connection (one request in flight, so the count of completed
 requests is exact up to that one) and reports the instructions of that load per request, and per
@@ -57,7 +57,7 @@ def measure(repo: Path, what: str, seconds: int) -> dict[str, float]:
     }
     port = free_port()
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", ours_python(),
-            "-m", "app", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+            "-m", "kv_slot_tracker", "--port", str(port), "--log-level", "warning"]  # fmt: skip
     server = Server("ours", argv, port, cwd=repo, env=env, log_dir=tmp).start()
     try:
         server.wait_healthy(timeout=180)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import redis  # noqa: E402
 
-from app.replication.redis.stream import NamespaceKeys  # noqa: E402
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys  # noqa: E402
 from tests.calls import free, register  # noqa: E402
 from tests.replication.helpers import KEY, Clocks, Cluster, Node  # noqa: E402
 

@@ -40,8 +40,8 @@ from redis.asyncio import Redis
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from app.replication.records import encode_record  # noqa: E402
-from app.replication.redis.stream import APPEND_SCRIPT  # noqa: E402
+from kv_slot_tracker.replication.records import encode_record  # noqa: E402
+from kv_slot_tracker.replication.redis.stream import APPEND_SCRIPT  # noqa: E402
 
 
 def record(i: int) -> dict:

@@ -50,7 +50,7 @@ from locust import stats as locust_stats
 from locust.env import Environment
 from locust.runners import LocalRunner, MasterRunner
 
-from app.core.hashing import sequence_hashes_for_tokens
+from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 
 log = logging.getLogger("loadtest")
 

@@ -47,7 +47,7 @@ trap stop_server EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-"$PY" -m app --host 127.0.0.1 --port "$PORT" --log-level warning >"$OUT/server.log" 2>&1 &
+"$PY" -m kv_slot_tracker --host 127.0.0.1 --port "$PORT" --log-level warning >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 
 # Wait up to 30 s for /health.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.service import commands as c
-from app.service.commands import Key
+from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.service.commands import Key
 
 
 def AddCall(  # noqa: N802 - reads like the command it builds
@@ -98,7 +98,7 @@ def potential_loads(
 
 def import_tracker(data: dict[str, Any], from_wall: Any, **tracker_kwargs: Any) -> Any:
     """A new tracker built with ``tracker_kwargs`` (``clock`` is required) holding ``data``."""
-    from app.core.tracker import ActiveSequencesMultiWorker
+    from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 
     tracker_kwargs.setdefault("publisher", None)
     tracker = ActiveSequencesMultiWorker(block_size=data["block_size"], **tracker_kwargs)

@@ -1,4 +1,4 @@
-"""A real ``python -m app`` process for tests that need one over the network.
+"""A real ``python -m kv_slot_tracker`` process for tests that need one over the network.
 
 The instance is embedded (no Redis) and configured only by the given ``SLOT_TRACKER_*``
 variables: those of the test environment are dropped. Used by the client, browser, Locust and
@@ -25,11 +25,11 @@ PYTHON = str(_VENV_PYTHON) if _VENV_PYTHON.exists() else sys.executable
 
 
 def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m app ARGS`` to completion, with only ``env`` of the SLOT_TRACKER_* variables
+    """``python -m kv_slot_tracker ARGS`` to completion, with only ``env`` of the SLOT_TRACKER_* variables
     (for a command that exits: ``--check-config``, ``--help``, a refused configuration)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
     return subprocess.run(
-        [PYTHON, "-m", "app", *args],
+        [PYTHON, "-m", "kv_slot_tracker", *args],
         env={**clean, **(env or {})},
         capture_output=True,
         text=True,
@@ -85,7 +85,7 @@ def live_server(log_dir: Path, **env: str) -> Iterator[str]:
         log_path = log_dir / f"server-{port}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [PYTHON, "-m", "app", "--port", str(port), "--log-level", "warning"],
+                [PYTHON, "-m", "kv_slot_tracker", "--port", str(port), "--log-level", "warning"],
                 cwd=REPO,
                 env={**clean, **env},
                 stdout=log,

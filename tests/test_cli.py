@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app import __version__ as app_version
-from app import cli
-from app.settings import Settings, load_settings
+from kv_slot_tracker import __version__ as app_version
+from kv_slot_tracker import cli
+from kv_slot_tracker.settings import Settings, load_settings
 from tests.servers import run_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_start_up_says_what_the_instance_is(tmp_path: Path) -> None:
     key.write_text("k\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLOT_TRACKER_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--api-key-file", str(key)],
+        [sys.executable, "-m", "kv_slot_tracker", "--port", str(port), "--api-key-file", str(key)],
         env=clean,
         cwd=ROOT,
         stderr=subprocess.PIPE,
@@ -101,3 +101,25 @@ def test_start_up_says_what_the_instance_is(tmp_path: Path) -> None:
         f"(docs http://127.0.0.1:{port}/docs): embedded mode (one instance, state in this "
         "process, no Redis); an API key is required\n"
     ], seen
+
+
+def test_the_console_script_is_the_same_command(tmp_path: Path) -> None:
+    """``kv-slot-tracker`` (installed with the package) runs what ``python -m kv_slot_tracker``
+    runs: the same parser, the same settings checks."""
+    script = Path(sys.executable).with_name("kv-slot-tracker")
+    assert script.exists(), "the package declares the console script in [project.scripts]"
+    done = subprocess.run(
+        [str(script), "--check-config", "--port", "9101"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1] == "port = 9101"
+    usage = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert usage.stdout.startswith("usage: kv-slot-tracker [--config FILE]")
+    bad = subprocess.run(
+        [str(script), "--check-config", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "port: Input should be less than or equal to 65535" in bad.stderr

@@ -99,7 +99,7 @@ def test_recipe_shape() -> None:
     assert final_names.index("USER") < final_names.index("CMD")
     assert ("EXPOSE", "8091") in final
     (cmd,) = [a for n, a in final if n == "CMD"]
-    assert json.loads(cmd) == ["python", "-m", "app", "--host", "0.0.0.0"]
+    assert json.loads(cmd) == ["python", "-m", "kv_slot_tracker", "--host", "0.0.0.0"]
     argv = healthcheck_argv()
     assert argv[0] == "python" and "/health" in argv[-1]
     assert "curl" not in DOCKERFILE.read_text() and "wget" not in DOCKERFILE.read_text()
@@ -148,13 +148,15 @@ def test_healthcheck_command_fails_without_a_server() -> None:
 
 
 def test_build_context_wheel_ships_the_dashboard(tmp_path: Path) -> None:
-    """What ``pip install .`` in the builder stage installs includes ``app/static``."""
+    """What ``pip install .`` in the builder stage installs includes ``kv_slot_tracker/static``."""
     context = tmp_path / "context"
     context.mkdir()
     for path in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / path, context / path)
     shutil.copytree(
-        ROOT / "app", context / "app", ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]")
+        ROOT / "kv_slot_tracker",
+        context / "kv_slot_tracker",
+        ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]"),
     )
     out = tmp_path / "dist"
     result = subprocess.run(
@@ -166,5 +168,5 @@ def test_build_context_wheel_ships_the_dashboard(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = out.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "app/static/dashboard.html" in names
-    assert "app/http/dashboard.py" in names
+    assert "kv_slot_tracker/static/dashboard.html" in names
+    assert "kv_slot_tracker/http/dashboard.py" in names

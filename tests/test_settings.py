@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from app.settings import (
+from kv_slot_tracker.settings import (
     DEFAULT_CONFIG_FILE,
     Settings,
     load_settings,

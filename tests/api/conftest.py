@@ -6,7 +6,7 @@ run inside its lifespan, and an ``httpx.AsyncClient`` talking to it in-process.
 * ``clock``: the ``FakeClock`` the application reads; advance it instead of sleeping.
 * ``settings_overrides``: keyword overrides for ``load_settings``; empty by default. Override
   the fixture in a test module (or parametrize it) to build the app with other settings.
-* ``app`` / ``client``: the running application and a client for it.
+* ``kv_slot_tracker`` / ``client``: the running application and a client for it.
 * ``make_client``: an async context manager factory for a second, differently configured
   application inside one test: ``async with make_client(api_key="k") as (app, client): ...``.
 * ``post_json(client, path, body)``: POST ``body`` serialised as JSON; the ``post`` fixture is
@@ -24,8 +24,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.fakes import FakeClock
 
 BASE_URL = "http://test"

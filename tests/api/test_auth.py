@@ -19,9 +19,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
-from app.http.auth import OPEN_PATHS
-from app.http.docs import DOCS_ASSETS
-from app.settings import load_settings
+from kv_slot_tracker.http.auth import OPEN_PATHS
+from kv_slot_tracker.http.docs import DOCS_ASSETS
+from kv_slot_tracker.settings import load_settings
 from tests.api.conftest import post_json
 
 KEY = "s3cret"

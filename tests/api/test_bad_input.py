@@ -457,7 +457,7 @@ async def test_a_declared_length_over_the_limit_is_413_before_reading(
 async def test_huge_strings_within_the_body_limit_are_422_not_lookups(
     client: httpx.AsyncClient, post: PostJson, seeded: Any
 ) -> None:
-    """A name or id longer than its limit (``app.core.limits``) is refused before any lookup."""
+    """A name or id longer than its limit (``kv_slot_tracker.core.limits``) is refused before any lookup."""
     name = "n" * (BODY_LIMIT - 200)
     resp = await post("/free", {"model_name": name, "request_id": "r1"})
     assert (

@@ -1,6 +1,6 @@
 """``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two
 paths: plain bodies are decoded straight into the service's commands (msgspec, for the lifecycle
-routes) or checked on orjson's decoded values (``/potential_loads``; ``app.http.plain``),
+routes) or checked on orjson's decoded values (``/potential_loads``; ``kv_slot_tracker.http.plain``),
 anything else goes through the pydantic models, which alone write error messages. Both must give the same answers and leave the same state, for
 any body: these tests run every body through each path on its own fresh service and compare."""
 
@@ -12,11 +12,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.http import plain as plain_body
-from app.http import schemas as s
-from app.http.body import parse_json
-from app.http.errors import EXPECTED, error_result
-from app.http.operations import (
+from kv_slot_tracker.http import plain as plain_body
+from kv_slot_tracker.http import schemas as s
+from kv_slot_tracker.http.body import parse_json
+from kv_slot_tracker.http.errors import EXPECTED, error_result
+from kv_slot_tracker.http.operations import (
     OK,
     Operations,
     add_command,
@@ -24,8 +24,8 @@ from app.http.operations import (
     prefill_command,
     prompt_command,
 )
-from app.service import SlotTrackerService
-from app.service import commands as c
+from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.service import commands as c
 
 REGISTER = [
     {"model_name": "m", "worker_id": w, "block_size": 2, "dp_start": 0, "dp_size": 2}

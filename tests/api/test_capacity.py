@@ -66,7 +66,7 @@ async def test_selection_partitions_share_the_limit_and_unused_ones_make_room(cl
 
 
 async def test_output_blocks_per_request_are_capped(client, monkeypatch) -> None:
-    from app.core.sequences import ActiveSequences
+    from kv_slot_tracker.core.sequences import ActiveSequences
 
     monkeypatch.setattr(ActiveSequences, "max_output_blocks", 3)
     assert (await post_json(client, "/register", reg("m"))).status_code == 201

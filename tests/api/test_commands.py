@@ -1,7 +1,7 @@
 """The service's commands and the HTTP models describe the same inputs, field for field.
 
-A plain body is decoded straight into a command (``app.service.commands``); any other body is
-validated by its pydantic model (``app.http.schemas``), which also writes the OpenAPI document
+A plain body is decoded straight into a command (``kv_slot_tracker.service.commands``); any other body is
+validated by its pydantic model (``kv_slot_tracker.http.schemas``), which also writes the OpenAPI document
 and the reference's error texts. Both must accept exactly the same fields: same names, types,
 bounds and defaults. These tests read both definitions and compare them, so a field changed in
 one and not the other fails here rather than as a difference between the two paths.
@@ -20,9 +20,9 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from app.core.types import U64_MAX
-from app.http import schemas as s
-from app.service import commands as c
+from kv_slot_tracker.core.types import U64_MAX
+from kv_slot_tracker.http import schemas as s
+from kv_slot_tracker.service import commands as c
 
 # A description of one type: ``("int", ge, le)``, ``("float", ge, le)``, ``("str", max_length)``,
 # ``("bool",)``, ``("null",)``, ``("list", item)`` or a frozenset of those (a union).

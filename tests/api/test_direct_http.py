@@ -1,4 +1,4 @@
-"""The direct HTTP path (``app.http.direct``) against uvicorn's ASGI path, over real sockets.
+"""The direct HTTP path (``kv_slot_tracker.http.direct``) against uvicorn's ASGI path, over real sockets.
 
 Two uvicorn servers run the same application in the test's event loop: one with the direct
 protocol, one with plain httptools. Every exchange is sent byte for byte to both, and the
@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import uvicorn
 
-from app.http.connection import LimitedHttpToolsProtocol
-from app.http.direct import DirectHttpToolsProtocol, direct_protocol
-from app.http.lean import LeanRoute
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.http.connection import LimitedHttpToolsProtocol
+from kv_slot_tracker.http.direct import DirectHttpToolsProtocol, direct_protocol
+from kv_slot_tracker.http.lean import LeanRoute
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.fakes import FakeClock
 
 KEY = "k3y"
@@ -360,7 +360,7 @@ async def test_direct_requests_are_counted_in_the_http_metrics() -> None:
 
 def waiting(path: str, until: asyncio.Event, fail: bool = False) -> Callable[[Any], None]:
     """A patch making the lean route ``POST path`` wait for ``until`` before it answers, the
-    way a replicated instance's call waits for Redis (``app.http.replicated``)."""
+    way a replicated instance's call waits for Redis (``kv_slot_tracker.http.replicated``)."""
 
     def patch(app: Any) -> None:
         route = app.lean.exact["POST"][path]
@@ -423,7 +423,7 @@ async def test_a_call_that_fails_while_waiting_answers_500_and_the_connection_go
 
 @pytest.mark.parametrize("http_direct", [True, False])
 def test_the_command_line_picks_the_protocol(http_direct: bool, monkeypatch) -> None:
-    import app.__main__ as cli
+    import kv_slot_tracker.__main__ as cli
 
     chosen: dict[str, Any] = {}
     monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kw: chosen.update(kw))

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.http.docs import ASSET_TYPES, DOCS_ASSETS, REDOC_CDN_LOGO, load_asset
+from kv_slot_tracker.http.docs import ASSET_TYPES, DOCS_ASSETS, REDOC_CDN_LOGO, load_asset
 
 KEY = "docs-key"
 PAGES = ["/docs", "/redoc", "/docs/oauth2-redirect"]

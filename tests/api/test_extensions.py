@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.core.hashing import sequence_hashes_for_tokens
+from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from tests.api.conftest import PostJson, post_json
 from tests.fakes import FakeClock
 

@@ -1,6 +1,6 @@
 """What a slow, large or greedy client can cost a live server, over raw sockets.
 
-Each test runs ``python -m app`` (uvicorn with the direct protocol, as deployed) in a process of
+Each test runs ``python -m kv_slot_tracker`` (uvicorn with the direct protocol, as deployed) in a process of
 its own, so that the timings seen by the test are the server's, not this process's. Bounds are
 generous: they separate "answered" from "blocked for tens of seconds", nothing finer.
 """

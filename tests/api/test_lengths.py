@@ -1,4 +1,4 @@
-"""Strings a client may make the service keep have a length limit (``app.core.limits``): at the
+"""Strings a client may make the service keep have a length limit (``kv_slot_tracker.core.limits``): at the
 limit a call is served, one character over it is a 422 that changes nothing, on the plain
 (msgspec) path and the validating (pydantic) path alike."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
+from kv_slot_tracker.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from tests.api.conftest import post_json
 
 pytestmark = pytest.mark.asyncio

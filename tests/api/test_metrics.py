@@ -13,8 +13,8 @@ import httpx
 import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.api.conftest import PostJson, post_json
 from tests.fakes import FakeClock
 
@@ -268,7 +268,7 @@ async def test_two_apps_have_their_own_registries(make_client) -> None:
 def test_http_latency_buckets_count_each_observation_at_or_below_their_bound() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from app.observability import HttpMetrics
+    from kv_slot_tracker.observability import HttpMetrics
 
     registry = CollectorRegistry()
     http = HttpMetrics(registry)

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from app.main import create_app
-from app.openapi_export import export_settings, render, to_yaml
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.openapi_export import export_settings, render, to_yaml
+from kv_slot_tracker.settings import load_settings
 from tests.api.conftest import post_json
 
 OPENAPI_YAML = Path(__file__).resolve().parents[2] / "openapi.yaml"
@@ -92,7 +92,7 @@ def test_export_is_stable_across_builds_and_sorted() -> None:
 
 
 def test_export_command_prints_the_yaml(capsys: pytest.CaptureFixture[str]) -> None:
-    from app.openapi_export import main
+    from kv_slot_tracker.openapi_export import main
 
     assert main() == 0
     assert capsys.readouterr().out == render()
@@ -151,7 +151,7 @@ def test_bodyless_posts_document_no_body(document: dict[str, Any]) -> None:
 
 def test_body_model_names_are_unique() -> None:
     """Body models are published under their class name: two models may not share one."""
-    from app.http.routes import body_models
+    from kv_slot_tracker.http.routes import body_models
 
     names = [m.__name__ for m in body_models()]
     assert len(names) == len(set(names)), names

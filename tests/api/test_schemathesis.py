@@ -24,10 +24,10 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import CHECKS, load_all_checks, not_a_server_error
 
-from app.core.selection.catalog import WorkerSpec
-from app.main import create_app
-from app.service.selection.commands import DeleteWorker, UpsertWorker
-from app.settings import load_settings
+from kv_slot_tracker.core.selection.catalog import WorkerSpec
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.service.selection.commands import DeleteWorker, UpsertWorker
+from kv_slot_tracker.settings import load_settings
 from tests.calls import AddCall, reconcile
 
 KEY = "fuzz-key"

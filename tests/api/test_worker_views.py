@@ -1,4 +1,4 @@
-"""``WorkerGroupViews`` (``app.http.workers``): ``/replication`` and ``/metrics`` of a
+"""``WorkerGroupViews`` (``kv_slot_tracker.http.workers``): ``/replication`` and ``/metrics`` of a
 ``--workers`` instance read the siblings' own views from their Unix sockets (real sockets here,
 served by a stand-in that records what it was asked)."""
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from app.http.workers import WorkerGroupViews
+from kv_slot_tracker.http.workers import WorkerGroupViews
 
 OWN_STATUS = {"mode": "redis", "instance_id": 10, "ready": True, "connected": True,
               "degraded": False, "degraded_reasons": [], "published": 3, "applied": 4}  # fmt: skip

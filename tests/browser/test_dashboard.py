@@ -1,6 +1,6 @@
 """``GET /dashboard`` in a real browser: real instances driven over HTTP, headless Chromium.
 
-Two replicated instances (``python -m app`` with Redis and an API key) share a namespace: the
+Two replicated instances (``python -m kv_slot_tracker`` with Redis and an API key) share a namespace: the
 test registers workers and adds and frees requests on the first one, and checks through
 Selenium that the page of the second shows the bars appear, grow and shrink, the group history
 charts grow and follow the totals, and the replication panel shows the second instance's

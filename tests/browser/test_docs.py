@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.browser.conftest import requested_urls
 from tests.servers import live_server
 

@@ -22,8 +22,8 @@ from kv_slot_tracker_client import (
 )
 from pydantic import BaseModel
 
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 
 # One call per public client method (``selection.x``: method ``x`` of ``client.selection``), with
 # arguments that make a well-formed request.

@@ -1,6 +1,6 @@
 """The typed client (``kv_slot_tracker_client``, in clients/python) against real service instances.
 
-* ``server``: a ``python -m app`` subprocess on a free port (shared by the module; every test uses
+* ``server``: a ``python -m kv_slot_tracker`` subprocess on a free port (shared by the module; every test uses
   its own model name, so tests never see each other's trackers). ``client`` talks to it.
 * ``keyed_server``: a second process started with ``SLOT_TRACKER_API_KEY`` for the 401 mapping.
 * ``aclient``: the async client on an in-process app through ``httpx.ASGITransport``, with a
@@ -47,9 +47,9 @@ from kv_slot_tracker_client import (
 )
 from kv_slot_tracker_client import __version__ as client_version
 
-from app import __version__ as app_version
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker import __version__ as app_version
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.fakes import FakeClock
 from tests.servers import free_port, live_server
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 CLIENT = REPO / "clients" / "python"
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 PYTHON = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
-SERVER_ONLY = {"app", "fastapi", "starlette", "uvicorn", "redis", "prometheus_client"}
+SERVER_ONLY = {"kv_slot_tracker", "fastapi", "starlette", "uvicorn", "redis", "prometheus_client"}
 
 
 def client_project() -> dict:
@@ -69,7 +69,7 @@ def test_import_loads_no_server_module(tmp_path: Path) -> None:
 
 def test_service_does_not_import_the_client() -> None:
     imported: dict[str, set[str]] = {}
-    for path in sorted((REPO / "app").rglob("*.py")):
+    for path in sorted((REPO / "kv_slot_tracker").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -80,10 +80,10 @@ def test_service_does_not_import_the_client() -> None:
                 continue
             for name in names:
                 imported.setdefault(name.split(".")[0], set()).add(str(path.relative_to(REPO)))
-    assert "app" in imported  # the walk did see the service's own imports
+    assert "kv_slot_tracker" in imported  # the walk did see the service's own imports
     assert "kv_slot_tracker_client" not in imported
     assert "httpx" not in imported  # the client was the service's only HTTP client
-    assert not (REPO / "app" / "client.py").exists()
+    assert not (REPO / "kv_slot_tracker" / "client.py").exists()
     server = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     names = {Requirement(r).name for r in server["dependencies"]}
     assert "kv-slot-tracker-client" not in names and "httpx" not in names
@@ -91,7 +91,7 @@ def test_service_does_not_import_the_client() -> None:
 
 def test_wheel_holds_the_package_and_py_typed(tmp_path: Path) -> None:
     """The wheel builds offline with the virtualenv's setuptools (a copy of the sources, so the
-    build leaves nothing in the tree) and holds the typed package, and no ``app``."""
+    build leaves nothing in the tree) and holds the typed package, and no ``kv_slot_tracker``."""
     pytest.importorskip("setuptools", minversion="70.1")
     source = tmp_path / "src"
     shutil.copytree(

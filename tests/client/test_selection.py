@@ -38,8 +38,8 @@ from kv_slot_tracker_client import (
     Unavailable,
 )
 
-from app.main import create_app
-from app.settings import load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import load_settings
 from tests.servers import live_server
 
 P5 = [1, 2, 3, 4, 5]  # block and sequence hashes of worker 2's booking (isl 20)

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import yaml
 
-from app.main import create_app
-from app.settings import ENV_PREFIX, Settings, load_settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import ENV_PREFIX, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -47,7 +47,7 @@ def settings_from_env(env: dict[str, str]) -> Settings:
 
 @contextlib.asynccontextmanager
 async def app_client(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """An application built like ``python -m app`` builds it, inside its lifespan."""
+    """An application built like ``python -m kv_slot_tracker`` builds it, inside its lifespan."""
     app = create_app(load_settings(**overrides))
     async with app.router.lifespan_context(app):
         await app.state.replication.settled(10)  # what a probe of /ready would wait for

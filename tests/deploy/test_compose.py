@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 import yaml
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.deploy.support import COMPOSE, ROOT, settings_from_env
 from tests.servers import free_port, live_server
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.replication.redis.endpoint import RedisEndpoint
+from kv_slot_tracker.replication.redis.endpoint import RedisEndpoint
 from tests.deploy.support import ROOT, settings_from_env
 from tests.deploy.test_compose import (
     API_KEY_VAR,

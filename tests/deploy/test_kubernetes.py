@@ -29,8 +29,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-import app
-from app.settings import ENV_PREFIX, Settings
+import kv_slot_tracker
+from kv_slot_tracker.settings import ENV_PREFIX, Settings
 from tests.deploy.support import (
     KUBE_DIR,
     README,
@@ -166,7 +166,7 @@ def test_three_replicas_rolled_without_losing_capacity(deployment: dict[str, Any
 
 
 def test_image_is_this_version(container: dict[str, Any]) -> None:
-    assert container["image"] == f"kv-slot-tracker:{app.__version__}"
+    assert container["image"] == f"kv-slot-tracker:{kv_slot_tracker.__version__}"
 
 
 def container_port(container: dict[str, Any], port: int | str) -> int:

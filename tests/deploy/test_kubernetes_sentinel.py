@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.replication.redis.endpoint import RedisEndpoint
+from kv_slot_tracker.replication.redis.endpoint import RedisEndpoint
 from tests.deploy.support import KUBE_DIR, load_yaml_docs, settings_from_env
 from tests.deploy.test_kubernetes import OLDEST_KUBERNETES, one
 

@@ -1,6 +1,6 @@
 """Real service processes for end-to-end tests (and ``bench/recovery_bench.py``).
 
-``ServerProcess`` runs ``python -m app --port P`` with its settings in ``SLOT_TRACKER_*``
+``ServerProcess`` runs ``python -m kv_slot_tracker --port P`` with its settings in ``SLOT_TRACKER_*``
 variables and its output in a log file; ``Fleet`` starts several of them on one Redis namespace,
 restarts them on the same port and kills whatever is left at the end. Nothing here knows about
 pytest, so the benchmark can use it too.
@@ -33,7 +33,7 @@ ENV_PREFIX = "SLOT_TRACKER_"
 
 T = TypeVar("T")
 
-# Run as ``python -c _ORPHAN_GUARD python -m app ...``: asks Linux to SIGKILL the process when
+# Run as ``python -c _ORPHAN_GUARD python -m kv_slot_tracker ...``: asks Linux to SIGKILL the process when
 # the process that started it dies (pytest killed hard, a bench interrupted), then becomes the
 # service. The setting survives exec. Elsewhere it only execs.
 _ORPHAN_GUARD = """\
@@ -70,7 +70,7 @@ def wait_until(
 
 
 class ServerProcess:
-    """One ``python -m app`` process; can be killed and started again on the same port."""
+    """One ``python -m kv_slot_tracker`` process; can be killed and started again on the same port."""
 
     def __init__(
         self,
@@ -107,7 +107,7 @@ class ServerProcess:
             log.write(f"==== {self.name}: starting on port {self.port}\n".encode())
             log.flush()
             self.started_at = time.monotonic()
-            command = [PYTHON, "-m", "app", "--port", str(self.port)]
+            command = [PYTHON, "-m", "kv_slot_tracker", "--port", str(self.port)]
             if self.die_with_parent and sys.platform == "linux":
                 command = [PYTHON, "-c", _ORPHAN_GUARD, *command]
             self.proc = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""Any call to any instance: three ``python -m app`` processes on a Redis server the test owns,
+"""Any call to any instance: three ``python -m kv_slot_tracker`` processes on a Redis server the test owns,
 load-balanced lifecycle traffic from several clients keeping a ground truth of what was
 acknowledged (``tests/e2e/consistency.py``), faults injected while it runs. At the end every
 instance must report exactly the ground truth, per rank; no client may have seen a spurious 404

@@ -1,6 +1,6 @@
 """Replication between real service processes through Redis.
 
-Each test starts its own ``python -m app`` processes (``tests/e2e/conftest.py``) on a namespace
+Each test starts its own ``python -m kv_slot_tracker`` processes (``tests/e2e/conftest.py``) on a namespace
 of its own, drives them over HTTP with ``kv_slot_tracker_client.SlotTrackerClient`` and checks what every
 instance answers against ``tests/e2e/traffic.Expected``, a model of the traffic sent that does
 not use the service's code.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from app.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.e2e.conftest import FleetFactory
 from tests.e2e.servers import Fleet, ProxyThread, ServerProcess, wait_until
 from tests.e2e.traffic import (

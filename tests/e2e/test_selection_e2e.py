@@ -1,6 +1,6 @@
 """The selection API across real service processes sharing one Redis.
 
-Three ``python -m app`` processes; every call goes to a randomly chosen instance, as behind a
+Three ``python -m kv_slot_tracker`` processes; every call goes to a randomly chosen instance, as behind a
 round-robin load balancer: workers upserted on one, selections reserved on another, their prefill
 completed and their release on a third, selections made on one and replayed on another. The test
 keeps its own record of what the instances acknowledged (``Truth``, which does not use the

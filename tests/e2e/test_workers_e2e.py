@@ -1,6 +1,6 @@
 """``--workers 2``: two server processes behind one port, answering as one instance.
 
-``python -m app`` with ``workers = 2`` and no ``redis_url`` (a private redis-server of the
+``python -m kv_slot_tracker`` with ``workers = 2`` and no ``redis_url`` (a private redis-server of the
 supervisor's), durable acknowledgements. First, requests whose calls alternate between the two
 processes (reached alone on their Unix sockets) right after each other: every call finds its
 request, none becomes a pending mark or a tombstone. Then six clients send lifecycle calls with a new connection

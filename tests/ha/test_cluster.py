@@ -1,7 +1,7 @@
 """Redis Cluster: three primaries on loopback ports joined by ``redis-cli --cluster create``.
 Every key of a namespace carries its hash tag, so the stream, the snapshot, its lease and the
 reset marker share one slot (the append script touches two of them at once). Two
-``python -m app`` processes with ``redis_cluster = true`` take lifecycle traffic while that slot
+``python -m kv_slot_tracker`` processes with ``redis_cluster = true`` take lifecycle traffic while that slot
 migrates to another primary; at the end both report exactly what the clients were acknowledged.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from app.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.e2e.consistency import Traffic, Watcher, register_topology
 from tests.e2e.servers import Fleet
 from tests.ha.topology import LocalCluster, wait_for

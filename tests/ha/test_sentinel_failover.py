@@ -1,5 +1,5 @@
 """A Sentinel failover under traffic: a primary, one replica and three Sentinels on loopback
-ports; three ``python -m app`` processes that know only the Sentinels, with
+ports; three ``python -m kv_slot_tracker`` processes that know only the Sentinels, with
 ``replication_ack = "redis"``; six clients sending lifecycle calls round robin and retrying a
 503 as a client would, keeping a ground truth of what they were acknowledged
 (``tests/e2e/consistency.py``). Mid-traffic the replication link breaks (the replica falls

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.ha.topology import MASTER, SentinelGroup, wait_for
 from tests.replication.apps import App, register, running_apps, until
 

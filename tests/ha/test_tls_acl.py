@@ -1,6 +1,6 @@
 """Redis over TLS with an ACL user: a ``redis-server`` started here with a TLS port only (no
 plain one), client certificates required, the default user off and one user restricted to the
-namespace's keys; certificates made here with ``openssl``. Two ``python -m app`` processes
+namespace's keys; certificates made here with ``openssl``. Two ``python -m kv_slot_tracker`` processes
 replicate through it with the password from a file; the password shows in no log line (at
 debug level) and not in ``GET /replication``; a wrong password keeps an instance not ready.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.e2e.servers import Fleet
 from tests.ha.conftest import redis_binary
 from tests.ha.topology import MASTER, RedisProcess, SentinelGroup, make_certificates, wait_for

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.ha.conftest import redis_binary
 from tests.ha.topology import RedisProcess, wait_for
 from tests.replication.apps import register, running_apps

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from app.core.selection.kv_index import DISK, HOST_PINNED
-from app.ingest.records import (
+from kv_slot_tracker.core.selection.kv_index import DISK, HOST_PINNED
+from kv_slot_tracker.ingest.records import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.ingest.records import seq_frame
 from bench.kv_publisher import CLEARED, PublisherProcess, removed, stored
+from kv_slot_tracker.ingest.records import seq_frame
 from tests.api.conftest import running_app
 from tests.fakes import FakeClock
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from app.main import create_app
-from app.settings import Settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import Settings
 
 MODEL = "m"
 
@@ -90,7 +90,7 @@ async def until(predicate: Any, timeout: float = 10.0, what: str = "condition") 
 
 
 async def register(app: App, others: list[App], dp_size: int = 2) -> None:
-    """Register worker 1 (``dp_size`` ranks) on ``app`` and wait until ``others`` have it."""
+    """Register worker 1 (``dp_size`` ranks) on ``kv_slot_tracker`` and wait until ``others`` have it."""
     body = {"model_name": MODEL, "worker_id": 1, "block_size": 16, "dp_start": 0,
             "dp_size": dp_size}  # fmt: skip
     assert (await app.post("/register", body)).status_code == 201

@@ -21,10 +21,10 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis import RedisReplication
-from app.replication.redis.bootstrap import START_WAIT_S
-from app.service import SlotTrackerService
-from app.settings import Settings
+from kv_slot_tracker.replication.redis import RedisReplication
+from kv_slot_tracker.replication.redis.bootstrap import START_WAIT_S
+from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.settings import Settings
 from tests.calls import AddCall
 from tests.fakes import NS_PER_SECOND, FakeClock
 

@@ -12,8 +12,8 @@ import pytest
 import redis
 from fastapi import FastAPI
 
-from app.main import create_app
-from app.settings import Settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.settings import Settings
 
 STATUS_KEYS = [
     "mode", "instance_id", "namespace", "redis", "ready", "not_ready_reason", "connected", "degraded",

@@ -9,9 +9,9 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.redis import RedisReplication
-from app.replication.redis.stream import NamespaceKeys
-from app.service import SlotTrackerService
+from kv_slot_tracker.replication.redis import RedisReplication
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import free, potential_loads, prefill_complete, register, upsert
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.replication.helpers import KEY, Cluster, TcpProxy, eventually

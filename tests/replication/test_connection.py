@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from app.replication.redis.connection import backoff_delay
+from kv_slot_tracker.replication.redis.connection import backoff_delay
 
 
 def test_backoff_grows_from_50_ms_and_never_exceeds_250_ms() -> None:

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import redis
 
-from app.replication.redis.stream import NamespaceKeys
-from app.settings import Settings
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import register, running_apps, until
 from tests.replication.helpers import proxied
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.replication.redis.endpoint import RedisEndpoint
-from app.settings import Settings
+from kv_slot_tracker.replication.redis.endpoint import RedisEndpoint
+from kv_slot_tracker.settings import Settings
 
 SECRET = "s3cr3t-Pa55"
 

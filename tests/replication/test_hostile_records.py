@@ -12,9 +12,9 @@ import msgpack
 import pytest
 import redis
 
-from app.replication.records import RECORD_FIELD
-from app.replication.redis.stream import NamespaceKeys
-from app.settings import Settings
+from kv_slot_tracker.replication.records import RECORD_FIELD
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, running_apps, until
 
 pytestmark = pytest.mark.redis

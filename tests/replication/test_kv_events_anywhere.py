@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from app.settings import Settings
 from bench.kv_publisher import PublisherProcess, removed, stored
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, running_apps, until
 
 pytestmark = pytest.mark.redis

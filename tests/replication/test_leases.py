@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.service import commands as c
+from kv_slot_tracker.service import commands as c
 from tests.calls import register
 from tests.replication.helpers import KEY, Cluster, eventually
 

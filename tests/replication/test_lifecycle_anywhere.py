@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, register, running_apps, until
 from tests.replication.helpers import proxied
 
@@ -185,7 +185,7 @@ async def test_plain_lifecycle_bodies_skip_the_models_in_redis_mode_too(
     """``/prefill_complete`` and ``/free`` with plain bodies decode straight into their
     commands on a replicated instance as on an embedded one; other bodies still get the
     models' messages."""
-    import app.http.replicated as replicated
+    import kv_slot_tracker.http.replicated as replicated
 
     add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,
            "sequence_hashes": [1, 2]}  # fmt: skip

@@ -12,9 +12,9 @@ import pytest
 import redis
 from fastapi import FastAPI
 
-from app.main import create_app
-from app.replication.redis.stream import NamespaceKeys
-from app.settings import Settings
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.settings import Settings
 from tests.replication.helpers import eventually
 
 pytestmark = pytest.mark.redis
@@ -117,7 +117,7 @@ async def test_with_redis_unreachable_at_start_the_log_says_what_the_routes_do(
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     app = create_app(Settings(redis_url=url, namespace="unreachable"))
-    caplog.set_level("WARNING", logger="app.replication")
+    caplog.set_level("WARNING", logger="kv_slot_tracker.replication")
     async with started(app) as client:
         await eventually(
             lambda: any("cannot reach Redis" in r.getMessage() for r in caplog.records),

@@ -8,7 +8,7 @@ import random
 import pytest
 import redis
 
-from app.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.calls import free, register
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
 

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import redis
 
-from app.replication.records import RECORD_FIELD
-from app.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.replication.records import RECORD_FIELD
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.calls import register, upsert
 from tests.replication.helpers import KEY, Cluster, RedisServer, eventually
 

@@ -6,10 +6,10 @@ import msgpack
 import pytest
 import redis
 
-from app.core.events import ActiveSequenceEvent, AddRequest, event_to_wire
-from app.core.types import WorkerWithDpRank
-from app.replication.records import RECORD_FIELD
-from app.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.core.events import ActiveSequenceEvent, AddRequest, event_to_wire
+from kv_slot_tracker.core.types import WorkerWithDpRank
+from kv_slot_tracker.replication.records import RECORD_FIELD
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import GROUP, KEY, MODEL, WALL_START_NS, Cluster, eventually
 
 pytestmark = pytest.mark.redis

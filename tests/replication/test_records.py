@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from app.replication.records import (
+from kv_slot_tracker.replication.records import (
     MalformedRecord,
     SeqLedger,
     as_replayed,

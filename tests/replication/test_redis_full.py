@@ -9,7 +9,7 @@ import asyncio
 
 import redis
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import running_apps
 from tests.replication.helpers import eventually
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.settings import Settings
+from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, running_apps, until
 from tests.replication.helpers import proxied
 

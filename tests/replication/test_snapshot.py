@@ -1,4 +1,4 @@
-"""State export/import (``app.core.snapshot``): a restored tracker answers exactly like the original.
+"""State export/import (``kv_slot_tracker.core.snapshot``): a restored tracker answers exactly like the original.
 
 Pure tests, no Redis: trackers on a fake clock, random traffic, then every query compared.
 """
@@ -10,11 +10,16 @@ import random
 import msgpack
 import pytest
 
-from app.core.events import ActiveSequenceEvent, AddRequest
-from app.core.snapshot import export_tracker, wall_mapping
-from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
-from app.core.types import PrefillLoadHint, SequenceRequest, WorkerDpRange, WorkerWithDpRank
-from app.service import SlotTrackerService
+from kv_slot_tracker.core.events import ActiveSequenceEvent, AddRequest
+from kv_slot_tracker.core.snapshot import export_tracker, wall_mapping
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
+from kv_slot_tracker.core.types import (
+    PrefillLoadHint,
+    SequenceRequest,
+    WorkerDpRange,
+    WorkerWithDpRank,
+)
+from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import AddCall, import_tracker, potential_loads, register
 from tests.fakes import NS_PER_SECOND, FakeClock
 

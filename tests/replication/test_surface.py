@@ -6,10 +6,10 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from app.replication.embedded import EmbeddedReplication
-from app.replication.redis import RedisReplication
-from app.replication.redis.stream import NamespaceKeys
-from app.settings import Settings
+from kv_slot_tracker.replication.embedded import EmbeddedReplication
+from kv_slot_tracker.replication.redis import RedisReplication
+from kv_slot_tracker.replication.redis.stream import NamespaceKeys
+from kv_slot_tracker.settings import Settings
 from tests.calls import register
 from tests.replication.helpers import KEY, Cluster, eventually
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.types import NS_PER_S
-from app.service import SlotTrackerService
-from app.service import commands as c
-from app.service.errors import UnknownWorker
-from app.service.leases import Leases
+from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.service.errors import UnknownWorker
+from kv_slot_tracker.service.leases import Leases
 from tests.fakes import FakeClock
 
 TTL = 30

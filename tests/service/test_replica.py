@@ -3,7 +3,7 @@ behind it in the same batch are still applied (the reader has already advanced p
 
 from __future__ import annotations
 
-from app.service import SlotTrackerService
+from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import register
 from tests.fakes import FakeClock
 

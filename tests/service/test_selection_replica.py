@@ -10,13 +10,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from app.core.selection import RouterConfig
-from app.core.selection.catalog import WorkerSpec
-from app.core.selection.errors import ReservationNotFound
-from app.core.types import WorkerWithDpRank
-from app.service import SlotTrackerService
-from app.service.selection import commands as sc
-from app.service.selection.service import SelectionService
+from kv_slot_tracker.core.selection import RouterConfig
+from kv_slot_tracker.core.selection.catalog import WorkerSpec
+from kv_slot_tracker.core.selection.errors import ReservationNotFound
+from kv_slot_tracker.core.types import WorkerWithDpRank
+from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.service.selection import commands as sc
+from kv_slot_tracker.service.selection.service import SelectionService
 from tests.fakes import FakeClock
 
 S = 1_000_000_000

@@ -6,10 +6,10 @@ oracle for ``potential_blocks_and_tokens`` that applies the SPEC §4.9 prefix ru
 
 from __future__ import annotations
 
-from app.core.events import ActiveSequenceEvent
-from app.core.hashing import sequence_hashes_for_tokens
-from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
-from app.core.types import (
+from kv_slot_tracker.core.events import ActiveSequenceEvent
+from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
+from kv_slot_tracker.core.types import (
     NS_PER_S,
     ActiveLoad,
     PrefillLoadHint,

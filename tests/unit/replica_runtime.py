@@ -7,7 +7,7 @@
 * The singleton publisher (SPEC §6.3): publish queued events one at a time, in order.
 * ``collect_batch`` with the seeds' caps (``MAX_REPLICA_BATCH_*``); the app passes its own.
 
-(The app replicates through Redis instead: ``app.replication.redis``.)
+(The app replicates through Redis instead: ``kv_slot_tracker.replication.redis``.)
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from app.core.events import ActiveSequenceEvent
-from app.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
-from app.replication.queue import EventQueue, describe
-from app.replication.queue import collect_batch as collect_capped_batch
+from kv_slot_tracker.core.events import ActiveSequenceEvent
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
+from kv_slot_tracker.replication.queue import EventQueue, describe
+from kv_slot_tracker.replication.queue import collect_batch as collect_capped_batch
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from app.core.sequences import ActiveSequences
-from app.core.tracker import ActiveSequencesMultiWorker
-from app.core.types import SequenceRequest, WorkerWithDpRank, round_half_away_from_zero_usize
+from kv_slot_tracker.core.sequences import ActiveSequences
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import (
+    SequenceRequest,
+    WorkerWithDpRank,
+    round_half_away_from_zero_usize,
+)
 from tests.fakes import FakeClock
 
 RANKS = [WorkerWithDpRank(1, 0), WorkerWithDpRank(1, 1), WorkerWithDpRank(2, 0)]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from app.core.blocks import BlockTracker
-from app.core.types import U64_MAX, round_half_away_from_zero_usize
+from kv_slot_tracker.core.blocks import BlockTracker
+from kv_slot_tracker.core.types import U64_MAX, round_half_away_from_zero_usize
 
 # --------------------------------------------------------------------------------------------
 # round_half_away_from_zero_usize

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.blocks import BlockTracker
-from app.core.prefill import PrefillLoadState, PrefillLoadTracker
-from app.core.sequences import ActiveSequences
-from app.core.tracker import ActiveSequencesMultiWorker
-from app.core.types import NS_PER_S, PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.blocks import BlockTracker
+from kv_slot_tracker.core.prefill import PrefillLoadState, PrefillLoadTracker
+from kv_slot_tracker.core.sequences import ActiveSequences
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from tests.fakes import FakeClock
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from app.gc_tuning import GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD, tune_gc
+from kv_slot_tracker.gc_tuning import GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD, tune_gc
 
 
 def test_tune_gc_freezes_the_start_up_heap_and_raises_the_thresholds() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.hashing import (
+from kv_slot_tracker.core.hashing import (
     XXH3_SEED,
     compute_block_hash_for_seq,
     compute_seq_hash_for_block,

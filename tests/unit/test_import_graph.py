@@ -1,9 +1,9 @@
-"""The modules of ``app/`` import each other one way: no new import circle, not even a lazy one.
+"""The modules of ``kv_slot_tracker/`` import each other one way: no new import circle, not even a lazy one.
 
-Every ``import`` / ``from … import`` naming an ``app`` module is an edge, wherever it stands (at
+Every ``import`` / ``from … import`` naming a ``kv_slot_tracker`` module is an edge, wherever it stands (at
 the top, inside a function, under ``TYPE_CHECKING``): a circle through a function-level import is
 still two modules that each need the other. A package's ``__init__`` counts as its own module,
-and importing ``app.a.b`` also depends on ``app.a`` (Python runs the package first); a module's
+and importing ``pkg.a.b`` also depends on ``pkg.a`` (Python runs the package first); a module's
 import of its own enclosing packages is no edge (they are initialised before it in any case).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-APP = Path(__file__).resolve().parents[2] / "app"
+APP = Path(__file__).resolve().parents[2] / "kv_slot_tracker"
 
 
 def module_name(path: Path) -> str:
@@ -23,7 +23,7 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The ``app`` modules that ``path`` imports (a name imported from a package may be a module)."""
+    """The ``kv_slot_tracker`` modules that ``path`` imports (a name imported from a package may be a module)."""
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found: set[str] = set()
@@ -39,7 +39,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         else:
             continue
         for name in names:
-            # the module itself, or the deepest app module that the dotted name falls in
+            # the module itself, or the deepest service module that the dotted name falls in
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             # a module's own packages run before it anyway: importing them is no circle
@@ -52,7 +52,7 @@ def import_graph() -> dict[str, set[str]]:
     paths = sorted(APP.rglob("*.py"))
     modules = {module_name(p) for p in paths}
     graph = {module_name(p): imports_of(p, modules) for p in paths}
-    # importing app.a.b runs app.a first: a package edge for every parent
+    # importing pkg.a.b runs pkg.a first: a package edge for every parent
     for name, targets in graph.items():
         for target in list(targets):
             parent = target.rpartition(".")[0]
@@ -99,8 +99,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     graph = import_graph()
-    assert "app.service.selection.service" in graph["app.http.selection.operations"]
-    assert "app.core.tracker" in graph["app.service.registry"]
+    assert (
+        "kv_slot_tracker.service.selection.service"
+        in graph["kv_slot_tracker.http.selection.operations"]
+    )
+    assert "kv_slot_tracker.core.tracker" in graph["kv_slot_tracker.service.registry"]
 
 
 def test_cycles_are_found() -> None:
@@ -111,7 +114,7 @@ def test_cycles_are_found() -> None:
 # The circles left, each a class spread over modules (a mixin) or modules sharing state. The list
 # only shrinks: a new circle fails, and so does one that is gone but still listed here.
 KNOWN_CIRCLES = [
-    ["app.service.selection.replica", "app.service.selection.service"],
+    ["kv_slot_tracker.service.selection.replica", "kv_slot_tracker.service.selection.service"],
 ]
 
 

@@ -1,11 +1,11 @@
-"""The load columns a potential-loads query reads (``app.core.loads.LoadColumns``): kept between
+"""The load columns a potential-loads query reads (``kv_slot_tracker.core.loads.LoadColumns``): kept between
 queries, refreshed only for the ranks that changed, with decaying prefill tokens read at query
 time. Every answer here is also what a fresh computation from the sequences gives."""
 
 from __future__ import annotations
 
-from app.core.tracker import ActiveSequencesMultiWorker
-from app.core.types import U64_MAX, PrefillTokenDeltas, WorkerDpRange, WorkerWithDpRank
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import U64_MAX, PrefillTokenDeltas, WorkerDpRange, WorkerWithDpRank
 from tests.fakes import FakeClock
 
 W0, W1, W2 = WorkerWithDpRank(0, 0), WorkerWithDpRank(0, 1), WorkerWithDpRank(1, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.errors import (
+from kv_slot_tracker.core.errors import (
     DuplicateRequest,
     DuplicateWorker,
     InvalidDpRange,
@@ -18,9 +18,9 @@ from app.core.errors import (
     WorkerIdNotRegistered,
     WorkerNotFound,
 )
-from app.core.events import FREE, MARK_PREFILL_COMPLETED, AddRequest
-from app.core.tracker import ActiveSequencesMultiWorker
-from app.core.types import (
+from kv_slot_tracker.core.events import FREE, MARK_PREFILL_COMPLETED, AddRequest
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import (
     ActiveLoad,
     PrefillLoadHint,
     PrefillTokenDeltas,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from app.core.overlap import PromptTrie, _Solo
-from app.core.types import WorkerWithDpRank
+from kv_slot_tracker.core.overlap import PromptTrie, _Solo
+from kv_slot_tracker.core.types import WorkerWithDpRank
 
 A, B = WorkerWithDpRank(1, 0), WorkerWithDpRank(2, 0)
 BIG = 2**63  # ints this large are distinct objects even when equal

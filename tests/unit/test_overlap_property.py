@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from app.core.errors import (
+from kv_slot_tracker.core.errors import (
     DuplicateRequest,
     DuplicateWorker,
     InvalidDpSize,
@@ -27,8 +27,8 @@ from app.core.errors import (
     WorkerIdNotRegistered,
     WorkerNotFound,
 )
-from app.core.tracker import ActiveSequencesMultiWorker
-from app.core.types import (
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import (
     NS_PER_S,
     PrefillTokenDeltas,
     SequenceRequest,

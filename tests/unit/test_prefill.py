@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.errors import MissingExpectedDuration
-from app.core.prefill import (
+from kv_slot_tracker.core.errors import MissingExpectedDuration
+from kv_slot_tracker.core.prefill import (
     AnchoredPrefillSnapshot,
     PrefillLoadSnapshot,
     PrefillLoadState,
     PrefillLoadTracker,
 )
-from app.core.types import NS_PER_MS, NS_PER_S, PrefillTokenDeltas, WorkerWithDpRank
+from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S, PrefillTokenDeltas, WorkerWithDpRank
 from tests.fakes import FakeClock
 
 E = FakeClock.START_NS  # the epoch; every instant below is E + some offset

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from app.core.events import (
+from kv_slot_tracker.core.events import (
     FREE,
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
@@ -19,9 +19,9 @@ from app.core.events import (
     Free,
     MarkPrefillCompleted,
 )
-from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
-from app.core.types import SequenceRequest, WorkerWithDpRank
-from app.replication.queue import (
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
+from kv_slot_tracker.core.types import SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.replication.queue import (
     REPLICA_EVENT_CHANNEL_CAPACITY,
     EventQueue,
     PublishQueueClosed,
@@ -165,7 +165,7 @@ def test_tracker_logs_closed_queue_error_only_outside_shutdown(
     tracker = ActiveSequencesMultiWorker(
         QueuePublisher(queue), 4, {1: (0, 1)}, replica_sync=True, clock=clock.now
     )
-    caplog.set_level(logging.DEBUG, logger="app.core.tracker")
+    caplog.set_level(logging.DEBUG, logger="kv_slot_tracker.core.tracker")
 
     tracker.add_request(SequenceRequest("unexpected", WORKER, [1]), clock.now())
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -13,20 +13,20 @@ from collections import deque
 
 import pytest
 
-from app.core.errors import DuplicateRequest, RequestNotFound, WorkerNotFound
-from app.core.events import (
+from kv_slot_tracker.core.errors import DuplicateRequest, RequestNotFound, WorkerNotFound
+from kv_slot_tracker.core.events import (
     FREE,
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
     AddRequest,
 )
-from app.core.tracker import (
+from kv_slot_tracker.core.tracker import (
     ActiveSequencesMultiWorker,
     ModeledPrefillTimeLoad,
     ReplicaWorkerPolicy,
     SequencePublisher,
 )
-from app.core.types import (
+from kv_slot_tracker.core.types import (
     ActiveLoad,
     PrefillLoadHint,
     SequenceRequest,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from app.core.sequences import ActiveSequences
-from app.core.types import (
+from kv_slot_tracker.core.sequences import ActiveSequences
+from kv_slot_tracker.core.types import (
     NS_PER_S,
     PrefillLoadHint,
     PromptMembershipDelta,

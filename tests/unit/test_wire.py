@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import msgpack
 import pytest
 
-from app.core.events import (
+from kv_slot_tracker.core.events import (
     FREE,
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
@@ -26,9 +26,9 @@ from app.core.events import (
     event_from_wire,
     event_to_wire,
 )
-from app.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
-from app.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
-from app.replication.queue import EventQueue
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
+from kv_slot_tracker.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.replication.queue import EventQueue
 from tests.fakes import FakeClock
 from tests.unit.recording import tracking_hint
 from tests.unit.replica_runtime import (

@@ -1,11 +1,11 @@
-"""``/replication`` and ``/metrics`` of several processes as one (``app.http.workers``)."""
+"""``/replication`` and ``/metrics`` of several processes as one (``kv_slot_tracker.http.workers``)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.http.workers import merge_metrics, merge_status
+from kv_slot_tracker.http.workers import merge_metrics, merge_status
 
 
 def exposition(published: int, active: int) -> bytes:

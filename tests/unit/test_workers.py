@@ -1,5 +1,5 @@
 """How many processes ``workers`` means, the setting's forms, and the supervisor's restarts
-(``app.workers``; with sleeping processes in place of servers)."""
+(``kv_slot_tracker.workers``; with sleeping processes in place of servers)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.settings import load_settings
-from app.workers import (
+from kv_slot_tracker.settings import load_settings
+from kv_slot_tracker.workers import (
     RESTART_DELAY_S,
     Supervisor,
     Worker,

@@ -8,7 +8,12 @@ from typing import Any
 
 import msgpack
 
-from app.core.events import ActiveSequenceEvent, EventDecodeError, event_from_wire, event_to_wire
+from kv_slot_tracker.core.events import (
+    ActiveSequenceEvent,
+    EventDecodeError,
+    event_from_wire,
+    event_to_wire,
+)
 
 # -- bytes ------------------------------------------------------------------------------------
 

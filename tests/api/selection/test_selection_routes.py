@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from app.core.hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
+from kv_slot_tracker.core.hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
 from tests.api.selection.helpers import (
     BS,
     P8,

@@ -11,8 +11,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from app.core.selection import ApproximateCache, RankInput, RouterConfig, Selection, select
-from app.core.types import NS_PER_S, WorkerWithDpRank
+from kv_slot_tracker.core.selection import (
+    ApproximateCache,
+    RankInput,
+    RouterConfig,
+    Selection,
+    select,
+)
+from kv_slot_tracker.core.types import NS_PER_S, WorkerWithDpRank
 
 BS = 4
 P8 = list(range(1, 9))

@@ -13,9 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core.hashing import compute_seq_hash_for_block
-from app.core.selection import ApproximateCache, CachedBlock, chain_keys, prompt_from_tokens
-from app.core.types import NS_PER_S, U64_MAX, WorkerWithDpRank
+from kv_slot_tracker.core.hashing import compute_seq_hash_for_block
+from kv_slot_tracker.core.selection import (
+    ApproximateCache,
+    CachedBlock,
+    chain_keys,
+    prompt_from_tokens,
+)
+from kv_slot_tracker.core.types import NS_PER_S, U64_MAX, WorkerWithDpRank
 from tests.fakes import FakeClock
 
 A, B = WorkerWithDpRank(1, 0), WorkerWithDpRank(2, 0)

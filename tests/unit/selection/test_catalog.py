@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from app.core.selection.catalog import (
+from kv_slot_tracker.core.selection.catalog import (
     WorkerSpec,
     block_size_mismatch,
     intrinsic_reasons,
     patched,
 )
-from app.core.types import WorkerDpRange
+from kv_slot_tracker.core.types import WorkerDpRange
 
 
 def test_reasons_in_the_reference_order() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.selection import RouterConfig, RouterConfigOverride
-from app.core.selection.errors import InvalidRouterConfig, InvalidRouterConfigOverride
+from kv_slot_tracker.core.selection import RouterConfig, RouterConfigOverride
+from kv_slot_tracker.core.selection.errors import InvalidRouterConfig, InvalidRouterConfigOverride
 
 
 def test_defaults_are_the_reference_defaults() -> None:

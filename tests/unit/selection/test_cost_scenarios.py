@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from app.core.selection import (
+from kv_slot_tracker.core.selection import (
     RankInput,
     RouterConfig,
     RouterConfigOverride,
@@ -20,7 +20,7 @@ from app.core.selection import (
     rank_logit,
     select,
 )
-from app.core.types import WorkerWithDpRank
+from kv_slot_tracker.core.types import WorkerWithDpRank
 from tests.unit.selection.builders import BS, P8, Partition
 
 A, B, C = WorkerWithDpRank(1), WorkerWithDpRank(2), WorkerWithDpRank(3)

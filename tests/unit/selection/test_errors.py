@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.errors import TrackerError
-from app.core.selection import errors as e
+from kv_slot_tracker.core.errors import TrackerError
+from kv_slot_tracker.core.selection import errors as e
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ by a vLLM-format publisher; the numbers are the reference's ``/overlap_scores`` 
 
 from __future__ import annotations
 
-from app.core.hashing import compute_seq_hash_for_block, sequence_hashes_for_tokens
-from app.core.selection.kv_index import (
+from kv_slot_tracker.core.hashing import compute_seq_hash_for_block, sequence_hashes_for_tokens
+from kv_slot_tracker.core.selection.kv_index import (
     DEVICE,
     DISK,
     HOST_PINNED,
@@ -18,7 +18,7 @@ from app.core.selection.kv_index import (
     orphan_key,
     tier_of_medium,
 )
-from app.core.types import WorkerWithDpRank as W
+from kv_slot_tracker.core.types import WorkerWithDpRank as W
 
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks of four tokens

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.core.selection.pending import PendingSelection, PendingSelections
-from app.core.types import NS_PER_S, WorkerWithDpRank
+from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
+from kv_slot_tracker.core.types import NS_PER_S, WorkerWithDpRank
 
 
 def entry(model: str = "m", worker: int = 1) -> PendingSelection:

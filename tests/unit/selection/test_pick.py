@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core.selection import RankInput, RouterConfig, select, softmax_probabilities
-from app.core.selection.errors import NoEndpoints, PinnedWorkerNotAllowed
-from app.core.selection.selector import pick_min, pick_softmax
-from app.core.types import WorkerWithDpRank
+from kv_slot_tracker.core.selection import RankInput, RouterConfig, select, softmax_probabilities
+from kv_slot_tracker.core.selection.errors import NoEndpoints, PinnedWorkerNotAllowed
+from kv_slot_tracker.core.selection.selector import pick_min, pick_softmax
+from kv_slot_tracker.core.types import WorkerWithDpRank
 
 BS = 4
 

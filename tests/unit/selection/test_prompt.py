@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.hashing import compute_block_hash_for_seq
-from app.core.selection import normalize_prompt, prompt_from_hashes, prompt_from_tokens, to_i64
-from app.core.selection.errors import (
+from kv_slot_tracker.core.hashing import compute_block_hash_for_seq
+from kv_slot_tracker.core.selection import (
+    normalize_prompt,
+    prompt_from_hashes,
+    prompt_from_tokens,
+    to_i64,
+)
+from kv_slot_tracker.core.selection.errors import (
     HashLengthMismatch,
     MissingBlockHashes,
     MissingIslTokens,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core.selection import RankInput, RouterConfig, rank_logit, rank_logits
-from app.core.types import WorkerWithDpRank
+from kv_slot_tracker.core.selection import RankInput, RouterConfig, rank_logit, rank_logits
+from kv_slot_tracker.core.types import WorkerWithDpRank
 
 knobs = st.builds(
     RouterConfig,

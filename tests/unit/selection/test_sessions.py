@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.selection.sessions import SessionAffinity
+from kv_slot_tracker.core.selection.sessions import SessionAffinity
 
 S = 1_000_000_000
 

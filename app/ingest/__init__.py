@@ -1,9 +1,0 @@
-"""Adapters that bring the inference engines' KV events in.
-
-Shaped like ``app.replication.redis``: a port (``port.py``: what the ingest needs of the
-selection service and the counters it keeps), decoded records validated before they reach the
-core (``records.py``: the vLLM/SGLang ZMQ wire format), and the transport with its connection
-policy (``zmq.py``: one SUB socket per schedulable worker rank, gap replay over the engine's
-ROUTER socket). The service applies a decoded batch in one synchronous call; nothing here knows
-the index.
-"""

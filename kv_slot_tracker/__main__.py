@@ -1,0 +1,175 @@
+"""Command line: ``python -m kv_slot_tracker [--config FILE] [--SETTING VALUE ...] [--check-config]``
+(``kv_slot_tracker.cli`` lists the flags).
+
+With one worker (the default) this process serves. With more it supervises that many server
+processes on the port (``kv_slot_tracker.workers``), each started as ``python -m kv_slot_tracker ... --listen-fd FD``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import uvicorn.config
+from pydantic import ValidationError
+from uvicorn.logging import TRACE_LOG_LEVEL
+
+from kv_slot_tracker import cli
+from kv_slot_tracker.core.types import U64_MAX
+from kv_slot_tracker.gc_tuning import tune_gc
+from kv_slot_tracker.http.connection import ConnectionLimits, limited_protocol
+from kv_slot_tracker.http.direct import direct_protocol
+from kv_slot_tracker.http.workers import WorkerGroupViews
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.observability import ACCESS_LOGGER
+from kv_slot_tracker.settings import (
+    ConfigFileError,
+    Settings,
+    describe_config_error,
+    load_settings,
+    unknown_environment,
+)
+from kv_slot_tracker.workers import Supervisor, control_socket_index, control_sockets, worker_count
+
+# A process started by the supervisor waits this long for the shared state before it accepts
+# connections (then it serves, answering 503 "not ready" until caught up).
+WORKER_READY_WAIT_S = 30.0
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging, with the service's own loggers (``kv_slot_tracker.*``) printed the same way at
+    ``level``: without it their INFO lines (the start-up summary, replication) went nowhere."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config["loggers"]["kv_slot_tracker"] = {
+        "handlers": ["default"],
+        "level": TRACE_LOG_LEVEL if level == "trace" else level.upper(),
+        "propagate": False,
+    }
+    # the access log (``access_log``): bare JSON lines on standard output
+    config["formatters"]["json_lines"] = {"format": "%(message)s"}
+    config["handlers"]["json_lines"] = {
+        "formatter": "json_lines",
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stdout",
+    }
+    config["loggers"][ACCESS_LOGGER] = {
+        "handlers": ["json_lines"],
+        "level": "INFO",
+        "propagate": False,
+    }
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = cli.parse_args(argv)
+    try:
+        settings = load_settings(args.config, **cli.overrides(args))
+    except (OSError, ConfigFileError, ValidationError) as exc:
+        print(f"invalid configuration:\n{describe_config_error(exc)}", file=sys.stderr)
+        return 2
+    warnings = unknown_environment()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.check_config:
+        print(cli.describe(settings))
+        return 0
+
+    if args.listen_fd is not None:
+        return serve_worker(settings, args.listen_fd, args.control_socket)
+    count = worker_count(settings.workers)
+    if count > 1:
+        return supervise(settings, count, list(sys.argv[1:] if argv is None else argv))
+
+    app = create_app(settings)
+    tune_gc()
+    uvicorn.run(app, host=settings.host, port=settings.port, **server_options(settings, app))
+    return 0
+
+
+def server_options(settings: Settings, app: Any) -> dict[str, Any]:
+    """uvicorn's options, the same for a single process and a ``--workers`` child."""
+    return {
+        "loop": "uvloop",
+        "http": http_protocol(settings, app),
+        "log_level": settings.log_level,
+        "log_config": log_config(settings.log_level),
+        "access_log": False,  # the service's own (``access_log``) covers the direct path too
+        "limit_concurrency": settings.http_max_connections,
+        "timeout_keep_alive": settings.http_keep_alive_seconds,
+    }
+
+
+def http_protocol(settings: Settings, app: Any) -> type:
+    """uvicorn's connection protocol with the connection limits, serving the hot routes
+    directly unless ``http_direct`` is off."""
+    limits = ConnectionLimits(
+        settings.http_max_header_bytes,
+        settings.http_header_timeout_seconds,
+        settings.http_body_timeout_seconds,
+    )
+    if settings.http_direct and app.lean:
+        return direct_protocol(app.lean, limits)
+    return limited_protocol(limits)
+
+
+def supervise(settings: Settings, count: int, argv: list[str]) -> int:
+    """``workers`` > 1: bind the port and run ``count`` server processes on it, each given the
+    supervisor's own flags (``argv``)."""
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(levelname)s:     supervisor: %(message)s",
+    )
+    if settings.instance_id and settings.instance_id + count - 1 > U64_MAX:
+        print(f"invalid configuration: instance_id + {count - 1} workers exceeds a u64",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    supervisor = Supervisor(
+        host=settings.host,
+        port=settings.port,
+        count=count,
+        private_redis=settings.embedded,
+        instance_id=settings.instance_id,
+        child_args=argv,
+    )
+    try:
+        return supervisor.run()
+    except (OSError, RuntimeError) as exc:
+        print(f"cannot start the workers: {exc}", file=sys.stderr)
+        return 1
+
+
+def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int:
+    """One of the supervisor's processes: serve on the listening socket ``fd`` it inherited
+    and on its own ``control_socket``, once the shared state is loaded."""
+    sockets = [socket.socket(fileno=fd)]
+    if control_socket:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(control_socket)  # left by this process's previous life
+        own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        own.bind(control_socket)
+        own.listen(64)
+        sockets.append(own)
+    app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S)
+    if control_socket:  # /metrics and /replication of every process, from any of them
+        run_dir = Path(control_socket).parent
+        app.add_middleware(
+            WorkerGroupViews,
+            index=control_socket_index(control_socket),
+            siblings=lambda: control_sockets(run_dir),
+        )
+    tune_gc()
+    config = uvicorn.Config(app, **server_options(settings, app))
+    uvicorn.Server(config).run(sockets=sockets)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""A selection request's prompt, normalised: block hashes, sequence hashes and input length.
+
+Why: every selection route accepts either ``token_ids`` (hashed here with the partition's block
+size and the request's LoRA name) or the hash triple, with fixed validation order and texts
+(SELECTION.md §3). The hashing itself is ``kv_slot_tracker.core.hashing`` (the same scheme as the slot
+tracker, verified against the reference); this module only decides which input wins and checks
+the triple. Hashes are kept unsigned (u64); the wire's signed form converts with ``to_u64`` /
+``to_i64``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
+from ..types import U64_MAX
+from .errors import (
+    HashLengthMismatch,
+    MissingBlockHashes,
+    MissingIslTokens,
+    MissingSequenceHashes,
+    ZeroIslTokens,
+)
+
+_I64_SIGN = 1 << 63
+_U64_SPAN = 1 << 64
+
+
+def to_u64(h: int) -> int:
+    """A wire hash (signed i64, or already unsigned) as the unsigned 64-bit value."""
+    return h & U64_MAX
+
+
+def _u64s(hashes: Sequence[int]) -> tuple[int, ...]:
+    """Wire hashes as u64; a list with no negative value is taken as it is."""
+    if not hashes or min(hashes) >= 0:
+        return tuple(hashes)
+    return tuple(h & U64_MAX for h in hashes)
+
+
+def to_i64(h: int) -> int:
+    """An unsigned 64-bit hash as the signed i64 the reference echoes."""
+    return h - _U64_SPAN if h >= _I64_SIGN else h
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    block_hashes: tuple[int, ...] | None
+    """Local block hashes (u64) that feed the approximate cache; ``None`` when not given."""
+    sequence_hashes: tuple[int, ...]
+    """Chained hashes (u64) that drive active-block accounting."""
+    isl_tokens: int
+    from_tokens: bool
+    """Built from ``token_ids``: the sequence hashes are then the cache's chain keys."""
+
+    @property
+    def cache_chain(self) -> list[int] | None:
+        """Precomputed approximate-cache keys when known for free (token prompts), else ``None``."""
+        return list(self.sequence_hashes) if self.from_tokens else None
+
+
+def prompt_from_tokens(
+    token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+) -> Prompt:
+    """Hash a token prompt: full blocks only; ``isl`` is the token count (0 is accepted)."""
+    blocks = compute_block_hash_for_seq(list(token_ids), block_size, lora_name)
+    return Prompt(
+        block_hashes=tuple(blocks),
+        sequence_hashes=tuple(compute_seq_hash_for_block(blocks)),
+        isl_tokens=len(token_ids),
+        from_tokens=True,
+    )
+
+
+def prompt_from_hashes(
+    *,
+    block_hashes: Sequence[int] | None,
+    sequence_hashes: Sequence[int] | None,
+    isl_tokens: int | None,
+    for_booking: bool = False,
+) -> Prompt:
+    """Check a hash triple in the reference's order and normalise it.
+
+    ``for_booking`` is the explicit ``POST /reservations`` form: ``block_hashes`` may be absent
+    (the approximate cache then records nothing) and ``isl_tokens`` may be 0.
+    """
+    if block_hashes is None and not for_booking:
+        raise MissingBlockHashes()
+    if sequence_hashes is None:
+        raise MissingSequenceHashes()
+    if isl_tokens is None:
+        raise MissingIslTokens()
+    if isl_tokens == 0 and not for_booking:
+        raise ZeroIslTokens()
+    if block_hashes is not None and len(block_hashes) != len(sequence_hashes):
+        raise HashLengthMismatch(len(block_hashes), len(sequence_hashes))
+    return Prompt(
+        block_hashes=None if block_hashes is None else _u64s(block_hashes),
+        sequence_hashes=_u64s(sequence_hashes),
+        isl_tokens=isl_tokens,
+        from_tokens=False,
+    )
+
+
+def normalize_prompt(
+    *,
+    block_size: int,
+    token_ids: Sequence[int] | None = None,
+    block_hashes: Sequence[int] | None = None,
+    sequence_hashes: Sequence[int] | None = None,
+    isl_tokens: int | None = None,
+    lora_name: str | None = None,
+    for_booking: bool = False,
+) -> Prompt:
+    """``token_ids`` when present (the hash fields are then ignored), else the hash triple."""
+    if token_ids is not None:
+        return prompt_from_tokens(token_ids, block_size, lora_name)
+    return prompt_from_hashes(
+        block_hashes=block_hashes,
+        sequence_hashes=sequence_hashes,
+        isl_tokens=isl_tokens,
+        for_booking=for_booking,
+    )

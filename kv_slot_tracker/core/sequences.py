@@ -1,0 +1,354 @@
+"""One worker rank's active requests: blocks, prefill load and expiry (SPEC §2)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import _count_elements as count_elements  # type: ignore[attr-defined]
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .blocks import BlockTracker
+from .errors import TooManyOutputBlocks
+from .limits import MAX_OUTPUT_BLOCKS_PER_REQUEST
+from .overlap import PromptTrie
+from .prefill import PrefillLoadTracker
+from .types import (
+    NS_PER_S,
+    PrefillLoadHint,
+    PromptMembershipDelta,
+    PromptMembershipRemove,
+    PromptMembershipStore,
+    SequenceMutationOutcome,
+    WorkerWithDpRank,
+)
+
+log = logging.getLogger(__name__)
+
+# count_elements is Counter.update's C helper: ``mapping[h] = mapping.get(h, 0) + 1`` per element
+
+EXPIRY_DURATION_NS = 300 * NS_PER_S
+CHECK_EXPIRY_FREQUENCY_NS = 30 * NS_PER_S
+_NEVER = 1 << 64  # a time no monotonic clock in nanoseconds reaches
+
+Clock = Callable[[], int]
+
+
+class RequestState:
+    """One active request. ``prompt_blocks`` is the list the overlap index shares: indexing it
+    swaps its ints for the equal ones already in the index and keeps a view of its tail, so a
+    prompt's hashes are stored once (see ``PromptTrie``)."""
+
+    __slots__ = ("prompt_blocks", "_outputs", "started_at", "expected_output_tokens")
+
+    def __init__(
+        self, prompt_blocks: list[int], started_at: int, expected_output_tokens: int | None
+    ) -> None:
+        self.prompt_blocks = prompt_blocks
+        self._outputs: list[int] | None = None  # most requests never get an output block
+        self.started_at = started_at
+        self.expected_output_tokens = expected_output_tokens
+
+    @property
+    def output_blocks(self) -> tuple[int, ...]:
+        """The output blocks in creation order (a read-only copy)."""
+        return tuple(self._outputs) if self._outputs else ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadSnapshot:
+    active_blocks: int
+    active_requests: int
+
+
+class ActiveSequences:
+    """Active requests of one ``(worker_id, dp_rank)``.
+
+    ``clock`` returns monotonic integer nanoseconds; it stamps ``started_at`` and drives expiry.
+    Every prefill-related method takes an explicit ``decay_now`` instead.
+
+    The rank's prompts are indexed in ``trie`` under ``key``: the tracker's trie of all ranks,
+    or a trie of this rank alone. The trie counts how many prompts of the rank hold each node,
+    so the block counts hold each position of a node the rank holds once, however many of its
+    prompts pass through it (``BlockTracker``): a prompt sharing a prefix already held costs
+    block-count work only for its new positions.
+    """
+
+    max_output_blocks = (
+        MAX_OUTPUT_BLOCKS_PER_REQUEST  # per request (``kv_slot_tracker.core.limits``)
+    )
+
+    __slots__ = (
+        "requests",
+        "prefill",
+        "blocks",
+        "trie",
+        "key",
+        "clock",
+        "expiry_ns",
+        "check_interval_ns",
+        "last_expiry_check",
+        "next_expiry_check",
+        "_rng",
+    )
+
+    def __init__(
+        self,
+        block_size: int,
+        clock: Clock,
+        *,
+        expiry_ns: int | None = EXPIRY_DURATION_NS,
+        check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
+        rng: random.Random | None = None,
+        trie: PromptTrie | None = None,
+        key: WorkerWithDpRank = WorkerWithDpRank(0, 0),
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be greater than 0")
+        self.requests: dict[str, RequestState] = {}
+        self.prefill = PrefillLoadTracker()
+        self.blocks = BlockTracker()
+        self.trie = PromptTrie() if trie is None else trie
+        self.key = key
+        self.clock = clock
+        self.expiry_ns = expiry_ns
+        self.check_interval_ns = check_interval_ns
+        self.last_expiry_check = clock()
+        self.next_expiry_check = self._next_check()
+        self._rng = rng or random.Random()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def add_request_with_prefill_tracking(
+        self,
+        request_id: str,
+        token_sequence: list[int] | None,
+        expected_output_tokens: int | None,
+        track_prefill_tokens: bool,
+        prefill_load_hint: PrefillLoadHint | None,
+        decay_now: int,
+        started_at: int | None = None,
+    ) -> SequenceMutationOutcome:
+        """Add a request; a duplicate id is logged and ignored. May expire stale requests first.
+
+        ``started_at`` defaults to ``clock()``; replication passes the producer's add time.
+        """
+        if request_id in self.requests:
+            log.error("Request %s is already active. Ignoring duplicate add.", request_id)
+            return SequenceMutationOutcome()
+        outcome = self.force_expiry()
+        prompt = list(token_sequence) if token_sequence else []
+        tokens = 0
+        duration_ns = None
+        if track_prefill_tokens and prefill_load_hint is not None:
+            tokens = prefill_load_hint.initial_effective_prefill_tokens
+            duration_ns = prefill_load_hint.expected_prefill_duration_ns
+        refcount = self.blocks.refcount
+        first_new = next((i for i, h in enumerate(prompt) if h not in refcount), -1)
+        self.admit(
+            request_id,
+            prompt,
+            expected_output_tokens,
+            tokens,
+            duration_ns,
+            decay_now,
+            self.clock() if started_at is None else started_at,
+        )
+        if first_new >= 0:
+            parent = prompt[first_new - 1] if first_new > 0 else None
+            outcome.membership_delta.stores.append(
+                PromptMembershipStore(parent, prompt[first_new:])
+            )
+        return outcome
+
+    def _next_check(self) -> int:
+        """When ``force_expiry`` may next sweep (``next_expiry_check``: its rate check, which
+        the tracker's lifecycle hot path reads before calling it)."""
+        if self.expiry_ns is None:
+            return _NEVER
+        return self.last_expiry_check + self.check_interval_ns
+
+    def admit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        expected_output_tokens: int | None,
+        prefill_tokens: int,
+        duration_ns: int | None,
+        decay_now: int,
+        started_at: int,
+    ) -> None:
+        """Add a request that is not active here, without the expiry check (the lifecycle hot
+        path; ``add_request_with_prefill_tracking`` wraps it): indexes ``prompt`` (kept: the
+        caller gives it up), holds the positions the rank did not hold yet and tracks
+        ``prefill_tokens`` when positive."""
+        if prompt:
+            hold = self.blocks.hold
+            for edge in self.trie.add(self.key, prompt):
+                hold(edge)
+        if prefill_tokens > 0:
+            self.prefill.add(request_id, prefill_tokens, duration_ns, decay_now)
+        self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
+
+    def free(self, request_id: str, decay_now: int) -> PromptMembershipDelta:
+        """Release a request's blocks (implies prefill completion); unknown ids are a no-op.
+
+        The delta removes the prompt from the first position whose hash stopped being present
+        (the last occurrence in the prompt of a hash that went) to its end."""
+        delta = PromptMembershipDelta()
+        self.prefill.discard(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
+            return delta
+        prompt = state.prompt_blocks
+        if prompt:
+            blocks = self.blocks
+            for edge in self.trie.remove(self.key, prompt):
+                blocks.unhold(edge)
+            last = {h: i for i, h in enumerate(prompt)}
+            refcount = blocks.refcount
+            start = min((i for h, i in last.items() if h not in refcount), default=-1)
+            if start >= 0:
+                delta.removes.append(PromptMembershipRemove(prompt[start:]))
+        if state._outputs:
+            self._release_outputs(state)
+        return delta
+
+    def release(self, request_id: str, decay_now: int) -> None:
+        """``free`` without building the membership delta (the lifecycle hot path)."""
+        self.prefill.discard(request_id, decay_now)
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            log.warning("Trying to free non-existent request %s", request_id)
+            return
+        if state.prompt_blocks:
+            unhold = self.blocks.unhold
+            for edge in self.trie.remove(self.key, state.prompt_blocks):
+                unhold(edge)  # positions the rank no longer holds
+        if state._outputs:
+            self._release_outputs(state)
+
+    def _release_outputs(self, state: RequestState) -> None:
+        release = self.blocks.release_and_try_remove
+        for h in state._outputs or ():
+            release(h)
+
+    def unindex_all(self) -> None:
+        """Take every prompt of the rank out of the trie (the rank is going away)."""
+        remove, key = self.trie.remove, self.key
+        for st in self.requests.values():
+            if st.prompt_blocks:
+                remove(key, st.prompt_blocks)
+
+    def mark_prefill_completed(self, request_id: str, decay_now: int) -> None:
+        self.prefill.discard(request_id, decay_now)
+
+    def add_output_block(self, request_id: str, decay_fraction: float | None) -> int | None:
+        """Append a fresh random output block; returns its hash, or None if the request is unknown.
+
+        (The seeds return None too when the new hash was already present, which their tracker
+        then reports as an unknown request; a known request always gets its hash here.)"""
+        state = self.requests.get(request_id)
+        if state is None:
+            log.warning("Trying to add output block to non-existent request %s", request_id)
+            return None
+        outputs = state._outputs
+        if outputs is not None and len(outputs) >= self.max_output_blocks:
+            raise TooManyOutputBlocks(request_id, self.max_output_blocks)
+        h = self._rng.getrandbits(64)
+        self.blocks.touch(h)
+        if state._outputs is None:
+            state._outputs = [h]
+        else:
+            state._outputs.append(h)
+        if decay_fraction is not None:
+            # a block held by exactly one reference: one position of the rank carries it, and
+            # this request's prompt alone holds that position
+            count, set_fraction = self.blocks.count, self.blocks.set_fraction
+            prompt = state.prompt_blocks
+            if prompt:
+                holds = self.trie.holds_along(self.key, prompt)
+                for b, held in zip(prompt, holds, strict=True):
+                    if held == 1 and count(b) == 1:
+                        set_fraction(b, decay_fraction)
+            for b in state._outputs:
+                if count(b) == 1:
+                    set_fraction(b, decay_fraction)
+        return h
+
+    def force_expiry(self) -> SequenceMutationOutcome:
+        """Free requests older than the expiry, at most once per check interval."""
+        outcome = SequenceMutationOutcome()
+        if self.expiry_ns is None:
+            return outcome
+        now = self.clock()
+        if now < self.next_expiry_check:
+            return outcome
+        self.last_expiry_check = now
+        self.next_expiry_check = self._next_check()
+        cutoff = now - self.expiry_ns
+        expired = [rid for rid, st in self.requests.items() if st.started_at < cutoff]
+        for rid in expired:
+            log.warning("Expiring stale request: %s", rid)
+            outcome.expired_prompts[rid] = self.requests[rid].prompt_blocks
+            outcome.membership_delta.extend(self.free(rid, now))
+        outcome.expired_request_ids = set(expired)
+        return outcome
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def export_requests(self) -> list[tuple[str, list[int], int, int | None]]:
+        """``(request_id, prompt_blocks, started_at, expected_output_tokens)`` per request."""
+        return [
+            (rid, list(st.prompt_blocks), st.started_at, st.expected_output_tokens)
+            for rid, st in self.requests.items()
+        ]
+
+    def restore_request(
+        self, request_id: str, prompt: list[int], started_at: int, eot: int | None
+    ) -> None:
+        """Put back an exported request (no expiry check, no prefill: see ``prefill.restore``).
+
+        Indexes and holds the prompt as if the request had been added.
+        """
+        self.admit(request_id, prompt, eot, 0, None, 0, started_at)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def active_blocks(self) -> int:
+        return self.blocks.active_blocks()
+
+    def active_tokens(self, decay_now: int) -> int:
+        return self.prefill.active_tokens(decay_now)
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def worker_load_snapshot(self) -> WorkerLoadSnapshot:
+        return WorkerLoadSnapshot(self.blocks.active_blocks(), len(self.requests))
+
+    def active_block_hashes(self) -> set[int]:
+        return self.blocks.active_hashes()
+
+    def active_prompt_hashes(self) -> set[int]:
+        return {h for st in self.requests.values() for h in st.prompt_blocks}
+
+    def block_references(self) -> dict[int, int]:
+        """Per present hash, how many prompt and output positions of active requests hold it
+        (the reference counts of SPEC §2.1; a full walk, for checks and tests)."""
+        out: dict[int, int] = {}
+        for st in self.requests.values():
+            count_elements(out, st.prompt_blocks)
+            count_elements(out, st.output_blocks)
+        return out
+
+    def assert_consistent(self) -> None:
+        self.prefill.assert_consistent()
+        expected = self.trie.held_positions(self.key)
+        for st in self.requests.values():
+            count_elements(expected, st.output_blocks)
+        assert expected == self.blocks.refcount, "block counts must equal the held positions"
+        assert set(expected) == set(self.block_references()), "present blocks differ"
+        self.blocks.assert_consistent()
+        assert set(self.prefill.prefills) <= set(self.requests)

@@ -1,0 +1,256 @@
+"""The direct path: lean routes answered inside uvicorn's connection callbacks.
+
+For a hot route, uvicorn's own per-request work (a scope, an ASGI task, an event, two ASGI send
+messages with header checks, two socket writes, a keep-alive timer) costs more than the tracker's.
+``direct_protocol`` gives uvicorn a subclass of its httptools protocol that serves a lean request
+as soon as the parser has its body: the same route matching, authorization, header checks,
+operation and metrics as the lean ASGI path, and the whole response in one write. Its
+keep-alive timer is armed once per idle period, not once per request (``_respond``). Measured on
+the lifecycle benchmark: about 1.5x the requests per second of the ASGI path on the same core
+(``bench/RESULTS.md``). A call that has to wait (a replicated instance waiting for Redis or for
+a record, ``kv_slot_tracker.http.replicated``) is handed to uvicorn's request cycle and answered from a task,
+as on the ASGI path.
+
+Everything else is uvicorn's unchanged path, and a request also takes it whenever the direct
+path could answer differently from it: a request pipelined behind one still being served (answers
+keep their order), ``Expect: 100-continue``, a paused write buffer (uvicorn waits for the client
+to read), an upgrade, a root path, a route the lean dispatcher does not serve (including a 401).
+The subclass uses uvicorn's protocol attributes, so ``pyproject.toml`` bounds uvicorn's version
+and ``tests/api/test_direct_http.py`` drives both paths over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Awaitable
+from time import perf_counter
+from typing import Any
+
+import httptools
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+
+from kv_slot_tracker.http.body import check_body_headers
+from kv_slot_tracker.http.connection import ConnectionLimits, LimitedHttpToolsProtocol
+from kv_slot_tracker.http.errors import TOO_LARGE, HttpError, error_result
+from kv_slot_tracker.http.lean import LeanDispatcher, LeanRoute, parse_params
+
+_JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
+_CLOSE = b"connection: close\r\n"
+
+
+class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
+    """uvicorn's httptools protocol, answering the lean routes itself (module notes)."""
+
+    lean: LeanDispatcher  # set on the subclass ``direct_protocol`` makes
+
+    # the request being served directly: its route, parsed parameters, body so far, and the
+    # error to answer instead of running it (a bad parameter, content type or size)
+    _route: LeanRoute | None = None
+    _args: list[Any]
+    _body: bytes | bytearray  # the first chunk as given; a bytearray once a second one comes
+    _error: HttpError | None
+    _start: float
+    # uvicorn's default headers (date, server) as bytes, for the list they were made from
+    _head_source: object = None
+    _head: bytes = b""
+    # keep-alive of the direct path: uvicorn cancels its timer when data arrives and arms a new
+    # one after each response (a timer handle made and cancelled per request); here one timer
+    # per idle period checks when the connection last went idle
+    _idle_since: float | None = None  # None while a request is being received or served
+    _idle_timer: asyncio.TimerHandle | None = None
+
+    def _unset_keepalive_if_required(self) -> None:
+        """uvicorn's (data arrived, or its own path answered); the connection is busy."""
+        self._idle_since = None
+        super()._unset_keepalive_if_required()
+
+    def _idle_check(self) -> None:
+        """The idle timer: close the connection once it has been idle for the keep-alive
+        timeout, or wait for the rest of it. While busy, the next direct response re-arms it
+        (and uvicorn's own path has its own timer)."""
+        self._idle_timer = None
+        since = self._idle_since
+        if since is None or self.transport.is_closing():
+            return
+        left = since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self._idle_timer = self.loop.call_later(left, self._idle_check)
+        else:
+            self.timeout_keep_alive_handler()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        """uvicorn's, without the ASGI parts of the scope; ``_asgi_scope`` adds them for a
+        request that takes uvicorn's path."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {"type": "http", "headers": self.headers}  # type: ignore[typeddict-item]
+
+    def _asgi_scope(self) -> None:
+        self.scope.update(
+            {
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": self.parser.get_http_version(),
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,
+                "root_path": self.root_path,
+                "state": self.app_state.copy(),
+            }
+        )
+
+    def on_headers_complete(self) -> None:
+        self._route = None
+        cycle = self.cycle
+        if (
+            (cycle is None or cycle.response_complete)
+            and not self.pipeline
+            and not self.expect_100_continue
+            and not self.flow.write_paused
+            and not self.root_path
+            and not self.parser.should_upgrade()
+            and not self.over_connection_limit()  # uvicorn's path answers 503
+        ):
+            url = httptools.parse_url(self.url)
+            raw_path = url.path
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            scope = self.scope
+            scope["method"] = self.parser.get_method().decode("ascii")
+            scope["path"] = path
+            scope["raw_path"] = raw_path
+            scope["query_string"] = url.query or b""
+            found = self.lean.route_for(scope)
+            if found is not None:
+                self._in_head = False  # what LimitedHttpToolsProtocol.on_headers_complete does
+                self._reading_since = self.loop.time()
+                self._start = perf_counter()
+                route, values = found
+                self._route, self._body, self._error = route, b"", None
+                try:
+                    self._args = parse_params(route, values)
+                    if route.reads_body:
+                        check_body_headers(self.headers, self.lean.max_body)
+                except HttpError as e:
+                    self._error = e
+                return
+        self._asgi_scope()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._route is None:
+            super().on_body(body)
+        elif self._error is None:
+            buf = self._body
+            if not buf:
+                buf = self._body = body  # the usual body: one chunk, kept without a copy
+            else:  # appending to bytes would copy the whole body per chunk
+                if type(buf) is bytes:
+                    buf = self._body = bytearray(buf)
+                buf += body
+            if len(buf) > self.lean.max_body:
+                self._error, self._body = HttpError(413, TOO_LARGE), b""
+
+    def on_message_complete(self) -> None:
+        route = self._route
+        if route is None:
+            super().on_message_complete()
+            return
+        self._reading_since = None  # what LimitedHttpToolsProtocol.on_message_complete does
+        self._in_head, self._received = True, False
+        self._route = None
+        body, self._body = self._body, b""
+        if type(body) is bytearray:
+            body = bytes(body)
+        if self._error is not None:
+            result = error_result(self._error)
+        else:
+            result = self.lean.answer(route, self._args, body if route.reads_body else b"")
+            if (
+                type(result) is not tuple
+            ):  # it waits for replication (kv_slot_tracker.http.replicated)
+                self._answer_later(route, result)
+                return
+        status, payload = result
+        self._respond(status, payload)
+        self.lean.observe(route.method, route.path, status, perf_counter() - self._start)
+
+    def _answer_later(self, route: LeanRoute, pending: Awaitable[tuple[int, bytes]]) -> None:
+        """Hand a call that waits to uvicorn's request cycle, as if it had taken uvicorn's
+        path from the start: requests pipelined behind it queue until it is answered, and
+        uvicorn writes the answer, keeps the connection alive and serves the queue."""
+        self._asgi_scope()
+        self.cycle = cycle = RequestResponseCycle(
+            scope=self.scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=False,
+            keep_alive=self.scope["http_version"] != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        cycle.more_body = False
+        lean, start = self.lean, self._start
+
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            await lean.reply(route, pending, send, start)
+
+        self._start_asgi_task(cycle, answer)
+
+    def _respond(self, status: int, payload: bytes) -> None:
+        """What uvicorn's send and ``on_response_complete`` do for a complete JSON response."""
+        transport = self.transport
+        self.server_state.total_requests += 1
+        if transport.is_closing():
+            return
+        defaults = self.server_state.default_headers
+        if defaults is not self._head_source:  # uvicorn renews the list (the date) every second
+            self._head = b"".join(name + b": " + value + b"\r\n" for name, value in defaults)
+            self._head_source = defaults
+        keep_alive = self.parser.should_keep_alive()
+        transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[status],
+                    self._head,
+                    _JSON_HEAD,
+                    str(len(payload)).encode(),
+                    b"\r\n" if keep_alive else b"\r\n" + _CLOSE,
+                    b"\r\n",
+                    payload,
+                )
+            )
+        )
+        if not keep_alive:
+            transport.close()
+        else:
+            self._idle_since = self.loop.time()
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_check)
+
+
+def direct_protocol(
+    lean: LeanDispatcher, limits: ConnectionLimits | None = None
+) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (``http=``) for ``lean``'s routes."""
+    attrs: dict[str, Any] = {"lean": lean}
+    if limits is not None:
+        attrs["limits"] = limits
+    return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), attrs)

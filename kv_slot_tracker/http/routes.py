@@ -1,0 +1,457 @@
+"""The route table: every API route declared once.
+
+A ``Route`` names its path, method, operation, summary, body and response models, path
+parameters and documented errors. From this one table ``kv_slot_tracker.http.app`` builds both the FastAPI
+routes (and so the OpenAPI document and ``/docs``) and the lean dispatcher's table of hot routes.
+A route belongs to one API (``api``): the slot tracker's (``kv_slot_tracker.http.operations`` and
+``Queries``) or the selection service's under ``/selection`` (``kv_slot_tracker.http.selection.operations``).
+*Call* routes (a body or path parameters) run an operation ``op(body, *path parameters)``;
+*query* routes run a queries method on the query string.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Path, Query, Request, Response
+from pydantic import BaseModel
+from starlette.datastructures import QueryParams
+
+from kv_slot_tracker.core.types import U64_MAX
+from kv_slot_tracker.http import schemas as s
+from kv_slot_tracker.http.body import read_asgi_body
+from kv_slot_tracker.http.errors import (
+    CONTENT_TYPE,
+    EXPECTED,
+    JSON_PARSE,
+    JSON_SHAPE,
+    TOO_LARGE,
+    UNAUTHORIZED,
+    HttpError,
+    error_result,
+    query_error,
+)
+from kv_slot_tracker.http.responses import JSON, json_response, raw_response
+from kv_slot_tracker.http.selection import schemas as ss
+from kv_slot_tracker.replication.port import Replication
+from kv_slot_tracker.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
+
+ERROR_DOCS: dict[int, str] = {
+    400: "Malformed JSON or an invalid value.",
+    401: "Missing or wrong bearer key (only when an API key is configured).",
+    404: "No such tracker, worker or request.",
+    409: "Conflicts with the current state.",
+    413: "Body larger than the limit.",
+    415: "Content type is not JSON.",
+    422: "Well-formed JSON of the wrong shape.",
+    503: 'Not ready (still loading the shared state); with `replication_ack = "redis"`, Redis '
+    "cannot be reached; no schedulable worker for the partition (selection API). Retry, here or "
+    "on another instance.",
+}
+BODY_ERRORS = (400, 401, 404, 413, 415, 422)
+TOPOLOGY_ERRORS = (400, 401, 409, 413, 415, 422)
+ADD_ERRORS = (400, 401, 404, 409, 413, 415, 422)
+
+
+# One real answer per status, shown as the example of the documented error body.
+ERROR_EXAMPLES: dict[int, str] = {
+    400: JSON_PARSE + "EOF while parsing an object at line 1 column 18",
+    401: UNAUTHORIZED,
+    404: "Request r-1 not found",
+    409: "Request r-1 already exists (assigned to worker WorkerWithDpRank { worker_id: 1, dp_rank: 0 })",
+    413: TOO_LARGE,
+    415: CONTENT_TYPE,
+    422: JSON_SHAPE + "missing field `request_id`",
+    503: "not ready: loading the shared state",
+}
+
+
+def error_responses(codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    return {
+        c: {
+            "model": s.ErrorBody,
+            "description": ERROR_DOCS[c],
+            "content": {JSON: {"example": {"error": ERROR_EXAMPLES[c]}}},
+        }
+        for c in codes
+    }
+
+
+# The OpenAPI document groups the operations by these tags (the slot tracker's four, then the
+# selection API); each route names one.
+TAGS: tuple[dict[str, str], ...] = (
+    {"name": "topology", "description": "Which workers and data-parallel ranks a tracker has."},
+    {"name": "lifecycle", "description": "Active requests: add, prefill done, output blocks, free."},
+    {"name": "loads", "description": "Current and potential load of every rank."},
+    {"name": "selection", "description": "Dynamo's selection API under `/selection`: workers, "
+     "choosing a rank for a prompt, reservations."},
+    {"name": "operations", "description": "Probes, replication status and metrics."},
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class QueryParam:
+    name: str
+    annotation: Any
+    default: Any
+    description: str
+
+
+U64_PATH = r"\+?[0-9]+"
+
+
+def parse_u64_path(value: str) -> int:
+    """A ``u64`` path segment as Rust parses it (optional ``+``, digits only, in range)."""
+    if value.isascii() and re.fullmatch(U64_PATH, value) and int(value) <= U64_MAX:
+        return int(value)
+    raise HttpError(400, f"Invalid URL: Cannot parse `{value}` to a `u64`")
+
+
+def _text_path(value: str) -> str:
+    return value
+
+
+@dataclass(frozen=True)
+class PathParam:
+    name: str
+    description: str
+    parse: Callable[[str], Any] = _text_path  # raises ``HttpError`` on a bad value
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    method: str
+    name: str  # the operation (body routes) or ``Queries`` method (query routes)
+    summary: str
+    body: type[BaseModel] | None = None  # a body route's request model (documented)
+    response: Any = None  # the success model
+    status: int = 200
+    errors: tuple[int, ...] = BODY_ERRORS
+    other_ok: dict[int, str] = field(default_factory=dict)
+    query: tuple[QueryParam, ...] = ()
+    lean: bool = False  # served by the lean dispatcher (hot routes)
+    needs_state: bool = True  # reads or writes tracker state: 503 while not ready (gate.py)
+    extra: dict[str, Any] = field(default_factory=dict)  # other FastAPI route arguments
+    path_params: tuple[PathParam, ...] = ()
+    api: str = "slot"  # "slot" or "selection": which operations serve it
+    tag: str = ""  # the OpenAPI group (``TAGS``); selection routes are all "selection"
+    description: str = ""  # the OpenAPI description: what a caller needs beyond the summary
+
+    @property
+    def operation_id(self) -> str:
+        """The stable, short OpenAPI ``operationId``: the operation's name, per API."""
+        return self.name if self.api == "slot" else f"{self.api}_{self.name}"
+
+    @property
+    def is_call(self) -> bool:
+        """Runs an operation on the body and path parameters (else a query handler)."""
+        return self.body is not None or bool(self.path_params)
+
+
+_MODEL_Q = QueryParam("model_name", str | None, None, "Only this model.")
+_GROUP_Q = QueryParam("routing_group", str | None, None, "Only this routing group.")
+
+# -- the selection API (SELECTION.md): Dynamo's selection service under /selection ------------
+
+SEL = "/selection"
+_SEL_ID = PathParam("selection_id", "Reservation (selection) id, percent-encoded.")
+_WORKER_ID = PathParam("worker_id", "Worker id (u64).", parse_u64_path)
+SELECT_ERRORS = (400, 401, 409, 413, 415, 422, 503)
+BOOK_ERRORS = (400, 401, 404, 409, 413, 415, 422, 503)
+QUERY_ERRORS = (400, 401, 413, 415, 422, 503)
+LIFECYCLE_ERRORS = (401, 404)
+
+SELECTION_ROUTES: tuple[Route, ...] = (
+    Route(SEL + "/health", "GET", "health", "Selection API liveness", response=ss.SelectionStatus,
+          errors=(), api="selection", needs_state=False,
+          description="Always 200 while the process runs; the selection API's own liveness answer, as the reference gives it."),
+    Route(SEL + "/ready", "GET", "ready", "200 while some worker is schedulable, else 503",
+          response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
+          extra={"responses": {503: {"model": ss.SelectionReady,
+                                     "description": "No schedulable worker anywhere."}}},
+          description='200 while at least one worker of any partition is schedulable, else 503 with the same body. Lists the worker catalog.'),
+    Route(SEL + "/workers", "POST", "upsert_worker",
+          "Register a worker or replace it (it may move partition)", ss.WorkerBody,
+          ss.WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection",
+          description='Upsert by `worker_id`: a worker given again is replaced, and moves when its model or routing group changes. Answers the catalog record with its `lifecycle` (`schedulable`, `incomplete` with `not_schedulable_reasons`, or `unschedulable`); an incomplete worker is stored too.'),
+    Route(SEL + "/workers", "GET", "workers", "The worker catalog",
+          response=list[ss.WorkerRecord], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          api="selection",
+          description="Every worker's catalog record, optionally only one model and/or routing group (an unknown filter answers `[]`)."),
+    Route(SEL + "/workers/{worker_id}", "PATCH", "patch_worker",
+          "Change some fields of a worker", ss.WorkerPatchBody, ss.WorkerRecord,
+          errors=BODY_ERRORS, path_params=(_WORKER_ID,), lean=True, api="selection",
+          description='Applies only the fields given (a `model_name` is ignored). Changing `data_parallel_size` adds or removes ranks at once.'),
+    Route(SEL + "/workers/{worker_id}", "DELETE", "delete_worker",
+          "Remove a worker; its reservations are freed", response=ss.WorkerRecord,
+          errors=(400, 401, 404), path_params=(_WORKER_ID,), lean=True, api="selection",
+          description='The worker becomes `unschedulable` and leaves its partition; its reservations are freed from the loads, but their ids stay taken until a lifecycle call on each answers 404.'),
+    Route(SEL + "/select", "POST", "select", "Choose a worker rank for a prompt (books nothing)",
+          ss.SelectBody, ss.SelectResponse, errors=SELECT_ERRORS, lean=True, api="selection",
+          description="Runs the cost function over the partition's candidate ranks and answers the winner with every rank's logit. Books nothing; with a `selection_id` the choice is kept as a pending selection that `POST /selection/reservations` can book later."),
+    Route(SEL + "/select_and_reserve", "POST", "select_and_reserve",
+          "Choose a worker rank and book the prompt there", ss.SelectBody,
+          ss.SelectAndReserveResponse, errors=SELECT_ERRORS, lean=True, api="selection",
+          description='Selection and booking in one call (200, as the reference answers): the prompt is added to the chosen rank under `selection_id` until that reservation is freed.'),
+    Route(SEL + "/reservations", "POST", "reserve",
+          "Book a pending selection, or a prompt on a given rank", ss.ReservationBody,
+          ss.ReservationResponse, 201, BOOK_ERRORS, lean=True, api="selection",
+          description='Books either a pending selection (only `selection_id` and its partition) or a prompt on a rank given explicitly. 409 when the id is already booked.'),
+    Route(SEL + "/reservations/{selection_id}/prefill_complete", "POST",
+          "reservation_prefill_complete", "The reservation's prefill is done",
+          response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS, path_params=(_SEL_ID,),
+          lean=True, api="selection",
+          description="The reservation's prompt no longer counts as prefill load; idempotent while booked."),
+    Route(SEL + "/reservations/{selection_id}/output_block", "POST", "reservation_output_block",
+          "Add a generated block to the reservation", ss.ReservationOutputBlockBody, ss.SelectionStatus,
+          errors=BODY_ERRORS, path_params=(_SEL_ID,), lean=True, api="selection",
+          description="One more decode block on the reservation's rank; `decay_fraction` (0 to 1) also decays the prompt's remaining prefill."),
+    Route(SEL + "/reservations/{selection_id}", "DELETE", "delete_reservation",
+          "Free a reservation", response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS,
+          path_params=(_SEL_ID,), lean=True, api="selection",
+          description='Frees the reservation and its blocks; a second free answers 404.'),
+    Route(SEL + "/loads", "GET", "loads", "Current load of every rank, per partition",
+          response=list[ss.PartitionLoads], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          api="selection",
+          description="Per partition: every rank's active prefill tokens, decode blocks and requests, and the pending selections."),
+    Route(SEL + "/potential_loads", "POST", "potential_loads",
+          "Load of every rank if a prompt went there", ss.PromptBody, list[ss.RankLoad],
+          errors=QUERY_ERRORS, lean=True, api="selection",
+          description="What every rank's prefill tokens and decode blocks would be if the prompt were booked there; changes nothing."),
+    Route(SEL + "/overlap_scores", "POST", "overlap_scores",
+          "Cached prefix of a prompt on every rank (approximate cache)", ss.PromptBody,
+          ss.OverlapScoresResponse, errors=QUERY_ERRORS, lean=True, api="selection",
+          description="How many of the prompt's leading blocks each rank holds, per storage tier."),
+    Route(SEL + "/dump", "GET", "dump", "The approximate caches as stored events",
+          response=dict[str, ss.PartitionDump], errors=(401,), api="selection",
+          description="Each partition's cache contents as the stored-block events that would rebuild them."),
+)  # fmt: skip
+
+ROUTES: tuple[Route, ...] = (
+    Route("/health", "GET", "health", "Liveness: 200 with an empty body", errors=(),
+          needs_state=False,
+          extra={"response_class": Response,
+                 "responses": {200: {"description": "Alive.", "content": {}}}}, tag="operations",
+          description='200 with an empty body while the process runs; never needs a key. Use `/ready` to know whether it can serve.'),
+    Route("/ready", "GET", "ready", "Readiness: 200 once the instance can serve",
+          response=s.ReadyBody, errors=(), needs_state=False,
+          extra={"responses": {503: {"model": s.ReadyBody, "description": "Not ready yet."}}}, tag="operations",
+          description="200 once the instance has loaded the shared state and can serve; 503 with the reason until then (a load balancer's readiness probe)."),
+    Route("/replication", "GET", "replication_status", "Replication status of this instance",
+          response=s.ReplicationStatus, errors=(401,), needs_state=False, tag="operations",
+          description='Mode, positions, counts and health of the replication between instances (`mode: embedded` for a single instance).'),
+    Route("/register", "POST", "register", "Register a worker's ranks", s.RegisterBody,
+          s.StatusOk, 201, TOPOLOGY_ERRORS, tag="topology",
+          description='Adds ranks `dp_start … dp_start + dp_size - 1` of a worker to the tracker of `(model_name, routing_group)`, creating the tracker (with `block_size`) on first use. 409 when the worker id is registered already.'),
+    Route("/upsert", "POST", "upsert", "Register a worker or replace its ranks (201 when created)",
+          s.UpsertBody, s.StatusOk, 200, TOPOLOGY_ERRORS,
+          other_ok={201: "Created: the worker id was new."}, tag="topology",
+          description='Like `/register`, but replaces the ranks of a known worker (requests on removed ranks are freed): 201 when the id was new, 200 otherwise.'),
+    Route("/unregister", "POST", "unregister", "Remove a worker with all its ranks and requests",
+          s.UnregisterBody, s.StatusOk, tag="topology",
+          description="Removes the worker's ranks and frees their active requests."),
+    Route("/heartbeat", "POST", "heartbeat", "Renew a worker's lease", s.HeartbeatBody,
+          s.StatusOk, 200, BODY_ERRORS, tag="topology",
+          description="With `worker_ttl_seconds` set, a worker that is not renewed within that "
+          "many seconds (by this call, `/register` or `/upsert`) is unregistered on every "
+          "instance. Without it the call changes nothing. 404 for an unknown worker."),
+    Route("/reconcile", "POST", "reconcile",
+          "Make a list of workers the whole topology of a tracker", s.ReconcileBody,
+          s.ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",
+          description="Makes the given workers the tracker's whole topology in one step: adds, replaces and removes ranks, and answers what changed."),
+    Route("/workers", "GET", "workers", "Registered workers", response=list[s.WorkerRow],
+          errors=(400, 401), query=(_MODEL_Q, _GROUP_Q), tag="topology",
+          description="Every tracker's registered workers and ranks, optionally only one model and/or routing group."),
+    Route("/add", "POST", "add", "Add an active request to a rank", s.AddBody, s.StatusOk, 201,
+          ADD_ERRORS, lean=True, tag="lifecycle",
+          description='Adds an active request (its prompt as `sequence_hashes` or `token_ids`) to a rank: its new blocks become decode load and its input tokens prefill load until `/prefill_complete`. 409 for an id that is active already, 404 for an unknown rank.'),
+    Route("/prefill_complete", "POST", "prefill_complete", "Mark a request's prefill as done",
+          s.RequestBody, s.StatusOk, lean=True, tag="lifecycle",
+          description="The request's prefill tokens stop counting. 404 for an unknown id."),
+    Route("/free", "POST", "free", "Free a request (unknown ids succeed)", s.RequestBody,
+          s.StatusOk, lean=True, tag="lifecycle",
+          description='Removes the request and its blocks. An unknown or already freed id succeeds too, as in the reference (a retried free is harmless).'),
+    Route("/output_block", "POST", "output_block", "Add a generated (output) block to a request",
+          s.OutputBlockBody, s.StatusOk, lean=True, tag="lifecycle",
+          description="One generated block more on the request's rank; `decay_fraction` also decays the remaining modeled prefill."),
+    Route("/loads", "GET", "loads", "Current load of every rank", response=list[s.LoadRow],
+          errors=(400, 401), query=(_MODEL_Q, _GROUP_Q), tag="loads",
+          description="Every rank's active requests, decode blocks, prefill tokens and modeled remaining prefill time. An unknown `model_name` answers `[]`, as the reference does: check the spelling with `GET /workers`."),
+    Route("/potential_loads", "POST", "potential_loads", "Load of every rank if a prompt went there",
+          s.PotentialLoadsBody, list[s.PotentialLoadRow], lean=True, tag="loads",
+          description="What every rank's prefill tokens and decode blocks would be if the prompt went there (blocks already active on a rank are not counted twice); changes nothing."),
+    Route("/project_loads", "POST", "project_loads", "Projected load of every rank for a prompt",
+          s.ProjectLoadsBody, list[s.ProjectedLoadRow], lean=True, tag="loads",
+          description="Like `/potential_loads`, plus each rank's prefix overlap and modeled prefill time."),
+    Route("/lora_counts", "GET", "lora_counts", "Active requests per LoRA name",
+          response=s.LoraCounts, errors=(400, 401, 404),
+          query=(QueryParam("model_name", str, ..., "Model name."),
+                 QueryParam("routing_group", str, DEFAULT_ROUTING_GROUP, "Routing group.")), tag="loads",
+          description='Active requests per LoRA adapter name in one tracker.'),
+    Route("/batch", "POST", "batch", "Apply many lifecycle operations in one call", s.BatchBody,
+          s.BatchResponse, lean=True, tag="lifecycle",
+          description='Many `add`, `prefill_complete`, `output_block` and `free` operations in one call, applied in order; each answers its own status, and one failing changes nothing for the others. At most `max_batch_operations` operations.'),
+    *SELECTION_ROUTES,
+)  # fmt: skip
+
+
+def body_models() -> list[type[BaseModel]]:
+    """Request models of the body routes, for the OpenAPI document's components."""
+    seen: list[type[BaseModel]] = []
+    for r in ROUTES:
+        if r.body is not None and r.body not in seen:
+            seen.append(r.body)
+    return seen
+
+
+def _single(params: QueryParams, name: str) -> str | None:
+    values = params.getlist(name)
+    if len(values) > 1:
+        raise query_error(f"duplicate field `{name}`")
+    return values[0] if values else None
+
+
+class Queries:
+    """The GET routes' handlers: query parameters in, ``Response`` out."""
+
+    def __init__(self, service: SlotTrackerService, replication: Replication) -> None:
+        self.service = service
+        self.replication = replication
+
+    def health(self, params: QueryParams) -> Response:
+        return Response(status_code=200)
+
+    def ready(self, params: QueryParams) -> Response:
+        if self.replication.ready():
+            return json_response({"status": "ready", "reason": None})
+        reason = self.replication.status().not_ready_reason or "replication is catching up"
+        return json_response({"status": "not_ready", "reason": reason}, 503)
+
+    def replication_status(self, params: QueryParams) -> Response:
+        return json_response(self.replication.status().as_dict())
+
+    def workers(self, params: QueryParams) -> Response:
+        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        return json_response(self.service.workers(m, g))
+
+    def loads(self, params: QueryParams) -> Response:
+        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        return json_response(self.service.loads(m, g))
+
+    def lora_counts(self, params: QueryParams) -> Response:
+        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        key = (m or "", g if g is not None else DEFAULT_ROUTING_GROUP)
+        counts = self.service.lora_counts(key)
+        return json_response({"model_name": key[0], "routing_group": key[1], "lora_counts": counts})
+
+
+def fastapi_route_args(route: Route) -> dict[str, Any]:
+    """``add_api_route`` arguments that document ``route``."""
+    args: dict[str, Any] = {
+        "summary": route.summary,
+        "methods": [route.method],
+        "name": route.operation_id,
+        "operation_id": route.operation_id,
+        "tags": [route.tag or route.api],
+    }
+    if route.description:
+        args["description"] = route.description
+    if route.is_call:
+        if route.body is not None:
+            ref = f"#/components/schemas/{route.body.__name__}"
+            args["openapi_extra"] = {
+                "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": ref}}}}
+            }
+        args["status_code"] = route.status
+        args["response_model"] = None
+        args["responses"] = {
+            route.status: {"model": route.response, "description": "Success."},
+            **{c: {"model": route.response, "description": d} for c, d in route.other_ok.items()},
+            **error_responses(route.errors),
+        }
+    else:
+        if route.response is not None:
+            args["response_model"] = route.response
+        args["responses"] = error_responses(route.errors)
+    if route.needs_state:
+        args["responses"].update(error_responses((503,)))
+    for k, v in route.extra.items():
+        if k == "responses":
+            args["responses"] = {**args["responses"], **v}
+        else:
+            args[k] = v
+    return args
+
+
+def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) -> Callable[..., Any]:
+    """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
+    parsed first, then the body is read (when the route has one), as the reference does. The
+    operation answers ``(status, body)``, or an awaitable of it (``kv_slot_tracker.http.replicated``)."""
+
+    async def endpoint(request: Request, **_: Any) -> Response:
+        try:
+            args = [p.parse(request.path_params[p.name]) for p in route.path_params]
+            raw = (
+                await read_asgi_body(request.scope, request.receive, max_body)
+                if route.body is not None
+                else b""
+            )
+        except EXPECTED as e:
+            status, payload = error_result(e)
+        else:
+            result = operation(raw, *args)
+            if type(result) is not tuple:
+                result = await result
+            status, payload = result
+        return raw_response(payload, status)
+
+    params = [
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    ]
+    for p in route.path_params:  # declared as text: the route parses (and rejects) the value
+        params.append(
+            inspect.Parameter(
+                p.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=Path(description=p.description),
+                annotation=str,
+            )
+        )
+    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
+    endpoint.__name__ = route.name
+    return endpoint
+
+
+def query_endpoint(route: Route, handler: Callable[[QueryParams], Response]) -> Callable[..., Any]:
+    """A FastAPI endpoint whose signature declares the route's query parameters (so FastAPI
+    validates and documents them); the handler reads the raw query string itself."""
+
+    async def endpoint(request: Request, **_: Any) -> Response:
+        try:
+            return handler(request.query_params)
+        except EXPECTED as e:
+            status, payload = error_result(e)
+            return raw_response(payload, status)
+
+    params = [
+        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    ]
+    for q in route.query:
+        default = (
+            Query(q.default, description=q.description)
+            if q.default is not ...
+            else Query(description=q.description)
+        )
+        params.append(
+            inspect.Parameter(
+                q.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=q.annotation
+            )
+        )
+    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
+    endpoint.__name__ = route.name
+    return endpoint

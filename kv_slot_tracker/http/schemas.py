@@ -1,0 +1,378 @@
+"""Request and response models of the HTTP API.
+
+Request models validate JSON bytes directly (``model_validate_json``) with strict types: integers
+must be JSON integers in range (no floats, strings or booleans), strings must be strings, and an
+explicit ``null`` for a field with a default is rejected, as the reference service does. Unknown
+fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    WithJsonSchema,
+)
+
+from kv_slot_tracker.core.limits import (
+    MAX_DP_SIZE,
+    MAX_ID_LENGTH,
+    MAX_NAME_LENGTH,
+    MAX_PREFILL_MS,
+    MAX_RANKS_PER_TRACKER,
+    MAX_TEXT_LENGTH,
+)
+from kv_slot_tracker.core.types import I64_MAX, I64_MIN, U32_MAX, U64_MAX
+from kv_slot_tracker.replication import port
+from kv_slot_tracker.service.commands import DEFAULT_ROUTING_GROUP
+
+U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
+U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
+# a worker's ranks: any u32 parses; the service answers 400 above the limit (its own text)
+DpSize = Annotated[
+    StrictInt,
+    Field(ge=0, le=U32_MAX),
+    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_DP_SIZE}),
+]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
+Id = Annotated[StrictStr, Field(max_length=MAX_ID_LENGTH)]  # request and selection ids
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_LENGTH)]  # what a worker declares
+
+
+def number(low: float, high: float) -> Any:
+    """A JSON number in ``low..high`` (the schema says so in standard keywords)."""
+    return Annotated[
+        StrictFloat | StrictInt,
+        Field(ge=low, le=high),
+        WithJsonSchema({"type": "number", "minimum": low, "maximum": high}),
+    ]
+
+
+# `sequence_hashes` or `token_ids`: exactly one of the two (the service answers 422 otherwise).
+ONE_PROMPT_FORM = [{"required": ["sequence_hashes"]}, {"required": ["token_ids"]}]
+
+MODEL = Field(description="Model name; with the routing group it selects one tracker.")
+GROUP = Field(
+    DEFAULT_ROUTING_GROUP, description="Routing group inside the model (default `default`)."
+)
+HASHES = Field(
+    None,
+    description="Sequence hashes of the prompt's full KV blocks, in order, as signed 64-bit "
+    "integers (values >= 2^63 are sent as their two's-complement negative).",
+)
+TOKENS = Field(
+    None,
+    description="Prompt token ids (u32); the service computes Dynamo-compatible sequence hashes "
+    "with the tracker's block size and `lora_name`. Give this or `sequence_hashes`, not both.",
+)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class _Keyed(_Body):
+    model_name: Name = MODEL
+    routing_group: Name = GROUP
+
+
+class RegisterBody(_Keyed):
+    worker_id: U64 = Field(description="Worker (engine process) id.")
+    block_size: U32 = Field(
+        description="Tokens per KV block; fixed per tracker by its first worker."
+    )
+    dp_start: U32 = Field(description="First data-parallel rank of the worker.")
+    dp_size: DpSize = Field(
+        description=f"Number of data-parallel ranks: at most {MAX_DP_SIZE:,} per worker, and a "
+        f"tracker holds at most {MAX_RANKS_PER_TRACKER:,} ranks in all."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "worker_id": 1,
+                    "model_name": "llama",
+                    "block_size": 16,
+                    "dp_start": 0,
+                    "dp_size": 2,
+                }
+            ]
+        }
+    )
+
+
+class UpsertBody(RegisterBody):
+    pass
+
+
+class UnregisterBody(_Keyed):
+    worker_id: U64 = Field(description="Worker id to remove with all its ranks and requests.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"worker_id": 1, "model_name": "llama"}]}
+    )
+
+
+class HeartbeatBody(_Keyed):
+    worker_id: U64 = Field(description="Registered worker whose lease is renewed.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"worker_id": 1, "model_name": "llama"}]}
+    )
+
+
+class ReconcileWorker(_Body):
+    worker_id: U64 = Field(description="Worker (engine process) id; listed at most once.")
+    dp_start: U32 = Field(description="First data-parallel rank of the worker.")
+    dp_size: DpSize = Field(description=f"Number of data-parallel ranks (at most {MAX_DP_SIZE:,}).")
+
+
+class ReconcileBody(_Keyed):
+    block_size: U32 = Field(description="Tokens per KV block of this tracker.")
+    workers: list[ReconcileWorker] = Field(
+        description="The complete topology of the tracker; every other worker is removed."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model_name": "llama",
+                    "block_size": 16,
+                    "workers": [{"worker_id": 1, "dp_start": 0, "dp_size": 2}],
+                }
+            ]
+        }
+    )
+
+
+class AddBody(_Keyed):
+    request_id: Id = Field(description="Request id, unique across the tracker while active.")
+    worker_id: U64 = Field(description="Worker the request was routed to.")
+    dp_rank: U32 = Field(description="Data-parallel rank the request was routed to.")
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    new_isl_tokens: U64 = Field(0, description="Prompt tokens still to prefill on this rank.")
+    expected_prefill_ms: number(0, MAX_PREFILL_MS) | None = Field(
+        None, description="Modeled prefill duration in ms; the prefill tokens then decay linearly."
+    )
+    track_prefill_tokens: StrictBool | None = Field(
+        None, description="Count this request's prefill tokens (default: new_isl_tokens > 0)."
+    )
+    expected_output_tokens: U32 | None = Field(None, description="Stored and replicated only.")
+    lora_name: Name | None = Field(None, description="LoRA adapter name, if any.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model_name": "llama",
+                    "request_id": "r1",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [1, 2, 3],
+                    "new_isl_tokens": 48,
+                }
+            ],
+            "oneOf": ONE_PROMPT_FORM,
+        }
+    )
+
+
+class RequestBody(_Keyed):
+    request_id: Id = Field(description="Request id.")
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model_name": "llama", "request_id": "r1"}]}
+    )
+
+
+class OutputBlockBody(RequestBody):
+    decay_fraction: number(0, 1) | None = Field(
+        None, description="Weight (0..1) given to the blocks held only by this request."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model_name": "llama", "request_id": "r1", "decay_fraction": 0.5}]
+        }
+    )
+
+
+class PotentialLoadsBody(_Keyed):
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
+    new_isl_tokens: U64 = Field(0, description="Prefill tokens the prompt would add on any rank.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"model_name": "llama", "sequence_hashes": [1, 2, 4], "new_isl_tokens": 48}
+            ],
+            "oneOf": ONE_PROMPT_FORM,
+        }
+    )
+
+
+class ProjectLoadsBody(_Keyed):
+    sequence_hashes: list[Hash] = HASHES
+    token_ids: list[TokenId] = TOKENS
+    lora_name: Name | None = Field(None, description="LoRA name used to hash `token_ids`.")
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model_name": "llama", "sequence_hashes": [1, 2, 4]}],
+            "oneOf": ONE_PROMPT_FORM,
+        }
+    )
+
+
+class BatchAdd(AddBody):
+    op: Literal["add"]
+
+
+class BatchPrefillComplete(RequestBody):
+    op: Literal["prefill_complete"]
+
+
+class BatchFree(RequestBody):
+    op: Literal["free"]
+
+
+class BatchOutputBlock(OutputBlockBody):
+    op: Literal["output_block"]
+
+
+BatchOperation = Annotated[
+    BatchAdd | BatchPrefillComplete | BatchFree | BatchOutputBlock, Field(discriminator="op")
+]
+
+
+class StrictBatchBody(_Body):
+    """A batch whose operations are all well formed: validated in one pass (the common case)."""
+
+    operations: list[BatchOperation]
+
+
+class BatchBody(_Body):
+    operations: list[dict[str, Any]] = Field(
+        description="Lifecycle operations applied in order, each independently: objects with "
+        "`op` (`add`, `prefill_complete`, `free`, `output_block`) and that route's fields."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "operations": [
+                        {
+                            "op": "add",
+                            "model_name": "llama",
+                            "request_id": "r1",
+                            "worker_id": 1,
+                            "dp_rank": 0,
+                            "sequence_hashes": [1, 2],
+                            "new_isl_tokens": 32,
+                        },
+                        {"op": "free", "model_name": "llama", "request_id": "r0"},
+                    ]
+                }
+            ]
+        }
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class StatusOk(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="What went wrong.")
+
+
+class WorkerRow(BaseModel):
+    worker_id: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    dp_start: int
+    dp_size: int
+
+
+class LoadRow(BaseModel):
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int = Field(description="Prefill tokens still to compute now.")
+    active_decode_blocks: int = Field(description="Unique active KV blocks (fractions weighted).")
+    active_requests: int = Field(description="Active requests on the rank.")
+    modeled_remaining_prefill_ms: int | None = Field(
+        description="Modeled prefill time left, or null when a prefill has no duration."
+    )
+
+
+class PotentialLoadRow(BaseModel):
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class ProjectedLoadRow(BaseModel):
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    additional_active_blocks: int
+    potential_decode_blocks: int
+
+
+class Rank(BaseModel):
+    worker_id: int
+    dp_rank: int
+
+
+class ReconcileResult(BaseModel):
+    added: list[Rank]
+    removed: list[Rank]
+
+
+class LoraCounts(BaseModel):
+    model_name: str
+    routing_group: str
+    lora_counts: dict[str, int] = Field(description="Active requests per LoRA name.")
+
+
+class BatchResult(BaseModel):
+    status: int
+    error: str | None = None
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchResult]
+
+
+class ReadyBody(BaseModel):
+    status: Literal["ready", "not_ready"]
+    reason: str | None = None
+
+
+# ``GET /replication``: the replication port's own dataclass is the answer's schema, so the
+# document lists every field the service answers (and no field it does not).
+ReplicationStatus = port.ReplicationStatus

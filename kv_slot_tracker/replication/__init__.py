@@ -1,0 +1,35 @@
+"""Replication: the slot trackers of several instances of one namespace kept in agreement.
+
+Where each rule lives:
+
+* ``port``: the seam. ``Replication`` (what the app calls), ``ReplicaTarget`` (what replication
+  calls on the service) and ``ReplicationStatus`` (``GET /replication``).
+* ``embedded``: one instance, nothing to replicate (no ``redis_url``).
+* ``redis/``: instances sharing records through one Redis stream; its package docstring is the
+  overview of that design (outbox, reader, snapshots, bootstrap, connections).
+* ``records``: a record on the wire, its numbering, and the ledger of what was applied; and the
+  instance id (``resolve_instance_id``).
+* ``queue``: the bounded publish queue and its errors; ``metrics``: the Prometheus series.
+
+``make_replication`` is the one place that picks the mode.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from kv_slot_tracker.replication.embedded import EmbeddedReplication
+from kv_slot_tracker.replication.port import ReplicaTarget, Replication, ReplicationStatus
+from kv_slot_tracker.settings import Settings
+
+__all__ = ["ReplicaTarget", "Replication", "ReplicationStatus", "make_replication"]
+
+
+def make_replication(settings: Settings, registry: CollectorRegistry) -> Replication:
+    """The replication of ``settings`` (its metrics go into ``registry``); not started."""
+    if settings.embedded:
+        return EmbeddedReplication(settings)
+    # imported here: embedded mode needs neither redis-py nor the Redis machinery
+    from kv_slot_tracker.replication.redis import RedisReplication
+
+    return RedisReplication(settings, registry)

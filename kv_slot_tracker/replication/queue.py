@@ -1,0 +1,161 @@
+"""The bounded FIFO publish queue for replica events (SPEC §6.3), transport-free.
+
+``try_send`` never blocks: a full queue drops the *newest* event (``PublishQueueFull``; the caller
+logs and counts it), a closed queue refuses it (``PublishQueueClosed``, saying whether that
+happened during shutdown). Both are ``PublishRejected``, the core's contract for a publisher that
+refuses an event. Consumers take events one at a time (``recv``) or in batches capped by count and
+by time (``collect_batch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from kv_slot_tracker.core.errors import PublishRejected
+from kv_slot_tracker.core.events import ActiveSequenceEvent
+from kv_slot_tracker.core.types import WorkerWithDpRank
+
+REPLICA_EVENT_CHANNEL_CAPACITY = 100_000
+
+T = TypeVar("T")
+
+
+class PublishQueueError(PublishRejected):
+    pass
+
+
+class PublishQueueFull(PublishQueueError):
+    def __init__(self, request_id: str, worker: WorkerWithDpRank, capacity: int) -> None:
+        self.request_id, self.worker, self.capacity = request_id, worker, capacity
+        super().__init__(
+            "active-sequence publish queue full; dropping newest event "
+            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
+        )
+
+
+class PublishQueueClosed(PublishQueueError):
+    def __init__(
+        self, request_id: str, worker: WorkerWithDpRank, capacity: int, during_shutdown: bool
+    ) -> None:
+        self.request_id, self.worker, self.capacity = request_id, worker, capacity
+        self.during_shutdown = during_shutdown
+        super().__init__(
+            "active-sequence publish queue closed; dropping event "
+            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
+        )
+
+
+class EventQueue(Generic[T]):
+    def __init__(self, capacity: int = REPLICA_EVENT_CHANNEL_CAPACITY) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._items: deque[T] = deque()
+        self._ready = asyncio.Event()
+        self._closed = False
+        self.shutting_down = False  # the cancellation token of the consumer
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def try_send(self, item: T) -> None:
+        if self._closed:
+            rid, worker = describe(item)
+            raise PublishQueueClosed(rid, worker, self.capacity, self.shutting_down)
+        if len(self._items) >= self.capacity:
+            self.dropped += 1
+            rid, worker = describe(item)
+            raise PublishQueueFull(rid, worker, self.capacity)
+        self._items.append(item)
+        self._ready.set()
+
+    def close(self) -> None:
+        """The consumer is gone: later sends fail; receivers drain what is left."""
+        self._closed = True
+        self._ready.set()
+
+    def try_recv(self) -> T | None:
+        if self._items:
+            item = self._items.popleft()
+            if not self._items and not self._closed:
+                self._ready.clear()
+            return item
+        return None
+
+    async def recv(self) -> T | None:
+        """The next item, or None once the queue is closed and drained."""
+        while True:
+            item = self.try_recv()
+            if item is not None:
+                return item
+            if self._closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        if self._items or self._closed:
+            return True
+        self._ready.clear()
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+def describe(item: object) -> tuple[str, WorkerWithDpRank]:
+    """``(request_id, worker)`` of a queued item, for messages."""
+    event = getattr(item, "event", item)
+    if isinstance(event, ActiveSequenceEvent):
+        return event.request_id, event.worker
+    return str(getattr(item, "request_id", "")), WorkerWithDpRank(0, 0)
+
+
+Waiter = Callable[["EventQueue", int], Awaitable[bool]]
+
+
+async def _real_wait(queue: EventQueue, timeout_ns: int) -> bool:
+    return await queue.wait_ready(timeout_ns / 1e9)
+
+
+async def collect_batch(
+    queue: EventQueue[T],
+    *,
+    max_events: int,
+    max_duration_ns: int,
+    clock: Callable[[], int] = time.monotonic_ns,
+    wait: Waiter = _real_wait,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> tuple[list[T], bool]:
+    """Wait for a first item, then gather until ``max_events`` or ``max_duration_ns`` after it.
+
+    Returns ``(batch, stop)``; ``stop`` is True when the queue closed or the consumer was
+    cancelled while collecting (what was gathered is still returned, to be published).
+    """
+    first = await queue.recv()
+    if first is None:
+        return [], True
+    batch = [first]
+    deadline = clock() + max_duration_ns
+    while len(batch) < max_events:
+        item = queue.try_recv()
+        if item is not None:
+            batch.append(item)
+            continue
+        if queue.closed or cancelled():
+            return batch, True
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        await wait(queue, remaining)
+    return batch, False

@@ -1,0 +1,35 @@
+"""Replicated mode: instances of one namespace share records through one Redis stream.
+
+Each instance answers from its own in-memory trackers and keeps them in agreement with its
+peers' by exchanging *records* (``kv_slot_tracker.replication.records``): every local change is published to
+``{ns}:events``, every peer's change is read from it and applied. Where each rule lives:
+
+* ``outbox``: the write path. ``publish`` numbers a record and queues it without waiting; one
+  task appends batches to the stream, keeps them across outages, and re-sends recent records
+  when Redis lost them.
+* ``reader``: the read path. One task reads the stream in order, skips own records and
+  duplicates, applies the rest in batches, notices gaps and a recreated or rolled-back stream.
+* ``snapshots``: a periodic snapshot of the whole state (under a lease), what a starting or
+  lagging instance loads first; the reset marker that says Redis lost data.
+* ``bootstrap``: the state machine of a starting instance (not ready until caught up, waiting
+  for a snapshot after Redis lost data) and when the local state is worth a snapshot.
+* ``endpoint``: where Redis is (one server, Sentinels, a Cluster) and the credentials and TLS
+  to reach it with; ``connection``: the Redis clients and the one retry policy.
+* ``stream``: key names, stream ids and the two Lua scripts.
+* ``facade``: ``RedisReplication``, the ``Replication`` port composed of the above.
+
+Outages. Reads keep being answered from local state and writes keep being accepted (into the
+outbox). The publisher, the reader and the snapshot round each retry on their own with backoff;
+the reader resumes from its last id, and re-reads from the start when it finds the stream
+recreated or rolled back, or its own last entry gone. Redis losing data (noticed by a
+publisher's refused append or by a reader) sets the reset marker and asks for a snapshot at
+once, without the lease if need be. Until one is written, starting instances stay not ready (for
+at most a minute). A Sentinel failover is the same case: the connections find the promoted
+replica on their next connect, and a stream that lost entries in the failover (behind the
+reader's position, or without this publisher's last record) is handled exactly as a Redis that
+restarted empty.
+"""
+
+from kv_slot_tracker.replication.redis.facade import RedisReplication
+
+__all__ = ["RedisReplication"]

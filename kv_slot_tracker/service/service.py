@@ -1,0 +1,360 @@
+"""The service: executes commands against the tracker of their ``(model_name, routing_group)``.
+
+Every method is synchronous and runs to completion without awaiting, so two calls never
+interleave: no locks are needed on one event loop. Errors are domain errors (``kv_slot_tracker.core.errors``
+and ``kv_slot_tracker.service.errors``); the service knows nothing of HTTP. Replica records for other
+instances leave through ``kv_slot_tracker.service.replica``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from msgspec import UNSET, UnsetType
+
+from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
+from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
+from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
+from kv_slot_tracker.core.types import (
+    NS_PER_MS,
+    NS_PER_S,
+    WorkerDpRange,
+    WorkerWithDpRank,
+)
+from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.service.errors import (
+    BlockSizeMismatch,
+    TooManyHashes,
+    UnknownWorker,
+    WorkerExists,
+)
+from kv_slot_tracker.service.leases import Leases, renew_listed
+from kv_slot_tracker.service.registry import KeyCounters, TrackerRegistry
+from kv_slot_tracker.service.replica import Replica, Replicator
+from kv_slot_tracker.service.topology_rules import (
+    check_capacity,
+    check_range,
+    check_reconcile,
+    check_upsert,
+)
+
+Key = c.Key
+
+
+class SlotTrackerService:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], int] = time.monotonic_ns,
+        wall_clock: Callable[[], int] = time.time_ns,
+        expiry_seconds: int = EXPIRY_DURATION_NS // NS_PER_S,
+        expiry_check_seconds: int = CHECK_EXPIRY_FREQUENCY_NS // NS_PER_S,
+        instance_id: int = 0,
+        max_hashes_per_request: int = 1_048_576,
+        max_trackers: int = DEFAULT_MAX_TRACKERS,
+        worker_ttl_seconds: int = 0,
+        replicator: Replicator | None = None,
+    ) -> None:
+        self.clock = clock
+        self.instance_id = instance_id
+        self.max_hashes = max_hashes_per_request
+        self.replica = Replica(instance_id, clock, wall_clock, replicator)
+        self.replica.max_hashes = max_hashes_per_request
+        self.registry = TrackerRegistry(
+            clock=clock,
+            expiry_ns=expiry_seconds * NS_PER_S,
+            check_interval_ns=expiry_check_seconds * NS_PER_S,
+            instance_id=instance_id,
+            replicated=replicator is not None,
+            publisher_for=self.replica.publisher_for,
+        )
+        self.registry.max_trackers = max_trackers
+        self.registry.leases = Leases(worker_ttl_seconds * NS_PER_S)
+        self.replica.bind(self.registry)
+
+    # -- the registry ----------------------------------------------------------------------
+
+    @property
+    def trackers(self) -> dict[Key, ActiveSequencesMultiWorker]:
+        return self.registry.trackers
+
+    def tracker(self, key: Key) -> ActiveSequencesMultiWorker:
+        return self.registry.get(key)
+
+    @property
+    def replicator(self) -> Replicator | None:
+        return self.replica.replicator
+
+    def counters(self) -> list[tuple[Key, KeyCounters]]:
+        """Added/freed/expired counts per live tracker, sorted (they go with the tracker)."""
+        return sorted(self.registry.counters.items())
+
+    # -- topology --------------------------------------------------------------------------
+
+    def _tracker_for_topology(self, key: Key, block_size: int) -> ActiveSequencesMultiWorker | None:
+        t = self.registry.find(key)
+        if t is not None and t.block_size != block_size:
+            raise BlockSizeMismatch(key, t.block_size, block_size)
+        return t
+
+    def register(self, cmd: c.Register) -> None:
+        key = cmd.key
+        check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
+        t = self._tracker_for_topology(key, cmd.block_size)
+        if t is not None and t.has_worker(cmd.worker_id):
+            raise WorkerExists(key, cmd.worker_id)
+        check_capacity(key, (t.num_workers() if t is not None else 0) + cmd.dp_size)
+        if t is None:
+            t = self.registry.create(key, cmd.block_size)
+        t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        self.registry.leases.renew(key, cmd.worker_id, self.clock())
+        self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+
+    def upsert(self, cmd: c.Upsert) -> bool:
+        """Register or replace one worker's ranks; True when the worker id was new."""
+        key = cmd.key
+        check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
+        t = self._tracker_for_topology(key, cmd.block_size)
+        check_upsert(key, t, cmd.worker_id, cmd.dp_size)
+        created = t is None or not t.has_worker(cmd.worker_id)
+        if t is None:
+            t = self.registry.create(key, cmd.block_size)
+        change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        leases = self.registry.leases
+        leases.renew(key, cmd.worker_id, self.clock())
+        if not change.is_empty() or created:
+            self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+        elif leases.enabled:  # nothing changed but the lease: peers renew it too
+            self.replica.emit_renew(key, cmd.block_size, cmd.worker_id)
+        return created
+
+    def heartbeat(self, cmd: c.Heartbeat) -> None:
+        """Renew a worker's lease (``worker_ttl_seconds``); accepted, changing nothing, when
+        leases are off."""
+        key = cmd.key
+        t = self.registry.find(key)
+        if t is None or not t.has_worker(cmd.worker_id):
+            raise UnknownWorker(key, cmd.worker_id)
+        leases = self.registry.leases
+        if leases.enabled:
+            leases.renew(key, cmd.worker_id, self.clock())
+            self.replica.emit_renew(key, t.block_size, cmd.worker_id)
+
+    def expire_leases(self) -> list[tuple[Key, int]]:
+        """Unregister every worker whose lease ran out (each a replicated unregister); returns
+        them. Cost: the workers that expired, not the workers registered."""
+        expired = []
+        for key, worker_id in self.registry.leases.due(self.clock()):
+            t = self.registry.find(key)
+            if t is None or not t.has_worker(worker_id):
+                continue
+            self.unregister(
+                c.Unregister(model_name=key[0], routing_group=key[1], worker_id=worker_id)
+            )
+            self.registry.workers_expired += 1
+            expired.append((key, worker_id))
+        return expired
+
+    def unregister(self, cmd: c.Unregister) -> None:
+        key = cmd.key
+        t = self.registry.find(key)
+        if t is None or not t.has_worker(cmd.worker_id):
+            raise UnknownWorker(key, cmd.worker_id)
+        t.unregister_worker(cmd.worker_id)
+        self.registry.leases.forget(key, cmd.worker_id)
+        self.registry.drop_if_empty(key)
+        self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
+
+    def reconcile(self, cmd: c.Reconcile) -> tuple[list[WorkerWithDpRank], list[WorkerWithDpRank]]:
+        """Make the listed workers the whole topology of the key; returns (added, removed)."""
+        key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
+        check_reconcile(key, block_size, workers)
+        t = self._tracker_for_topology(key, block_size)
+        if t is None:
+            if not workers:
+                return [], []
+            t = self.registry.create(key, block_size)
+        change = t.reconcile_workers([WorkerDpRange(*w) for w in workers])
+        renew_listed(self.registry.leases, key, workers, change.removed, self.clock())
+        self.registry.drop_if_empty(key)
+        self.replica.emit_reconcile(key, block_size, workers)
+        return change.added, change.removed
+
+    def workers(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        rows = []
+        for key in self.registry.matching(model_name, routing_group):
+            t = self.registry.trackers[key]
+            for r in t.worker_ranges():
+                rows.append(
+                    {
+                        "worker_id": r.worker_id,
+                        "model_name": key[0],
+                        "routing_group": key[1],
+                        "block_size": t.block_size,
+                        "dp_start": r.dp_start,
+                        "dp_size": r.dp_size,
+                    }
+                )
+        return rows
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
+        """The tracker of the command's key and its prompt as block hashes."""
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
+        return t, self._hashes(t, cmd.sequence_hashes, cmd.token_ids, cmd.lora_name)
+
+    def _hashes(
+        self,
+        t: ActiveSequencesMultiWorker,
+        sequence_hashes: list[int] | UnsetType | None,
+        token_ids: list[int] | UnsetType | None,
+        lora_name: str | None,
+    ) -> list[int]:
+        """The prompt as block hashes; a form not given is None or UNSET (a command built in
+        process rather than by the edge)."""
+        if token_ids is not None and token_ids is not UNSET:
+            hashes = sequence_hashes_for_tokens(token_ids, t.block_size, lora_name)
+        elif sequence_hashes is not None and sequence_hashes is not UNSET:
+            hashes = sequence_hashes
+        else:
+            raise ValueError("a prompt needs sequence_hashes or token_ids")
+        if len(hashes) > self.max_hashes:
+            raise TooManyHashes(len(hashes), self.max_hashes)
+        return hashes
+
+    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``) or built
+    # them from the models: the service reads their fields, the tracker takes them by keyword.
+
+    def add(self, cmd: c.Add) -> None:
+        key = (cmd.model_name, cmd.routing_group)
+        t = self.registry.get(key)
+        hashes, tokens = cmd.sequence_hashes, cmd.token_ids
+        if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
+            pass  # what ``_hashes`` returns for them, without the call
+        else:
+            hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
+        isl = cmd.new_isl_tokens
+        track = cmd.track_prefill_tokens
+        ms = cmd.expected_prefill_ms
+        t.add_on_rank(
+            request_id=cmd.request_id,
+            worker_id=cmd.worker_id,
+            dp_rank=cmd.dp_rank,
+            token_sequence=hashes,
+            track_prefill_tokens=isl > 0 if track is None else track,
+            expected_output_tokens=cmd.expected_output_tokens,
+            prefill_tokens=isl,
+            expected_prefill_duration_ns=(
+                round(ms * NS_PER_MS) if isl > 0 and ms is not None else None
+            ),
+            lora_name=cmd.lora_name,
+            decay_now=self.clock(),
+        )
+        self.registry.counters[key].added += 1
+
+    def prefill_complete(self, cmd: c.PrefillComplete) -> None:
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
+        t.mark_prefill_completed(cmd.request_id, self.clock())
+
+    def free(self, cmd: c.Free) -> None:
+        key = (cmd.model_name, cmd.routing_group)
+        if self.registry.get(key).free(cmd.request_id, self.clock()):
+            self.registry.counters[key].freed += 1
+
+    def output_block(self, cmd: c.OutputBlock) -> None:
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
+        t.add_output_block(cmd.request_id, cmd.decay_fraction)
+
+    def expire(self) -> int:
+        """One forced-expiry sweep over every tracker; returns how many requests expired."""
+        total = 0
+        for key, t in list(self.registry.trackers.items()):
+            n = len(t.force_expire_requests_across_all_workers())
+            if n:
+                self.registry.counters_of(key).expired += n
+                total += n
+        return total
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def rank_loads(
+        self, model_name: str | None, routing_group: str | None
+    ) -> list[tuple[Key, list[RankLoadRow]]]:
+        """Per matching key (sorted): the tracker's ``rank_loads`` rows."""
+        now = self.clock()
+        trackers = self.registry.trackers
+        return [
+            (key, trackers[key].rank_loads(now))
+            for key in self.registry.matching(model_name, routing_group)
+        ]
+
+    def loads(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        return [
+            {
+                "model_name": key[0],
+                "routing_group": key[1],
+                "worker_id": wid,
+                "dp_rank": rank,
+                "active_prefill_tokens": tokens,
+                "active_decode_blocks": blocks,
+                "active_requests": requests,
+                "modeled_remaining_prefill_ms": modeled,
+            }
+            for key, rows in self.rank_loads(model_name, routing_group)
+            for wid, rank, tokens, blocks, requests, modeled in rows
+        ]
+
+    def potential_loads(
+        self, cmd: c.PotentialLoads
+    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+        """Per rank, sorted, as parallel lists: the ranks and their potential prefill tokens,
+        potential decode blocks and active requests (``tracker.potential_columns``)."""
+        t, hashes = self.prompt_hashes(cmd)
+        return t.potential_columns(hashes, cmd.new_isl_tokens, self.clock())
+
+    def project_loads(self, cmd: c.ProjectLoads) -> list[dict[str, Any]]:
+        t, hashes = self.prompt_hashes(cmd)
+        proj = t.project_worker_loads(hashes, self.clock())
+        return [
+            {
+                "worker_id": w.worker_id,
+                "dp_rank": w.dp_rank,
+                "active_prefill_tokens": p.active_prefill_tokens,
+                "active_decode_blocks": p.active_decode_blocks,
+                "additional_active_blocks": p.additional_active_blocks,
+                "potential_decode_blocks": p.potential_decode_blocks(),
+            }
+            for w, p in sorted(proj.items())
+        ]
+
+    def lora_counts(self, key: Key) -> dict[str, int]:
+        return dict(sorted(self.registry.get(key).get_active_lora_counts().items()))
+
+    # -- replication (the ``ReplicaTarget`` of ``kv_slot_tracker.replication``) -------------------------
+
+    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+        return self.replica.apply_remote(records)
+
+    def export_state(self) -> list[dict[str, Any]]:
+        return self.replica.export_state()
+
+    def rejections(self) -> tuple[dict[str, int], int | None]:
+        return dict(self.replica.rejected), self.replica.last_rejected_ns
+
+    def export_early(self) -> list[list[Any]]:
+        return self.replica.export_early()
+
+    def export_selection(self) -> dict[str, Any] | None:
+        return self.replica.export_selection()
+
+    def restore_state(
+        self,
+        trackers: list[dict[str, Any]],
+        early: list[list[Any]] | None = None,
+        selection: dict[str, Any] | None = None,
+    ) -> None:
+        self.replica.restore_state(trackers, early, selection)

@@ -1,0 +1,347 @@
+"""Several server processes on one port, answering as one instance (``workers`` > 1).
+
+One Python process serves from one core. With ``workers = N`` the command line becomes a
+supervisor that:
+
+1. binds the listening socket once (host, port, backlog) and hands it to every process, which
+   accepts from it (a shared listening socket: the kernel queues connections once, and a
+   connection waiting in the queue of a process that died is taken by a sibling);
+2. when no Redis is configured (no ``redis_url``, no Sentinel), starts a private
+   ``redis-server`` on a Unix socket in a temporary directory (no persistence, nothing on a TCP
+   port) and gives its URL to the processes; otherwise the processes use the configured Redis
+   (one server, Sentinel or Cluster);
+3. starts N processes (``python -m kv_slot_tracker`` with the listening socket's descriptor), each one an
+   instance of the existing replication on that Redis: the same records, reader, snapshots,
+   read barrier, tombstones and durable acknowledgements as separate instances, so a client
+   gets the same guarantees whatever process answers (``kv_slot_tracker.service.consistency``);
+4. restarts a process that ends (crash, kill -9) with the same instance id and a new
+   incarnation: it loads the shared state from its siblings' snapshot and the stream, and only
+   accepts connections once it is ready (``create_app(wait_ready_s=...)``);
+5. on SIGTERM or SIGINT stops the processes (each flushes its outbox), then the private Redis.
+
+Why replication and not a new channel: every guarantee of several instances (read-your-writes,
+tombstones, durable acknowledgements, recovery of a restarted process) is already built and
+tested on it; the comparison with the alternatives is in ``bench/RESULTS.md``. The processes of
+one host are N instances of the stream when Redis is shared by several hosts (N x M).
+
+The supervisor builds no app and serves nothing: a fault of the service cannot take it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kv_slot_tracker.replication.records import random_id
+
+log = logging.getLogger("kv_slot_tracker.workers")
+
+ENV_PREFIX = "SLOT_TRACKER_"
+BACKLOG = 2048
+POLL_S = 0.05
+STOP_TIMEOUT_S = 15.0
+RESTART_DELAY_S = 0.1  # doubled while a process keeps dying young, up to RESTART_DELAY_MAX_S
+RESTART_DELAY_MAX_S = 5.0
+YOUNG_S = 5.0  # a process that ends sooner than this after its start counts as dying young
+REDIS_START_TIMEOUT_S = 10.0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROL_SOCKET_PREFIX = "worker-"
+
+
+# -- how many ----------------------------------------------------------------------------------
+
+
+def usable_cores(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup CPU quota (v2
+    ``cpu.max``, or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) rounded up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup_root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs allowed by the cgroup quota (None: no quota)."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    with contextlib.suppress(OSError, ValueError):
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    return None
+
+
+def worker_count(setting: int | str) -> int:
+    """The ``workers`` setting as a number of processes."""
+    return usable_cores() if setting == "auto" else int(setting)
+
+
+# -- the processes -------------------------------------------------------------------------
+
+
+def control_sockets(run_dir: Path) -> dict[int, str]:
+    """The Unix sockets of the processes of the supervisor whose run directory is ``run_dir``,
+    by process index (a process being restarted may have none for a moment)."""
+    found = {}
+    for path in run_dir.glob(f"{CONTROL_SOCKET_PREFIX}*.sock"):
+        with contextlib.suppress(ValueError):
+            found[int(path.stem.removeprefix(CONTROL_SOCKET_PREFIX))] = str(path)
+    return found
+
+
+def control_socket_index(path: str | Path) -> int:
+    """The process index in the name of a control socket."""
+    return int(Path(path).stem.removeprefix(CONTROL_SOCKET_PREFIX))
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the supervisor dies, whatever killed it."""
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _popen(
+    command: list[str], env: dict[str, str], pass_fds: Sequence[int] = (), stdout: Any = None
+) -> subprocess.Popen:
+    # A session of its own: a signal to the supervisor's process group (Ctrl-C, ``timeout``)
+    # reaches the supervisor alone, which stops the processes first and its Redis last.
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        pass_fds=tuple(pass_fds),
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+
+
+class PrivateRedis:
+    """A ``redis-server`` of the supervisor's own: a Unix socket in a temporary directory, no
+    TCP port, no persistence (the state lives in the processes; this only carries it between
+    them and for a restarted one)."""
+
+    def __init__(self, binary: str, directory: Path) -> None:
+        self.binary = binary
+        self.dir = directory
+        self.path = self.dir / "redis.sock"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}"
+
+    def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        command = [self.binary, "--port", "0", "--unixsocket", str(self.path),
+                   "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                   "--dir", str(self.dir), "--loglevel", "warning",
+                   "--logfile", str(self.dir / "redis.log")]  # fmt: skip
+        self.proc = _popen(command, dict(os.environ), stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        while not self._answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the private redis-server did not start: {self._log_tail()}")
+            time.sleep(0.01)
+        log.info("private Redis at %s (pid %d)", self.url, self.proc.pid)
+
+    def _log_tail(self) -> str:
+        try:
+            return " / ".join((self.dir / "redis.log").read_text().splitlines()[-3:])
+        except OSError:
+            return f"no log ({self.binary})"
+
+    def _answers(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1.0)
+                s.connect(str(self.path))
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Worker:
+    """One server process slot: its index, fixed instance id, and the process in it now."""
+
+    index: int
+    instance_id: int
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    delay_s: float = RESTART_DELAY_S
+    due_at: float = 0.0  # when a dead process is to be started again
+
+
+@dataclass
+class Supervisor:
+    """Binds the socket, starts and restarts the processes; ``run`` returns the exit code.
+
+    ``child_args``: the command-line arguments every process gets besides its own (the
+    supervisor's flags); ``env``: the environment they start from.
+    """
+
+    host: str
+    port: int
+    count: int
+    private_redis: bool  # no Redis configured (settings.embedded): start one of our own
+    instance_id: int
+    child_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    redis_binary: str | None = None
+    workers: list[Worker] = field(default_factory=list)
+    sock: socket.socket | None = None
+    run_dir: Path | None = None  # the private Redis's socket and the processes' own sockets
+    redis: PrivateRedis | None = None
+    _stopping: bool = False
+
+    def bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(BACKLOG)
+        sock.set_inheritable(True)
+        self.sock = sock
+        return sock
+
+    def start(self) -> None:
+        """Bind, start the private Redis if needed, start every process."""
+        if self.sock is None:
+            self.bind()
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kv-slot-tracker-"))
+        if self.private_redis:
+            binary = self.redis_binary or shutil.which("redis-server")
+            if not binary:
+                raise RuntimeError("workers > 1 without a Redis needs redis-server on PATH")
+            self.redis = PrivateRedis(binary, self.run_dir)
+            self.redis.start()
+        for i in range(self.count):
+            ident = self.instance_id + i if self.instance_id else random_id()
+            self.workers.append(Worker(i, ident))
+        for worker in self.workers:
+            self._spawn(worker)
+
+    def _command(self, worker: Worker) -> list[str]:
+        assert self.sock is not None
+        # the supervisor's own flags first, then this process's values: a later flag wins, so
+        # a --instance-id, --workers or --redis-url given to the supervisor cannot override them
+        own = ["--workers", "1", "--instance-id", str(worker.instance_id)]
+        if self.redis is not None:
+            own += ["--redis-url", self.redis.url]
+        return [sys.executable, "-m", "kv_slot_tracker", *self.child_args, *own,
+                "--listen-fd", str(self.sock.fileno()),
+                "--control-socket", str(self.control_socket(worker.index))]  # fmt: skip
+
+    def control_socket(self, index: int) -> Path:
+        """The Unix socket where process ``index`` also serves, alone: how its siblings (and
+        an operator) reach one process in particular."""
+        assert self.run_dir is not None
+        return self.run_dir / f"{CONTROL_SOCKET_PREFIX}{index}.sock"
+
+    def _child_env(self, worker: Worker) -> dict[str, str]:
+        env = dict(self.env)
+        env[ENV_PREFIX + "WORKERS"] = "1"
+        if self.redis is not None:  # else the configured Redis (URL, Sentinel or Cluster)
+            env[ENV_PREFIX + "REDIS_URL"] = self.redis.url
+        env[ENV_PREFIX + "INSTANCE_ID"] = str(worker.instance_id)
+        return env
+
+    def _spawn(self, worker: Worker) -> None:
+        assert self.sock is not None
+        worker.proc = _popen(self._command(worker), self._child_env(worker), [self.sock.fileno()])
+        worker.started_at = time.monotonic()
+        log.info("worker %d started (pid %d)", worker.index, worker.proc.pid)
+
+    def check(self) -> None:
+        """One turn of supervision: restart the private Redis and dead processes when due."""
+        now = time.monotonic()
+        if self.redis is not None and not self.redis.alive():
+            log.error("the private Redis ended; starting it again (the processes re-send)")
+            self.redis.start()
+        for worker in self.workers:
+            proc = worker.proc
+            if proc is not None and proc.poll() is not None:
+                lived = now - worker.started_at
+                if lived < YOUNG_S:  # dying young again and again: wait longer each time
+                    worker.due_at = now + worker.delay_s
+                    worker.delay_s = min(worker.delay_s * 2, RESTART_DELAY_MAX_S)
+                else:
+                    worker.due_at = now
+                    worker.delay_s = RESTART_DELAY_S
+                log.error("worker %d (pid %d) ended with %s after %.1f s; restarting",
+                          worker.index, proc.pid, proc.returncode, lived)  # fmt: skip
+                worker.proc = None
+            if worker.proc is None and now >= worker.due_at:
+                worker.restarts += 1
+                self._spawn(worker)
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def stop(self) -> None:
+        """SIGTERM every process (each flushes its outbox), wait, then the private Redis."""
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.sock is not None:
+            self.sock.close()
+        if self.redis is not None:
+            self.redis.stop()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def run(self, sleep: Callable[[float], None] = time.sleep) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.request_stop)
+        try:
+            self.start()
+            log.info("%d workers on %s:%d", self.count, self.host, self.port)
+            while not self._stopping:
+                self.check()
+                sleep(POLL_S)
+        finally:
+            self.stop()
+        return 0
