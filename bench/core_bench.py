@@ -32,7 +32,9 @@ RANKS = [WorkerWithDpRank(w, r) for w in range(16) for r in range(4)]
 
 
 def make_tracker() -> ActiveSequencesMultiWorker:
-    return ActiveSequencesMultiWorker(None, 16, WORKERS, False, 0, "bench", clock=time.monotonic_ns)
+    return ActiveSequencesMultiWorker(
+        None, 16, WORKERS, False, 0, worker_type="bench", clock=time.monotonic_ns
+    )
 
 
 def prompt(rng: random.Random, prefix: list[int], length: int) -> list[int]:
@@ -44,7 +46,7 @@ def fill(t: ActiveSequencesMultiWorker, rng: random.Random, n: int, length: int)
     now = time.monotonic_ns()
     for i in range(n):
         p = prompt(rng, rng.choice(prefixes), length)
-        t.add_request(
+        t.add_request_if_registered(
             SequenceRequest(f"bg-{i}", rng.choice(RANKS), p, True, None, PrefillLoadHint(64)), now
         )
     return prefixes
@@ -91,7 +93,7 @@ def bench_potential_loads() -> float:
 
     def op() -> None:
         state["i"] += 1
-        t.potential_blocks_and_tokens(queries[state["i"] % 16], deltas, None, True)
+        t.potential_loads(queries[state["i"] % 16], deltas, time.monotonic_ns())
 
     return per_op(op, 7, 500)
 

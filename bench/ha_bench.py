@@ -59,7 +59,7 @@ async def one_run(url: str, mode: str, adds: int, seconds: float) -> dict[str, f
             t0 = time.perf_counter()
             assert await a.add(rid) == 201
             t1 = time.perf_counter()
-            while rid not in b_tracker.request_worker:
+            while not b_tracker.has_request(rid):
                 await asyncio.sleep(0)
             visible.append(time.perf_counter() - t0)
             answered.append(t1 - t0)

@@ -150,7 +150,7 @@ def inprocess(fill_count: int, gc_mode: str) -> dict:
     res["fill_chunks_s"] = chunks
     gc.collect()
     res["rss_above_idle_mb"] = rss_self_mb() - base
-    res["active"] = sum(len(s.requests) for s in svc.tracker(KEY).slots.values())
+    res["active"] = sum(svc.tracker(KEY).active_request_counts().values())
     return res
 
 

@@ -48,7 +48,7 @@ async def measure(url: str, requests: int, blocks: int) -> None:
         after_adds = client.memory_usage(keys.events, samples=0)
         assert await node.rep.write_snapshot()
         snapshot = client.memory_usage(keys.snapshot, samples=0)
-        for i, rid in enumerate(list(node.service.tracker(KEY).request_worker)):
+        for i, rid in enumerate([r for r, _ in node.service.tracker(KEY).indexed_requests()]):
             free(node.service, KEY, rid)
             if i % 500 == 0:
                 await settle(node)

@@ -101,6 +101,7 @@ def import_tracker(data: dict[str, Any], from_wall: Any, **tracker_kwargs: Any) 
     from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 
     tracker_kwargs.setdefault("publisher", None)
+    tracker_kwargs.setdefault("worker_type", "test")
     tracker = ActiveSequencesMultiWorker(block_size=data["block_size"], **tracker_kwargs)
     tracker.restore(data, from_wall)
     return tracker

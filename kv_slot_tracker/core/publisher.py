@@ -8,7 +8,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .errors import MissingExpectedDuration
 from .events import ActiveSequenceEvent
 from .types import ActiveLoad, WorkerWithDpRank
 
@@ -53,19 +52,11 @@ NoopSequencePublisher = SequencePublisher
 
 
 @dataclass(slots=True)
-class ModeledPrefillTimeLoad:
-    worker: WorkerWithDpRank
-    # whole milliseconds, or the MissingExpectedDuration error when some prefill is unmodeled
-    modeled_remaining_prefill_time_ms: int | MissingExpectedDuration
-
-
-@dataclass(slots=True)
 class ReplicaEffects:
-    """Side effects deferred to the end of one replica batch (one flush per batch)."""
+    """Side effects deferred to the end of one replica batch (one flush per batch): the ranks
+    a batch changed, and whether their loads are published."""
 
     workers: dict[WorkerWithDpRank, bool] = field(default_factory=dict)  # worker -> publish
-    wake: bool = False
-    cleanup: bool = False
 
     def record(self, worker: WorkerWithDpRank, publish: bool) -> None:
         self.workers[worker] = self.workers.get(worker, False) or publish

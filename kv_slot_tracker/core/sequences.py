@@ -16,9 +16,6 @@ from .prefill import PrefillLoadTracker
 from .types import (
     NS_PER_S,
     PrefillLoadHint,
-    PromptMembershipDelta,
-    PromptMembershipRemove,
-    PromptMembershipStore,
     SequenceMutationOutcome,
     WorkerWithDpRank,
 )
@@ -137,28 +134,20 @@ class ActiveSequences:
             log.error("Request %s is already active. Ignoring duplicate add.", request_id)
             return SequenceMutationOutcome()
         outcome = self.force_expiry()
-        prompt = list(token_sequence) if token_sequence else []
         tokens = 0
         duration_ns = None
         if track_prefill_tokens and prefill_load_hint is not None:
             tokens = prefill_load_hint.initial_effective_prefill_tokens
             duration_ns = prefill_load_hint.expected_prefill_duration_ns
-        refcount = self.blocks.refcount
-        first_new = next((i for i, h in enumerate(prompt) if h not in refcount), -1)
         self.admit(
             request_id,
-            prompt,
+            list(token_sequence) if token_sequence else [],
             expected_output_tokens,
             tokens,
             duration_ns,
             decay_now,
             self.clock() if started_at is None else started_at,
         )
-        if first_new >= 0:
-            parent = prompt[first_new - 1] if first_new > 0 else None
-            outcome.membership_delta.stores.append(
-                PromptMembershipStore(parent, prompt[first_new:])
-            )
         return outcome
 
     def _next_check(self) -> int:
@@ -190,33 +179,8 @@ class ActiveSequences:
             self.prefill.add(request_id, prefill_tokens, duration_ns, decay_now)
         self.requests[request_id] = RequestState(prompt, started_at, expected_output_tokens)
 
-    def free(self, request_id: str, decay_now: int) -> PromptMembershipDelta:
-        """Release a request's blocks (implies prefill completion); unknown ids are a no-op.
-
-        The delta removes the prompt from the first position whose hash stopped being present
-        (the last occurrence in the prompt of a hash that went) to its end."""
-        delta = PromptMembershipDelta()
-        self.prefill.discard(request_id, decay_now)
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            log.warning("Trying to free non-existent request %s", request_id)
-            return delta
-        prompt = state.prompt_blocks
-        if prompt:
-            blocks = self.blocks
-            for edge in self.trie.remove(self.key, prompt):
-                blocks.unhold(edge)
-            last = {h: i for i, h in enumerate(prompt)}
-            refcount = blocks.refcount
-            start = min((i for h, i in last.items() if h not in refcount), default=-1)
-            if start >= 0:
-                delta.removes.append(PromptMembershipRemove(prompt[start:]))
-        if state._outputs:
-            self._release_outputs(state)
-        return delta
-
     def release(self, request_id: str, decay_now: int) -> None:
-        """``free`` without building the membership delta (the lifecycle hot path)."""
+        """Release a request's blocks (implies prefill completion); unknown ids are a no-op."""
         self.prefill.discard(request_id, decay_now)
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -292,7 +256,7 @@ class ActiveSequences:
         for rid in expired:
             log.warning("Expiring stale request: %s", rid)
             outcome.expired_prompts[rid] = self.requests[rid].prompt_blocks
-            outcome.membership_delta.extend(self.free(rid, now))
+            self.release(rid, now)
         outcome.expired_request_ids = set(expired)
         return outcome
 

@@ -8,13 +8,12 @@ a ``SequencePublisher``; the default publisher discards them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, KeysView
 from typing import Any
 
 from . import invariants
 from .errors import (
     DuplicateRequest,
-    MissingExpectedDuration,
     PrefillTokensOverflow,
     PublishRejected,
     RequestNotFound,
@@ -24,7 +23,6 @@ from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddReques
 from .loads import LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
-    ModeledPrefillTimeLoad,
     NoopSequencePublisher,
     ReplicaEffects,
     ReplicaWorkerPolicy,
@@ -48,7 +46,6 @@ from .types import (
 
 __all__ = [
     "ActiveSequencesMultiWorker",
-    "ModeledPrefillTimeLoad",
     "NoopSequencePublisher",
     "ReplicaEffects",
     "ReplicaWorkerPolicy",
@@ -56,12 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-PotentialLoads = tuple[
-    dict[WorkerWithDpRank, int],
-    dict[WorkerWithDpRank, int],
-    dict[WorkerWithDpRank, int] | None,
-]
 
 
 class ActiveSequencesMultiWorker:
@@ -72,8 +63,8 @@ class ActiveSequencesMultiWorker:
         dp_range: dict[int, tuple[int, int]] | None = None,
         replica_sync: bool = False,
         router_id: int = 0,
-        worker_type: str = "test",
         *,
+        worker_type: str,
         clock: Clock,
         expiry_ns: int | None = EXPIRY_DURATION_NS,
         check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
@@ -108,17 +99,11 @@ class ActiveSequencesMultiWorker:
         self._columns = LoadColumns([])
         self._trie = PromptTrie()
         self._requests = RequestIndex()
-        self.remote_state_update_count = 0
-        self.cleanup_attempts = 0
 
         ranges = [WorkerDpRange(wid, s, n) for wid, (s, n) in sorted((dp_range or {}).items())]
         for r in ranges:
             validate_range(r)
         self._apply_topology(self._table.reconcile(ranges))
-
-    @classmethod
-    def new_without_expiry(cls, *args, **kwargs) -> ActiveSequencesMultiWorker:
-        return cls(*args, expiry_ns=None, **kwargs)
 
     # -- topology --------------------------------------------------------------------------
 
@@ -140,9 +125,6 @@ class ActiveSequencesMultiWorker:
     def has_registered_workers(self) -> bool:
         return self._table.has_registered_workers()
 
-    def worker_type(self) -> str:
-        return self._worker_type
-
     def num_workers(self) -> int:
         return len(self._slots)
 
@@ -155,6 +137,10 @@ class ActiveSequencesMultiWorker:
     def has_worker(self, worker_id: int) -> bool:
         """Whether the worker id has an authoritative (registered) range."""
         return worker_id in self._table.ranges
+
+    def registered_worker_ids(self) -> KeysView[int]:
+        """The ids of the registered workers (a live view, to read at once)."""
+        return self._table.ranges.keys()
 
     def worker_range(self, worker_id: int) -> WorkerDpRange | None:
         return self._table.ranges.get(worker_id)
@@ -252,33 +238,10 @@ class ActiveSequencesMultiWorker:
         slot.prefill.restore(prefills, anchor_since)
         self._columns.changed.add(worker)
 
-    # -- inspection (tests and invariant checks read these; nothing may write them) ---------
-
-    slots = property(lambda self: self._slots, doc="dict[WorkerWithDpRank, ActiveSequences]")
-    blocks = property(lambda self: self.active_blocks(), doc="dict[WorkerWithDpRank, int]")
-    table = property(lambda self: self._table, doc="WorkerTable")
-    trie = property(lambda self: self._trie, doc="PromptTrie")
-    columns = property(lambda self: self._columns, doc="LoadColumns")
-    request_index = property(lambda self: self._requests, doc="RequestIndex")
-    request_worker = property(
-        lambda self: self._requests.workers, doc="dict[str, WorkerWithDpRank]"
-    )
-    request_lora = property(lambda self: self._requests.loras, doc="dict[str, str]")
-    lora_counts = property(lambda self: self._requests.lora_counts, doc="dict[str, int]")
-
     # -- lifecycle -------------------------------------------------------------------------
 
-    def add_request(self, req: SequenceRequest, decay_now: int) -> None:
-        """Add a request, lazily creating a missing rank slot (LazyRegister semantics)."""
-        self._add_request(req, decay_now, strict=False)
-
     def add_request_if_registered(self, req: SequenceRequest, decay_now: int) -> None:
-        """Add a request only on an existing rank slot; WorkerNotFound otherwise."""
-        self._add_request(req, decay_now, strict=True)
-
-    def _add_request(self, req: SequenceRequest, decay_now: int, *, strict: bool) -> None:
-        if not strict and req.worker not in self._slots:
-            self._ensure_worker(req.worker)
+        """``add_on_rank`` from a request object: only on an existing rank, else WorkerNotFound."""
         hint = req.prefill_load_hint
         self.add_on_rank(
             request_id=req.request_id,
@@ -311,8 +274,8 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         hint: PrefillLoadHint | None = None,
     ) -> None:
-        """``add_request_if_registered`` from the request's fields, by keyword (the lifecycle
-        hot path: no request object). The prefill hint is ``prefill_tokens`` with its duration, none when
+        """Add a request on an existing rank (WorkerNotFound otherwise), from its fields by
+        keyword (the lifecycle calls: no request object). The prefill hint is ``prefill_tokens`` with its duration, none when
         ``prefill_tokens`` is 0; ``hint``, when given, is the same hint as sent (it replicates)."""
         worker = self._rank_keys.get((worker_id, dp_rank))
         if worker is None:
@@ -446,7 +409,7 @@ class ActiveSequencesMultiWorker:
 
     # -- replica apply ---------------------------------------------------------------------
     # A peer's lifecycle event applied without publishing anything, and the effects of a batch
-    # of them (loads, wake-ups, cleanup) flushed once per batch. It follows its own rules: the
+    # of them (their loads) flushed once per batch. It follows its own rules: the
     # producer's instants, and the replica worker policy for ranks this instance does not have.
 
     def apply_replica_event(
@@ -489,7 +452,6 @@ class ActiveSequencesMultiWorker:
                 started_at,
             )
             effects.record(worker, True)
-            effects.cleanup = True
             return True
         if isinstance(data, Free):
             worker = self._requests.remove(rid)
@@ -501,8 +463,6 @@ class ActiveSequencesMultiWorker:
             slot.release(rid, decay_now)
             self._columns.changed.add(worker)
             effects.record(worker, True)
-            effects.wake = True
-            effects.cleanup = True
             return True
         worker = self._requests.worker(rid)
         if worker is None:
@@ -513,11 +473,10 @@ class ActiveSequencesMultiWorker:
         slot.mark_prefill_completed(rid, decay_now)
         self._columns.changed.add(worker)
         effects.record(worker, False)
-        effects.wake = True
         return True
 
     def flush_replica_effects(self, effects: ReplicaEffects) -> None:
-        """Publish one load batch, one wake-up and one cleanup attempt for a replica batch."""
+        """Publish one load batch for a replica batch."""
         now = self.clock()
         loads = [
             self._load_of(w, self._slots[w], now)
@@ -527,14 +486,6 @@ class ActiveSequencesMultiWorker:
         effects.workers.clear()
         if loads:
             self.publisher.publish_load_batch(loads)
-        if effects.wake:
-            self.notify_remote_state_update()
-        if effects.cleanup:
-            self.cleanup_attempts += 1
-        effects.wake = effects.cleanup = False
-
-    def notify_remote_state_update(self) -> None:
-        self.remote_state_update_count += 1
 
     # -- publication -----------------------------------------------------------------------
 
@@ -571,41 +522,11 @@ class ActiveSequencesMultiWorker:
     def get_active_lora_counts(self) -> dict[str, int]:
         return dict(self._requests.lora_counts)
 
-    def any_worker_matches_active_tokens(
-        self, decay_now: int, predicate: Callable[[WorkerWithDpRank, int], bool]
-    ) -> bool:
-        return any(predicate(w, s.prefill.active_tokens(decay_now)) for w, s in self._slots.items())
-
-    def modeled_remaining_prefill_time_loads_at(self, now: int) -> list[ModeledPrefillTimeLoad]:
-        out = []
-        for w, s in self._slots.items():
-            try:
-                ms: int | MissingExpectedDuration = s.prefill.modeled_remaining_prefill_time_ms(now)
-            except MissingExpectedDuration as e:
-                ms = e
-            out.append(ModeledPrefillTimeLoad(w, ms))
-        return out
-
     def overlaps(self, token_sequence: list[int] | None) -> dict[WorkerWithDpRank, int]:
         """Prefix overlap (in blocks) of the query with each rank's active prompts (non-zero only)."""
         if not token_sequence:
             return {}
         return self._trie.overlaps(token_sequence)
-
-    def potential_blocks_and_tokens(
-        self,
-        token_sequence: list[int] | None,
-        deltas: PrefillTokenDeltas | None = None,
-        decay_now: int | None = None,
-        include_active_requests: bool = False,
-    ) -> PotentialLoads:
-        if decay_now is None:
-            decay_now = self.clock()
-        rows = self.potential_loads(token_sequence, deltas, decay_now)
-        blocks = {WorkerWithDpRank(r[0], r[1]): r[3] for r in rows}
-        tokens = {WorkerWithDpRank(r[0], r[1]): r[2] for r in rows}
-        requests = {WorkerWithDpRank(r[0], r[1]): r[4] for r in rows}
-        return blocks, tokens, requests if include_active_requests else None
 
     def potential_columns(
         self,
@@ -682,11 +603,8 @@ class ActiveSequencesMultiWorker:
 
     # -- invariants ------------------------------------------------------------------------
 
-    def is_membership_empty(self) -> bool:
-        return self._trie.is_empty()
-
     def assert_consistent(self) -> None:
-        invariants.assert_consistent(self)
-
-    def assert_completely_drained(self, decay_now: int) -> None:
-        invariants.assert_completely_drained(self, decay_now)
+        """Every derived structure equals what its source implies (``invariants``)."""
+        invariants.assert_consistent(
+            self._slots, self._table, self._trie, self._columns, self._requests
+        )

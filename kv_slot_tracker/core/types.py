@@ -108,34 +108,9 @@ class PrefillTokenDeltas:
 
 
 @dataclass(slots=True)
-class PromptMembershipStore:
-    parent: SequenceHash | None
-    hashes: list[SequenceHash]
-
-
-@dataclass(slots=True)
-class PromptMembershipRemove:
-    hashes: list[SequenceHash]
-
-
-@dataclass(slots=True)
-class PromptMembershipDelta:
-    """Which prompt hashes became present (stores) or absent (removes) on one worker."""
-
-    stores: list[PromptMembershipStore] = field(default_factory=list)
-    removes: list[PromptMembershipRemove] = field(default_factory=list)
-
-    def extend(self, other: PromptMembershipDelta) -> None:
-        self.stores.extend(other.stores)
-        self.removes.extend(other.removes)
-
-    def is_empty(self) -> bool:
-        return not self.stores and not self.removes
-
-
-@dataclass(slots=True)
 class SequenceMutationOutcome:
-    membership_delta: PromptMembershipDelta = field(default_factory=PromptMembershipDelta)
+    """What a rank's expiry check freed (adds run one first)."""
+
     expired_request_ids: set[RequestId] = field(default_factory=set)
     # prompt of each expired request, so indexes built on whole prompt paths can drop them
     expired_prompts: dict[RequestId, list[SequenceHash]] = field(default_factory=dict)

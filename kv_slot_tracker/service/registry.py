@@ -69,7 +69,7 @@ class TrackerRegistry:
             {},
             self.replicated,
             self.instance_id,
-            WORKER_TYPE,
+            worker_type=WORKER_TYPE,
             clock=self.clock,
             expiry_ns=self.expiry_ns,
             check_interval_ns=self.check_interval_ns,

@@ -26,6 +26,7 @@ from kv_slot_tracker.http.operations import (
 )
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service import commands as c
+from tests.support.tracker import slots
 
 REGISTER = [
     {"model_name": "m", "worker_id": w, "block_size": 2, "dp_start": 0, "dp_size": 2}
@@ -383,7 +384,7 @@ def test_negative_hashes_are_unsigned_whether_or_not_the_body_has_a_minus_sign()
         assert batched.batch(json.dumps(batch).encode())[1] == b'{"results":[{"status":201}]}'
         for ops in (single, batched):
             t = ops.service.registry.get(("m", "default"))
-            assert t.slots[t.worker_for(rid)].requests[rid].prompt_blocks == expected
+            assert slots(t)[t.worker_for(rid)].requests[rid].prompt_blocks == expected
             # a query with the same signed hashes overlaps the whole prompt
             query = json.dumps({"model_name": "m", "sequence_hashes": hashes}).encode()
             assert t.overlaps(expected) == {t.worker_for(rid): 2}

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from tests.api.conftest import PostJson, post_json
 from tests.fakes import FakeClock
+from tests.support.tracker import slots
 
 OK = {"status": "ok"}
 SHAPE = "Failed to deserialize the JSON body into the target type: "
@@ -256,7 +257,7 @@ async def test_expected_output_tokens_is_stored_and_changes_no_load(
     await ok(post, "/register", reg(1), 201)
     await ok(post, "/add", add("r1", sequence_hashes=[1], expected_output_tokens=256), 201)
     await ok(post, "/add", add("r2", sequence_hashes=[2]), 201)
-    slot = app.state.service.trackers[("m", "default")].slots
+    slot = slots(app.state.service.trackers[("m", "default")])
     requests = next(iter(slot.values())).requests
     assert requests["r1"].expected_output_tokens == 256
     assert requests["r2"].expected_output_tokens is None
@@ -326,7 +327,7 @@ async def test_token_ids_are_hashed_with_the_trackers_block_size(
     await ok(post, "/register", reg(1, block_size=4), 201)
     await ok(post, "/add", add("r1", token_ids=TOKENS_1_8 + [9, 10, 11]), 201)  # partial block
     tracker = app.state.service.trackers[("m", "default")]
-    prompt = tracker.slots[next(iter(tracker.slots))].requests["r1"].prompt_blocks
+    prompt = slots(tracker)[next(iter(slots(tracker)))].requests["r1"].prompt_blocks
     assert prompt == SEQ_1_8
     assert (await load(client))["active_decode_blocks"] == 2
 
@@ -347,7 +348,7 @@ async def test_token_ids_are_hashed_with_the_trackers_block_size(
     await ok(post, "/register", reg(1, model="m8", block_size=8), 201)
     await ok(post, "/add", add("r1", model="m8", token_ids=TOKENS_1_8), 201)
     tracker8 = app.state.service.trackers[("m8", "default")]
-    prompt8 = tracker8.slots[next(iter(tracker8.slots))].requests["r1"].prompt_blocks
+    prompt8 = slots(tracker8)[next(iter(slots(tracker8)))].requests["r1"].prompt_blocks
     assert prompt8 == sequence_hashes_for_tokens(TOKENS_1_8, 8)
     assert len(prompt8) == 1 and prompt8[0] != SEQ_1_8[0]
 
@@ -358,11 +359,11 @@ async def test_token_ids_with_lora_use_the_lora_seed(
     await ok(post, "/register", reg(1), 201)
     await ok(post, "/add", add("r1", token_ids=TOKENS_1_8, lora_name="adapter-a"), 201)
     tracker = app.state.service.trackers[("m", "default")]
-    prompt = tracker.slots[next(iter(tracker.slots))].requests["r1"].prompt_blocks
+    prompt = slots(tracker)[next(iter(slots(tracker)))].requests["r1"].prompt_blocks
     assert prompt == SEQ_1_8_LORA
     # empty LoRA name = no LoRA
     await ok(post, "/add", add("r2", token_ids=TOKENS_1_8, lora_name=""), 201)
-    assert tracker.slots[next(iter(tracker.slots))].requests["r2"].prompt_blocks == SEQ_1_8
+    assert slots(tracker)[next(iter(slots(tracker)))].requests["r2"].prompt_blocks == SEQ_1_8
 
 
 async def test_fewer_tokens_than_a_block_hash_to_nothing(

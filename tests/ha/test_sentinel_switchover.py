@@ -14,6 +14,7 @@ import pytest
 from kv_slot_tracker.settings import Settings
 from tests.ha.topology import MASTER, SentinelGroup, wait_for
 from tests.replication.apps import App, register, running_apps, until
+from tests.support.tracker import request_ranks
 
 pytestmark = pytest.mark.redis
 
@@ -60,5 +61,5 @@ async def test_planned_failover_loses_nothing_and_applies_nothing_twice(
             assert st["connected"] and st["dropped"] == 0, st
             assert st["applied"] == applied, st  # the peer's records, each once
             tracker = app.app.state.service.tracker(("m", "default"))
-            assert set(tracker.request_worker) == {f"{w}-{i}" for w in ("before", "after")
+            assert set(request_ranks(tracker)) == {f"{w}-{i}" for w in ("before", "after")
                                                    for i in range(20)}  # fmt: skip

@@ -15,13 +15,14 @@ from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import free, potential_loads, prefill_complete, register, upsert
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.replication.helpers import KEY, Cluster, TcpProxy, eventually
+from tests.support.tracker import request_ranks
 
 pytestmark = pytest.mark.redis
 
 
 def request_ids(node) -> set[str]:
     t = node.service.trackers.get(KEY)
-    return set(t.request_worker) if t is not None else set()
+    return set(request_ranks(t)) if t is not None else set()
 
 
 def traffic(node, prefix: str, n: int, free_every: int = 3) -> None:

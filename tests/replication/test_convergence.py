@@ -17,6 +17,7 @@ from tests.calls import (
     upsert,
 )
 from tests.replication.helpers import GROUP, KEY, MODEL, Cluster, eventually
+from tests.support.tracker import request_ranks, slots
 
 pytestmark = pytest.mark.redis
 
@@ -70,7 +71,7 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
         if i % 5 == 0 and i > 0:
             # free a request created on the *other* instance once it has arrived here
             victim = f"r{i - 1}"
-            await eventually(lambda n=node, v=victim: v in n.service.tracker(KEY).request_worker)
+            await eventually(lambda n=node, v=victim: v in request_ranks(n.service.tracker(KEY)))
             free(node.service, KEY, victim)
             expected_live.discard(victim)
 
@@ -79,7 +80,7 @@ async def test_lifecycle_traffic_converges_to_identical_loads(cluster: Cluster) 
 
     await eventually(same, what="identical loads")
     ta, tb = a.service.tracker(KEY), b.service.tracker(KEY)
-    assert set(ta.request_worker) == set(tb.request_worker) == expected_live
+    assert set(request_ranks(ta)) == set(request_ranks(tb)) == expected_live
     assert sum(r["active_requests"] for r in a.loads()) == len(expected_live)
     ta.assert_consistent()
     tb.assert_consistent()
@@ -108,8 +109,8 @@ async def test_prefill_decay_uses_the_producer_time(cluster: Cluster) -> None:
     assert b.loads() == a.loads()
     assert b.loads()[0]["modeled_remaining_prefill_ms"] == 7_000
     # request age is the producer's too
-    started_a = a.service.tracker(KEY).slots[(1, 0)].requests["p"].started_at
-    started_b = b.service.tracker(KEY).slots[(1, 0)].requests["p"].started_at
+    started_a = slots(a.service.tracker(KEY))[(1, 0)].requests["p"].started_at
+    started_b = slots(b.service.tracker(KEY))[(1, 0)].requests["p"].started_at
     assert started_a == started_b
 
     cluster.clocks.advance(4)

@@ -11,6 +11,7 @@ import redis
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.calls import free, register
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
+from tests.support.tracker import request_ranks
 
 pytestmark = pytest.mark.redis
 
@@ -44,7 +45,7 @@ class Traffic:
 
 
 def requests(node: Node) -> set[str]:
-    return set(node.service.tracker(KEY).request_worker)
+    return set(request_ranks(node.service.tracker(KEY)))
 
 
 async def test_redis_restart_mid_traffic_loses_nothing(

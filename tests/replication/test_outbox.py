@@ -12,6 +12,7 @@ from kv_slot_tracker.replication.records import RECORD_FIELD
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.calls import register, upsert
 from tests.replication.helpers import KEY, Cluster, RedisServer, eventually
+from tests.support.tracker import request_ranks
 
 pytestmark = pytest.mark.redis
 
@@ -41,7 +42,7 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
     register(a.service, KEY, 1, 4, 0, 1)
     for i in range(6):
         a.add(f"r{i}", hashes=[i])
-    assert len(a.service.tracker(KEY).request_worker) == 6
+    assert len(request_ranks(a.service.tracker(KEY))) == 6
     st = a.rep.status()
     assert st.outbox_depth == 5
     assert st.dropped == 2  # the two newest
@@ -62,7 +63,7 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
     assert a.rep.status().published == 5
     assert a.rep.status().connected
     # the instance adopted the shared state: what the cluster got, not the dropped adds
-    assert set(a.service.tracker(KEY).request_worker) == {"r0", "r1", "r2", "r3"}
+    assert set(request_ranks(a.service.tracker(KEY))) == {"r0", "r1", "r2", "r3"}
     a.service.tracker(KEY).assert_consistent()
 
 

@@ -11,6 +11,7 @@ from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.replication.records import RECORD_FIELD
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import GROUP, KEY, MODEL, WALL_START_NS, Cluster, eventually
+from tests.support.tracker import request_ranks
 
 pytestmark = pytest.mark.redis
 
@@ -78,7 +79,7 @@ async def test_applies_peers_skips_duplicates_and_own_records(cluster: Cluster, 
 
     await eventually(lambda: b.rep.status().stream_position == last, what="reader to catch up")
     t = b.service.tracker(KEY)
-    assert set(t.request_worker) == {"r1", "previous-life", "r3"}
+    assert set(request_ranks(t)) == {"r1", "previous-life", "r3"}
     assert t.active_blocks() == {(1, 0): 4}  # [1,2], [5], [1,9] share hash 1
     st = b.rep.status()
     assert st.applied == 4
@@ -121,12 +122,12 @@ async def test_missing_records_without_a_snapshot_count_a_gap(cluster: Cluster, 
     await eventually(lambda: b.rep.status().stream_position == last)
     st = b.rep.status()
     assert st.gaps == 1
-    assert set(b.service.tracker(KEY).request_worker) == {"r2", "r5"}
+    assert set(request_ranks(b.service.tracker(KEY))) == {"r2", "r5"}
     # numbering goes on from there: the next record is not another gap
     last = stream.put(record(PEER, 1, 6, **add("r6", PEER, [4])))
     await eventually(lambda: b.rep.status().stream_position == last)
     assert b.rep.status().gaps == 1
-    assert "r6" in b.service.tracker(KEY).request_worker
+    assert "r6" in request_ranks(b.service.tracker(KEY))
 
 
 async def test_records_for_other_keys_or_block_sizes_are_dropped(cluster: Cluster, stream):
@@ -140,4 +141,4 @@ async def test_records_for_other_keys_or_block_sizes_are_dropped(cluster: Cluste
     last = stream.put(wrong_size)
     await eventually(lambda: b.rep.status().stream_position == last)
     assert list(b.service.trackers) == [KEY]
-    assert b.service.tracker(KEY).request_worker == {}
+    assert request_ranks(b.service.tracker(KEY)) == {}

@@ -22,13 +22,21 @@ from kv_slot_tracker.core.types import (
 from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import AddCall, import_tracker, potential_loads, register
 from tests.fakes import NS_PER_SECOND, FakeClock
+from tests.support.tracker import (
+    add_request,
+    modeled_remaining_prefill_time_loads_at,
+    new_tracker,
+    potential_blocks_and_tokens,
+    request_ranks,
+    slots,
+)
 
 WALL_OFFSET = 1_700_000_000 * NS_PER_SECOND
 
 
 def build_tracker(seed: int, clock: FakeClock) -> ActiveSequencesMultiWorker:
     rng = random.Random(seed)
-    t = ActiveSequencesMultiWorker(None, 4, {1: (0, 2), 2: (0, 1), 3: (1, 2)}, clock=clock.now)
+    t = new_tracker(None, 4, {1: (0, 2), 2: (0, 1), 3: (1, 2)}, clock=clock.now)
     live: list[str] = []
     for i in range(400):
         clock.advance(rng.uniform(0, 0.2))
@@ -41,7 +49,8 @@ def build_tracker(seed: int, clock: FakeClock) -> ActiveSequencesMultiWorker:
             tokens = rng.choice([0, rng.randrange(1, 500)])
             hint = PrefillLoadHint(tokens, duration) if tokens else None
             rid = f"r{i}"
-            t.add_request(
+            add_request(
+                t,
                 SequenceRequest(
                     rid,
                     worker,
@@ -70,10 +79,10 @@ def assert_same_answers(
     assert a.workers() == b.workers()
     assert a.active_blocks() == b.active_blocks()
     assert a.active_request_counts() == b.active_request_counts()
-    assert a.request_worker == b.request_worker
+    assert request_ranks(a) == request_ranks(b)
     assert a.get_active_lora_counts() == b.get_active_lora_counts()
     for w in a.workers():
-        ra, rb = a.slots[w].requests, b.slots[w].requests
+        ra, rb = slots(a)[w].requests, slots(b)[w].requests
         assert list(ra) == list(rb)
         for rid in ra:
             assert ra[rid].prompt_blocks == rb[rid].prompt_blocks
@@ -85,17 +94,17 @@ def assert_same_answers(
         assert a.active_tokens(at) == b.active_tokens(at)
         ma = [
             (m.worker, str(m.modeled_remaining_prefill_time_ms))
-            for m in a.modeled_remaining_prefill_time_loads_at(at)
+            for m in modeled_remaining_prefill_time_loads_at(a, at)
         ]
         mb = [
             (m.worker, str(m.modeled_remaining_prefill_time_ms))
-            for m in b.modeled_remaining_prefill_time_loads_at(at)
+            for m in modeled_remaining_prefill_time_loads_at(b, at)
         ]
         assert sorted(ma) == sorted(mb)
     for query in ([1], [1, 2], [1, 2, 3], [1, 2, 3, 11], [9, 8, 20], [5], []):
         assert a.overlaps(query) == b.overlaps(query)
-        assert a.potential_blocks_and_tokens(query, None, now, True) == (
-            b.potential_blocks_and_tokens(query, None, now, True)
+        assert potential_blocks_and_tokens(a, query, None, now, True) == (
+            potential_blocks_and_tokens(b, query, None, now, True)
         )
 
 
@@ -113,9 +122,9 @@ def test_restored_tracker_answers_identically(seed: int) -> None:
 
     # and both keep evolving the same way
     for t in (original, restored):
-        rid = min(t.request_worker)
+        rid = min(request_ranks(t))
         t.free(rid, clock.now())
-        t.add_request(
+        add_request(t,
             SequenceRequest("late", WorkerWithDpRank(1, 0), [1, 2, 77], True, None,
                             PrefillLoadHint(50, 2_000_000_000)),
             clock.now(),
@@ -127,13 +136,13 @@ def test_restored_tracker_answers_identically(seed: int) -> None:
 def test_restore_keeps_stale_copies_and_lazy_slots() -> None:
     """A replicated add moved an id to another rank (seed semantics): both copies restore."""
     clock = FakeClock()
-    t = ActiveSequencesMultiWorker(None, 4, {1: (0, 1)}, clock=clock.now)
+    t = new_tracker(None, 4, {1: (0, 1)}, clock=clock.now)
     eff = ReplicaEffects()
     for worker, prompt in ((WorkerWithDpRank(1, 0), [1]), (WorkerWithDpRank(7, 0), [2])):
         t.apply_replica_event(
             ActiveSequenceEvent("r", worker, AddRequest(prompt, True, None, None), 99, "lora"), eff
         )
-    assert t.request_worker == {"r": (7, 0)}
+    assert request_ranks(t) == {"r": (7, 0)}
     to_wall, from_wall = wall_mapping(clock.now(), clock.now())
     restored = import_tracker(export_tracker(t, to_wall), from_wall, clock=clock.now)
     assert restored.worker_ranges() == [WorkerDpRange(1, 0, 1)]
@@ -144,8 +153,8 @@ def test_restore_keeps_stale_copies_and_lazy_slots() -> None:
 
 def test_output_blocks_are_not_exported() -> None:
     clock = FakeClock()
-    t = ActiveSequencesMultiWorker(None, 4, {1: (0, 1)}, clock=clock.now)
-    t.add_request(SequenceRequest("r", WorkerWithDpRank(1, 0), [1, 2]), clock.now())
+    t = new_tracker(None, 4, {1: (0, 1)}, clock=clock.now)
+    add_request(t, SequenceRequest("r", WorkerWithDpRank(1, 0), [1, 2]), clock.now())
     t.add_output_block("r")
     assert t.active_blocks()[(1, 0)] == 3
     to_wall, from_wall = wall_mapping(clock.now(), clock.now())
@@ -157,8 +166,8 @@ def test_output_blocks_are_not_exported() -> None:
 def test_wall_mapping_moves_instants_between_processes() -> None:
     """Exporter and importer clocks have different origins; wall time carries the instant."""
     clock_a = FakeClock(5 * NS_PER_SECOND)
-    t = ActiveSequencesMultiWorker(None, 4, {1: (0, 1)}, clock=clock_a.now)
-    t.add_request(
+    t = new_tracker(None, 4, {1: (0, 1)}, clock=clock_a.now)
+    add_request(t,
         SequenceRequest("p", WorkerWithDpRank(1, 0), [1], True, None,
                         PrefillLoadHint(100, 10 * NS_PER_SECOND)),
         clock_a.now(),
@@ -172,7 +181,7 @@ def test_wall_mapping_moves_instants_between_processes() -> None:
     _, from_wall = wall_mapping(clock_b.now(), wall)
     restored = import_tracker(data, from_wall, clock=clock_b.now)
     assert t.active_tokens(clock_a.now()) == restored.active_tokens(clock_b.now()) == {(1, 0): 80}
-    assert restored.slots[(1, 0)].requests["p"].started_at == clock_b.now() - 2 * NS_PER_SECOND
+    assert slots(restored)[(1, 0)].requests["p"].started_at == clock_b.now() - 2 * NS_PER_SECOND
     # a wall time ahead of the importer's is clamped to its now
     _, from_wall_behind = wall_mapping(clock_b.now(), wall - 10 * NS_PER_SECOND)
     assert from_wall_behind(wall) == clock_b.now()

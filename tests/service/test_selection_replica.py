@@ -92,9 +92,7 @@ class Node:
                 sid: (r.key, r.worker, r.lingering) for sid, r in sel.reservations.items()
             },
             "pending": [(sid, e) for sid, _, e in sel.pending.entries()],
-            "requests": {
-                k: sorted(t.request_index.workers.items()) for k, t in self.service.trackers.items()
-            },
+            "requests": {k: sorted(t.indexed_requests()) for k, t in self.service.trackers.items()},
         }
 
 

@@ -20,13 +20,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kv_slot_tracker.core.sequences import ActiveSequences
-from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     SequenceRequest,
     WorkerWithDpRank,
     round_half_away_from_zero_usize,
 )
 from tests.fakes import FakeClock
+from tests.support import sequences as seed
+from tests.support.tracker import add_request, new_without_expiry, slots
 
 RANKS = [WorkerWithDpRank(1, 0), WorkerWithDpRank(1, 1), WorkerWithDpRank(2, 0)]
 prompts = st.lists(st.integers(1, 6), max_size=6)
@@ -90,10 +91,8 @@ class BlockCountsMachine(RuleBasedStateMachine):
             self.slot = ActiveSequences(2, self.clock.now, expiry_ns=None, rng=FewValues(seed))
             self.slots = {RANKS[0]: self.slot}
         else:
-            self.tracker = ActiveSequencesMultiWorker.new_without_expiry(
-                None, 2, {1: (0, 2), 2: (0, 1)}, clock=self.clock.now
-            )
-            self.slots = self.tracker.slots
+            self.tracker = new_without_expiry(None, 2, {1: (0, 2), 2: (0, 1)}, clock=self.clock.now)
+            self.slots = slots(self.tracker)
             for i, slot in enumerate(self.slots.values()):
                 slot._rng = FewValues(seed + i)
         self.model = {w: ModelRank() for w in self.slots}
@@ -110,7 +109,7 @@ class BlockCountsMachine(RuleBasedStateMachine):
         if self.alone:
             self.slot.add_request_with_prefill_tracking(rid, prompt, None, False, None, now)
         else:
-            self.tracker.add_request(SequenceRequest(rid, rank, list(prompt)), now)
+            add_request(self.tracker, SequenceRequest(rid, rank, list(prompt)), now)
         self.model[rank].add(rid, prompt)
         self.where[rid] = rank
 
@@ -121,7 +120,7 @@ class BlockCountsMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.where)))
         rank = self.where.pop(rid)
         if self.alone:
-            self.slot.free(rid, self.clock.now())
+            self.slot.release(rid, self.clock.now())
         else:
             assert self.tracker.free(rid, self.clock.now())
         self.model[rank].free(rid)
@@ -179,9 +178,9 @@ def test_free_reports_the_prompt_from_the_first_hash_that_went() -> None:
     slot.add_request_with_prefill_tracking("b", [1, 2, 1], None, False, None, clock.now())
     slot.add_request_with_prefill_tracking("c", [3, 9], None, False, None, clock.now())
     slot.add_request_with_prefill_tracking("d", [9], None, False, None, clock.now())
-    assert [r.hashes for r in slot.free("a", clock.now()).removes] == [[7]]
-    assert [r.hashes for r in slot.free("b", clock.now()).removes] == [[2, 1]]
+    assert [r.hashes for r in seed.free(slot, "a", clock.now()).removes] == [[7]]
+    assert [r.hashes for r in seed.free(slot, "b", clock.now()).removes] == [[2, 1]]
     # 9 is still held by d, under another prefix: only 3 went, and the rest follows it
-    assert [r.hashes for r in slot.free("c", clock.now()).removes] == [[3, 9]]
-    assert [r.hashes for r in slot.free("d", clock.now()).removes] == [[9]]
+    assert [r.hashes for r in seed.free(slot, "c", clock.now()).removes] == [[3, 9]]
+    assert [r.hashes for r in seed.free(slot, "d", clock.now()).removes] == [[9]]
     assert slot.blocks.is_empty() and slot.trie.is_empty()

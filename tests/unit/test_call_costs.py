@@ -14,9 +14,9 @@ import pytest
 from kv_slot_tracker.core.blocks import BlockTracker
 from kv_slot_tracker.core.prefill import PrefillLoadState, PrefillLoadTracker
 from kv_slot_tracker.core.sequences import ActiveSequences
-from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from tests.fakes import FakeClock
+from tests.support.tracker import add_request, new_tracker
 
 
 class CountingId(str):
@@ -94,9 +94,9 @@ def slot_free_counts(n: int) -> tuple[int, int]:
         )
     assert slot.prefill.anchor_rid == "r0"
     CountingId.reset()
-    delta = slot.free(rids[-1], clock.now())
+    slot.release(rids[-1], clock.now())
     counts = CountingId.counts()
-    assert [r.hashes for r in delta.removes] == [[1000 + n]]
+    assert 1000 + n not in slot.active_block_hashes()
     assert len(slot.requests) == n and len(slot.prefill) == n
     return counts
 
@@ -107,18 +107,21 @@ def test_freeing_the_newest_request_of_a_rank_does_not_scan_the_others() -> None
 
 def tracker_add_free_counts(n: int) -> tuple[int, int]:
     clock = FakeClock()
-    tracker = ActiveSequencesMultiWorker(None, 16, {0: (0, 2)}, clock=clock.now)
+    tracker = new_tracker(None, 16, {0: (0, 2)}, clock=clock.now)
     rank = WorkerWithDpRank(0, 1)
     prefix = list(range(1, 17))
     for i, rid in enumerate(ids(n)):
-        tracker.add_request(
+        add_request(
+            tracker,
             SequenceRequest(rid, rank, prefix + [10_000 + i], True, None, PrefillLoadHint(512)),
             clock.now(),
         )
     new = CountingId("new")
     CountingId.reset()
-    tracker.add_request(
-        SequenceRequest(new, rank, prefix + [99], True, None, PrefillLoadHint(512)), clock.now()
+    add_request(
+        tracker,
+        SequenceRequest(new, rank, prefix + [99], True, None, PrefillLoadHint(512)),
+        clock.now(),
     )
     tracker.free(new, clock.now())
     counts = CountingId.counts()

@@ -7,13 +7,14 @@ from __future__ import annotations
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import U64_MAX, PrefillTokenDeltas, WorkerDpRange, WorkerWithDpRank
 from tests.fakes import FakeClock
+from tests.support.tracker import load_columns, new_tracker
 
 W0, W1, W2 = WorkerWithDpRank(0, 0), WorkerWithDpRank(0, 1), WorkerWithDpRank(1, 0)
 
 
 def tracker() -> tuple[ActiveSequencesMultiWorker, FakeClock]:
     clock = FakeClock()
-    return ActiveSequencesMultiWorker(None, 4, {0: (0, 2), 1: (0, 1)}, clock=clock.now), clock
+    return new_tracker(None, 4, {0: (0, 2), 1: (0, 1)}, clock=clock.now), clock
 
 
 def add(t: ActiveSequencesMultiWorker, rid: str, w: WorkerWithDpRank, hashes, tokens=0, ms=None):
@@ -35,18 +36,18 @@ def add(t: ActiveSequencesMultiWorker, rid: str, w: WorkerWithDpRank, hashes, to
 def test_a_query_refreshes_only_the_ranks_changed_since_the_last_one() -> None:
     t, clock = tracker()
     t.potential_loads(None, 0, clock.now())
-    assert t.columns.changed == set()
+    assert load_columns(t).changed == set()
     add(t, "a", W1, [1, 2, 3], tokens=30)
-    assert t.columns.changed == {W1}  # one insertion per lifecycle call, nothing else
+    assert load_columns(t).changed == {W1}  # one insertion per lifecycle call, nothing else
     assert t.potential_loads([1, 2, 9], 7, clock.now()) == [
         (0, 0, 7, 3, 0),
         (0, 1, 30 + 7, 3 + 3 - 2, 1),
         (1, 0, 7, 3, 0),
     ]
-    assert t.columns.changed == set()
+    assert load_columns(t).changed == set()
     t.mark_prefill_completed("a", clock.now())
     t.free("missing", clock.now())  # an unknown id changes nothing
-    assert t.columns.changed == {W1}
+    assert load_columns(t).changed == {W1}
     assert t.potential_loads([1, 2, 9], 7, clock.now())[1] == (0, 1, 7, 4, 1)
     t.free("a", clock.now())
     assert t.potential_loads([1, 2, 9], 7, clock.now())[1] == (0, 1, 7, 3, 0)

@@ -30,12 +30,24 @@ from kv_slot_tracker.core.types import (
     WorkerWithDpRank,
 )
 from tests.fakes import FakeClock
-from tests.unit.recording import (
+from tests.support.recording import (
     RecordingPublisher,
     modeled_hint,
     naive_potential_loads,
     seq_hashes_for_tokens,
     tracking_hint,
+)
+from tests.support.tracker import (
+    add_request,
+    any_worker_matches_active_tokens,
+    assert_completely_drained,
+    is_membership_empty,
+    modeled_remaining_prefill_time_loads_at,
+    new_tracker,
+    new_without_expiry,
+    potential_blocks_and_tokens,
+    request_loras,
+    request_ranks,
 )
 
 S = 1_000_000_000  # one second in ns
@@ -75,9 +87,7 @@ def make(
     replica_sync: bool = False,
     router_id: int = 0,
 ) -> ActiveSequencesMultiWorker:
-    return ActiveSequencesMultiWorker(
-        publisher, block_size, workers, replica_sync, router_id, "test", clock=clock.now
-    )
+    return new_tracker(publisher, block_size, workers, replica_sync, router_id, clock=clock.now)
 
 
 def make_sequences(clock: FakeClock) -> ActiveSequencesMultiWorker:
@@ -100,7 +110,7 @@ def modeled_time_loads_by_worker(
 ) -> dict[WorkerWithDpRank, int | MissingExpectedDuration]:
     return {
         load.worker: load.modeled_remaining_prefill_time_ms
-        for load in tracker.modeled_remaining_prefill_time_loads_at(now)
+        for load in modeled_remaining_prefill_time_loads_at(tracker, now)
     }
 
 
@@ -115,7 +125,7 @@ def assert_matches_naive(
     decay_now: int,
 ) -> tuple[dict[WorkerWithDpRank, int], dict[WorkerWithDpRank, int]]:
     expected = naive_potential_loads(tracker, query, deltas, decay_now)
-    blocks, tokens, requests = tracker.potential_blocks_and_tokens(query, deltas, decay_now)
+    blocks, tokens, requests = potential_blocks_and_tokens(tracker, query, deltas, decay_now)
     assert blocks == expected[0]
     assert tokens == expected[1]
     assert requests is None
@@ -151,7 +161,7 @@ def test_add_request_can_skip_prefill_token_tracking(clock: FakeClock) -> None:
     worker = w(1, 0)
     decay_now = clock.now()
 
-    sequences.add_request(req("req-1", worker, [1, 2, 3], None, track=False), decay_now)
+    add_request(sequences, req("req-1", worker, [1, 2, 3], None, track=False), decay_now)
 
     assert sequences.active_tokens(decay_now).get(worker) == 0
     assert active_request_count(sequences, worker) == 1
@@ -165,9 +175,9 @@ def test_modeled_remaining_prefill_time_loads_follow_multi_worker_projection(
     worker_a, worker_b = w(1, 0), w(2, 0)
     start = clock.now()
 
-    sequences.add_request(req("a-oldest", worker_a, [1, 2, 3], modeled_hint(100, 10)), start)
-    sequences.add_request(req("a-later", worker_a, [4, 5, 6], modeled_hint(60, 4)), start + S)
-    sequences.add_request(req("b-unmodeled", worker_b, [7, 8, 9], tracking_hint(12)), start)
+    add_request(sequences, req("a-oldest", worker_a, [1, 2, 3], modeled_hint(100, 10)), start)
+    add_request(sequences, req("a-later", worker_a, [4, 5, 6], modeled_hint(60, 4)), start + S)
+    add_request(sequences, req("b-unmodeled", worker_b, [7, 8, 9], tracking_hint(12)), start)
 
     query = start + 3 * S
     loads = modeled_time_loads_by_worker(sequences, query)
@@ -189,8 +199,8 @@ def test_free_nonanchor_modeled_prefill_applies_anchor_credit(clock: FakeClock) 
     worker = w(1, 0)
     start = clock.now()
 
-    sequences.add_request(req("oldest", worker, [1, 2, 3], modeled_hint(100, 10)), start)
-    sequences.add_request(req("later", worker, [4, 5, 6], modeled_hint(40, 4)), start)
+    add_request(sequences, req("oldest", worker, [1, 2, 3], modeled_hint(100, 10)), start)
+    add_request(sequences, req("later", worker, [4, 5, 6], modeled_hint(40, 4)), start)
 
     completion_time = start + 5 * S
     assert sequences.active_tokens(completion_time).get(worker) == 90
@@ -211,10 +221,10 @@ def test_block_membership_index_matches_naive_loads_with_output_blocks_and_prefi
     worker_a, worker_b = w(1, 0), w(2, 0)
     decay_now = clock.now()
 
-    sequences.add_request(req("req-a", worker_a, [1, 2, 3], tracking_hint(12)), decay_now)
+    add_request(sequences, req("req-a", worker_a, [1, 2, 3], tracking_hint(12)), decay_now)
     sequences.add_output_block("req-a", 0.5)
     sequences.mark_prefill_completed("req-a", decay_now)
-    sequences.add_request(req("req-b", worker_b, [1, 2, 4], tracking_hint(12)), decay_now)
+    add_request(sequences, req("req-b", worker_b, [1, 2, 4], tracking_hint(12)), decay_now)
 
     prompt = [1, 2, 3, 5]
     deltas = PrefillTokenDeltas.new(16, {worker_a: 8, worker_b: 12})
@@ -235,10 +245,10 @@ def test_potential_blocks_use_prefix_membership_not_set_membership(clock: FakeCl
     worker = w(1, 0)
     decay_now = clock.now()
 
-    sequences.add_request(req("req-a", worker, [1, 2, 4, 5], None, track=False), decay_now)
+    add_request(sequences, req("req-a", worker, [1, 2, 4, 5], None, track=False), decay_now)
 
-    potential_blocks, _, _ = sequences.potential_blocks_and_tokens(
-        [1, 2, 3, 5], PrefillTokenDeltas.none(), decay_now
+    potential_blocks, _, _ = potential_blocks_and_tokens(
+        sequences, [1, 2, 3, 5], PrefillTokenDeltas.none(), decay_now
     )
     assert potential_blocks.get(worker) == 6
     sequences.assert_consistent()
@@ -254,9 +264,11 @@ def test_lora_specific_sequence_hashes_do_not_cross_match(clock: FakeClock) -> N
 
     assert base_prompt != lora_prompt
 
-    sequences.add_request(req("base", worker_a, list(base_prompt), None, track=False), decay_now)
-    sequences.add_request(
-        req("lora", worker_b, lora_prompt, None, track=False, lora="adapter-a"), decay_now
+    add_request(sequences, req("base", worker_a, list(base_prompt), None, track=False), decay_now)
+    add_request(
+        sequences,
+        req("lora", worker_b, lora_prompt, None, track=False, lora="adapter-a"),
+        decay_now,
     )
 
     actual_blocks, _ = assert_matches_naive(
@@ -275,8 +287,8 @@ def test_unit_block_size_repeated_tokens_preserve_membership_and_trim(clock: Fak
     prompt_a = seq_hashes_for_tokens([7, 7, 7], None, block_size=1)
     prompt_b = seq_hashes_for_tokens([7, 7, 8], None, block_size=1)
 
-    sequences.add_request(req("req-a", worker_a, list(prompt_a), None, track=False), decay_now)
-    sequences.add_request(req("req-b", worker_b, list(prompt_b), None, track=False), decay_now)
+    add_request(sequences, req("req-a", worker_a, list(prompt_a), None, track=False), decay_now)
+    add_request(sequences, req("req-b", worker_b, list(prompt_b), None, track=False), decay_now)
 
     blocks, _ = assert_matches_naive(sequences, prompt_b, PrefillTokenDeltas.none(), decay_now)
     assert blocks.get(worker_a) == 4
@@ -290,29 +302,27 @@ def test_unit_block_size_repeated_tokens_preserve_membership_and_trim(clock: Fak
 
     sequences.free("req-a", decay_now)
     sequences.assert_consistent()
-    sequences.assert_completely_drained(decay_now)
+    assert_completely_drained(sequences, decay_now)
 
 
 def test_force_expiry_clears_block_membership_index(clock: FakeClock) -> None:
     sequences = make_multi_sequences(clock)
     worker = w(1, 0)
 
-    sequences.add_request(req("req-1", worker, [1, 2, 3], tracking_hint(12)), clock.now())
+    add_request(sequences, req("req-1", worker, [1, 2, 3], tracking_hint(12)), clock.now())
 
     clock.advance(331)
     sequences.force_expire_requests_across_all_workers()
 
-    assert not sequences.request_worker  # request index empty
-    assert sequences.is_membership_empty()
+    assert not request_ranks(sequences)  # request index empty
+    assert is_membership_empty(sequences)
     assert sequences.active_blocks().get(worker) == 0
     assert active_request_count(sequences, worker) == 0
     sequences.assert_consistent()
 
 
 def test_disabled_expiry_requires_explicit_cleanup_for_all_workers(clock: FakeClock) -> None:
-    sequences = ActiveSequencesMultiWorker.new_without_expiry(
-        None, 4, {1: (0, 1)}, False, 0, "test", clock=clock.now
-    )
+    sequences = new_without_expiry(None, 4, {1: (0, 1)}, False, 0, clock=clock.now)
     initial_worker, dynamic_worker = w(1, 0), w(2, 0)
     sequences.register_worker(WorkerDpRange(2, 0, 1))
 
@@ -320,8 +330,8 @@ def test_disabled_expiry_requires_explicit_cleanup_for_all_workers(clock: FakeCl
         ("initial", [1, 2], initial_worker),
         ("dynamic", [3], dynamic_worker),
     ]:
-        sequences.add_request(
-            req(request_id, worker, token_sequence, tracking_hint(4)), clock.now()
+        add_request(
+            sequences, req(request_id, worker, token_sequence, tracking_hint(4)), clock.now()
         )
 
     clock.advance(331)
@@ -336,20 +346,20 @@ def test_disabled_expiry_requires_explicit_cleanup_for_all_workers(clock: FakeCl
     sequences.free("initial", now)
     sequences.free("dynamic", now)
     sequences.assert_consistent()
-    sequences.assert_completely_drained(now)
+    assert_completely_drained(sequences, now)
 
 
 def test_expiry_then_immediate_readd_preserves_block_membership(clock: FakeClock) -> None:
     sequences = make_sequences(clock)
     worker = w(1, 0)
 
-    sequences.add_request(req("req-1", worker, [1, 2, 3], tracking_hint(12)), clock.now())
+    add_request(sequences, req("req-1", worker, [1, 2, 3], tracking_hint(12)), clock.now())
 
     clock.advance(331)
 
-    sequences.add_request(req("req-2", worker, [1, 2, 3], tracking_hint(12)), clock.now())
+    add_request(sequences, req("req-2", worker, [1, 2, 3], tracking_hint(12)), clock.now())
 
-    assert not sequences.is_membership_empty()
+    assert not is_membership_empty(sequences)
     assert sequences.active_blocks().get(worker) == 3
 
     assert_matches_naive(sequences, [1, 2, 3], PrefillTokenDeltas.none(), clock.now())
@@ -361,19 +371,19 @@ def test_worker_removal_then_readd_starts_with_empty_registry_state(clock: FakeC
     worker = w(1, 0)
     decay_now = clock.now()
 
-    sequences.add_request(req("req-1", worker, [1, 2, 3], None, track=False), decay_now)
+    add_request(sequences, req("req-1", worker, [1, 2, 3], None, track=False), decay_now)
 
     assert active_request_count(sequences, worker) == 1
     sequences.reconcile_workers([])
-    assert sequences.is_membership_empty()
+    assert is_membership_empty(sequences)
     assert sequences.active_blocks() == {}
     assert worker not in sequences.active_request_counts()
-    assert not sequences.request_worker
+    assert not request_ranks(sequences)
 
     sequences.reconcile_workers([WorkerDpRange(1, 0, 1)])
     assert sequences.active_blocks().get(worker) == 0
     assert active_request_count(sequences, worker) == 0
-    assert sequences.is_membership_empty()
+    assert is_membership_empty(sequences)
     sequences.assert_consistent()
 
 
@@ -391,8 +401,8 @@ def test_strict_add_after_worker_removal_cannot_recreate_worker(clock: FakeClock
 
     assert err.value.worker == worker
     assert sequences.num_workers() == 0
-    assert not sequences.request_worker
-    assert sequences.is_membership_empty()
+    assert not request_ranks(sequences)
+    assert is_membership_empty(sequences)
     sequences.assert_consistent()
 
 
@@ -402,13 +412,13 @@ def test_free_is_idempotent_after_request_is_removed(clock: FakeClock) -> None:
     request_id = "req-1"
     decay_now = clock.now()
 
-    sequences.add_request(req(request_id, worker, [1, 2, 3], None, track=False), decay_now)
+    add_request(sequences, req(request_id, worker, [1, 2, 3], None, track=False), decay_now)
 
     sequences.free(request_id, decay_now)
     sequences.free(request_id, decay_now)
 
     sequences.assert_consistent()
-    sequences.assert_completely_drained(decay_now)
+    assert_completely_drained(sequences, decay_now)
 
 
 def test_free_cleans_stale_request_mapping_when_worker_slot_is_missing(clock: FakeClock) -> None:
@@ -424,8 +434,8 @@ def test_free_cleans_stale_request_mapping_when_worker_slot_is_missing(clock: Fa
 
     sequences.free(request_id, clock.now())
 
-    assert not sequences.request_worker
-    assert not sequences.request_lora
+    assert not request_ranks(sequences)
+    assert not request_loras(sequences)
     assert sequences.get_active_lora_counts() == {}
 
 
@@ -436,7 +446,8 @@ def test_explicit_decay_time_drives_multi_worker_load_queries_consistently(
     worker = w(1, 0)
     start = clock.now()
 
-    sequences.add_request(
+    add_request(
+        sequences,
         req("req-1", worker, [1, 2, 3], PrefillLoadHint(100, 10 * S)),
         start,
     )
@@ -444,13 +455,13 @@ def test_explicit_decay_time_drives_multi_worker_load_queries_consistently(
     decay_now = start + 5 * S
     assert sequences.active_tokens(decay_now).get(worker) == 50
 
-    _, potential_tokens, _ = sequences.potential_blocks_and_tokens(
-        None, PrefillTokenDeltas.none(), decay_now
+    _, potential_tokens, _ = potential_blocks_and_tokens(
+        sequences, None, PrefillTokenDeltas.none(), decay_now
     )
     assert potential_tokens.get(worker) == 50
 
-    assert sequences.any_worker_matches_active_tokens(
-        decay_now, lambda candidate, tokens: candidate == worker and tokens == 50
+    assert any_worker_matches_active_tokens(
+        sequences, decay_now, lambda candidate, tokens: candidate == worker and tokens == 50
     )
 
 
@@ -509,7 +520,7 @@ def test_m04_upsert_keeps_unrelated_lazy_slots(clock: FakeClock) -> None:
     assert rec.registered == [w(1, 0)]
     rec.clear()
 
-    sequences.add_request(req("x", w(2, 0), [5]), clock.now())
+    add_request(sequences, req("x", w(2, 0), [5]), clock.now())
     assert rec.registered == [w(2, 0)]
 
     rec.clear()
@@ -534,7 +545,7 @@ def test_m05_upsert_removes_same_id_lazy_slot_outside_range(clock: FakeClock) ->
     rec = RecordingPublisher()
     sequences = make(clock, {}, rec)
 
-    sequences.add_request(req("y", w(1, 5), [7]), clock.now())
+    add_request(sequences, req("y", w(1, 5), [7]), clock.now())
     assert rec.registered == [w(1, 5)]
     assert not sequences.has_registered_workers()
     assert sequences.worker_ranges() == []
@@ -546,7 +557,7 @@ def test_m05_upsert_removes_same_id_lazy_slot_outside_range(clock: FakeClock) ->
     assert change.removed == [w(1, 5)]
     assert change.added == [w(1, 0), w(1, 1)]
     assert sequences.active_blocks() == {w(1, 0): 0, w(1, 1): 0}
-    assert sequences.is_membership_empty()
+    assert is_membership_empty(sequences)
 
     rec.clear()
     sequences.free("y", clock.now())  # no-op
@@ -561,7 +572,7 @@ def test_m06_register_retains_lazy_slot_inside_range(clock: FakeClock) -> None:
     rec = RecordingPublisher()
     sequences = make(clock, {}, rec)
 
-    sequences.add_request(req("z", w(3, 0), [1, 2]), clock.now())
+    add_request(sequences, req("z", w(3, 0), [1, 2]), clock.now())
     assert rec.registered == [w(3, 0)]
 
     rec.clear()
@@ -577,7 +588,7 @@ def test_m06_register_retains_lazy_slot_inside_range(clock: FakeClock) -> None:
 
 def test_m07_unregister_of_a_lazy_only_id(clock: FakeClock) -> None:
     sequences = make(clock, {})
-    sequences.add_request(req("v", w(4, 0), [1]), clock.now())
+    add_request(sequences, req("v", w(4, 0), [1]), clock.now())
 
     with pytest.raises(WorkerIdNotRegistered) as err:
         sequences.unregister_worker(4)
@@ -590,8 +601,8 @@ def test_m07_unregister_of_a_lazy_only_id(clock: FakeClock) -> None:
 def _m08_setup(clock: FakeClock) -> tuple[ActiveSequencesMultiWorker, RecordingPublisher]:
     rec = RecordingPublisher()
     sequences = make(clock, {1: (0, 1), 2: (0, 1)}, rec)
-    sequences.add_request(req("l", w(9, 0), [3]), clock.now())
-    sequences.add_request(req("r1", w(1, 0), [1, 2, 3]), clock.now())
+    add_request(sequences, req("l", w(9, 0), [3]), clock.now())
+    add_request(sequences, req("r1", w(1, 0), [1, 2, 3]), clock.now())
 
     rec.clear()
     change = sequences.reconcile_workers([WorkerDpRange(1, 0, 1), WorkerDpRange(3, 0, 1)])
@@ -625,7 +636,7 @@ def test_m09_reconcile_validation_is_atomic(clock: FakeClock) -> None:
         return (
             sequences.active_blocks(),
             sequences.worker_ranges(),
-            dict(sequences.request_worker),
+            dict(request_ranks(sequences)),
             sequences.active_request_counts(),
         )
 
@@ -647,10 +658,10 @@ def test_m09_reconcile_validation_is_atomic(clock: FakeClock) -> None:
 
 def test_m10_duplicate_request_across_workers(clock: FakeClock) -> None:
     sequences = make(clock, {1: (0, 1), 2: (0, 1)})
-    sequences.add_request(req("r1", w(1, 0), [1, 2, 3]), clock.now())
+    add_request(sequences, req("r1", w(1, 0), [1, 2, 3]), clock.now())
 
     with pytest.raises(DuplicateRequest) as err:
-        sequences.add_request(req("r1", w(2, 0), [1, 2, 3]), clock.now())
+        add_request(sequences, req("r1", w(2, 0), [1, 2, 3]), clock.now())
     assert str(err.value) == (
         "Request r1 already exists (assigned to worker "
         "WorkerWithDpRank { worker_id: 1, dp_rank: 0 })"
@@ -668,15 +679,15 @@ def test_m11_strict_add_never_creates_slots(clock: FakeClock) -> None:
         sequences.add_request_if_registered(req("r", w(1, 1), [1, 2, 3]), clock.now())
     assert str(err.value) == "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 1 } not found"
     assert set(sequences.active_blocks()) == {w(1, 0)}
-    assert not sequences.request_worker
+    assert not request_ranks(sequences)
 
     sequences.reconcile_workers([])
     with pytest.raises(WorkerNotFound) as err:
         sequences.add_request_if_registered(req("r", w(1, 0), [1, 2, 3]), clock.now())
     assert str(err.value) == "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 0 } not found"
     assert sequences.num_workers() == 0
-    assert not sequences.request_worker
-    assert sequences.is_membership_empty()
+    assert not request_ranks(sequences)
+    assert is_membership_empty(sequences)
     sequences.assert_consistent()
 
 
@@ -691,7 +702,7 @@ def test_m12_publication_and_idempotent_free(clock: FakeClock) -> None:
     sequences, rec = _m12_setup(clock)
     t = clock.now()
 
-    sequences.add_request(req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), t)
+    add_request(sequences, req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), t)
     assert rec.observations == [(w(1, 0), 3, 12)]
     assert rec.worker_types == ["test"]
     assert rec.single_loads == [ActiveLoad(1, 0, 3, 12, kv_used_blocks=None)]
@@ -718,14 +729,14 @@ def test_m12_publication_and_idempotent_free(clock: FakeClock) -> None:
     assert rec.observations == []
     assert rec.events == []
     sequences.assert_consistent()
-    sequences.assert_completely_drained(t)
+    assert_completely_drained(sequences, t)
 
 
 def test_m13_mark_semantics(clock: FakeClock) -> None:
     sequences, rec = _m12_setup(clock)
     t = clock.now()
 
-    sequences.add_request(req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), t)
+    add_request(sequences, req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), t)
     rec.clear()
     sequences.mark_prefill_completed("r", t)
     sequences.mark_prefill_completed("r", t)
@@ -751,7 +762,7 @@ def test_m14_output_blocks_are_local(clock: FakeClock) -> None:
         sequences.add_output_block("nope", None)
     assert str(err.value) == "Request nope not found"
 
-    sequences.add_request(req("r", w(1, 0), [1, 2]), clock.now())
+    add_request(sequences, req("r", w(1, 0), [1, 2]), clock.now())
     rec.clear()
     sequences.add_output_block("r", 0.5)
     assert len(rec.single_loads) == 1
@@ -766,10 +777,10 @@ def test_m16_index_vs_naive_explicit_numbers(clock: FakeClock) -> None:
     sequences = make_multi_sequences(clock)
     a, b = w(1, 0), w(2, 0)
     t = clock.now()
-    sequences.add_request(req("req-a", a, [1, 2, 3], tracking_hint(12)), t)
+    add_request(sequences, req("req-a", a, [1, 2, 3], tracking_hint(12)), t)
     sequences.add_output_block("req-a", 0.5)
     sequences.mark_prefill_completed("req-a", t)
-    sequences.add_request(req("req-b", b, [1, 2, 4], tracking_hint(12)), t)
+    add_request(sequences, req("req-b", b, [1, 2, 4], tracking_hint(12)), t)
 
     deltas = PrefillTokenDeltas.new(16, {a: 8, b: 12})
     blocks, tokens = assert_matches_naive(sequences, [1, 2, 3, 5], deltas, t)
@@ -790,8 +801,8 @@ def test_m17_unit_block_size_appendix_a_hashes(clock: FakeClock) -> None:
     sequences = make_multi_sequences(clock, block_size=1)
     a, b = w(1, 0), w(2, 0)
     t = clock.now()
-    sequences.add_request(req("A", a, prompt_a), t)
-    sequences.add_request(req("B", b, prompt_b), t)
+    add_request(sequences, req("A", a, prompt_a), t)
+    add_request(sequences, req("B", b, prompt_b), t)
     blocks, _ = assert_matches_naive(sequences, prompt_b, PrefillTokenDeltas.none(), t)
     assert blocks == {a: 4, b: 3}
     sequences.free("B", t)
@@ -799,7 +810,7 @@ def test_m17_unit_block_size_appendix_a_hashes(clock: FakeClock) -> None:
     assert blocks == {a: 4, b: 3}
     sequences.free("A", t)
     sequences.assert_consistent()
-    sequences.assert_completely_drained(t)
+    assert_completely_drained(sequences, t)
 
 
 def test_m18_lora_hashes_do_not_cross_match_appendix_a(clock: FakeClock) -> None:
@@ -811,8 +822,8 @@ def test_m18_lora_hashes_do_not_cross_match_appendix_a(clock: FakeClock) -> None
     sequences = make_multi_sequences(clock)
     a, b = w(1, 0), w(2, 0)
     t = clock.now()
-    sequences.add_request(req("base", a, base), t)
-    sequences.add_request(req("lora", b, lora, lora="adapter-a"), t)
+    add_request(sequences, req("base", a, base), t)
+    add_request(sequences, req("lora", b, lora, lora="adapter-a"), t)
     blocks, tokens = assert_matches_naive(sequences, base, PrefillTokenDeltas.none(), t)
     assert blocks == {a: 2, b: 4}
     assert tokens == {a: 0, b: 0}
@@ -821,10 +832,10 @@ def test_m18_lora_hashes_do_not_cross_match_appendix_a(clock: FakeClock) -> None
 def test_m19_lora_counts(clock: FakeClock) -> None:
     sequences = make(clock, {1: (0, 1)})
     t = clock.now()
-    sequences.add_request(req("r1", w(1, 0), [1], lora="a"), t)
-    sequences.add_request(req("r2", w(1, 0), [2], lora="a"), t)
-    sequences.add_request(req("r3", w(1, 0), [3], lora="b"), t)
-    sequences.add_request(req("r4", w(1, 0), [4]), t)
+    add_request(sequences, req("r1", w(1, 0), [1], lora="a"), t)
+    add_request(sequences, req("r2", w(1, 0), [2], lora="a"), t)
+    add_request(sequences, req("r3", w(1, 0), [3], lora="b"), t)
+    add_request(sequences, req("r4", w(1, 0), [4]), t)
     assert sequences.get_active_lora_counts() == {"a": 2, "b": 1}
 
     sequences.free("r1", t)
@@ -838,13 +849,13 @@ def test_m19_lora_counts(clock: FakeClock) -> None:
 def test_m20_include_active_requests(clock: FakeClock) -> None:
     sequences = make(clock, {1: (0, 1)})
     t = clock.now()
-    sequences.add_request(req("r1", w(1, 0), [1, 2]), t)
-    sequences.add_request(req("r2", w(1, 0), [3]), t)
+    add_request(sequences, req("r1", w(1, 0), [1, 2]), t)
+    add_request(sequences, req("r2", w(1, 0), [3]), t)
 
-    *_, requests = sequences.potential_blocks_and_tokens(None, PrefillTokenDeltas.none(), t)
+    *_, requests = potential_blocks_and_tokens(sequences, None, PrefillTokenDeltas.none(), t)
     assert requests is None
-    *_, requests = sequences.potential_blocks_and_tokens(
-        None, PrefillTokenDeltas.none(), t, include_active_requests=True
+    *_, requests = potential_blocks_and_tokens(
+        sequences, None, PrefillTokenDeltas.none(), t, include_active_requests=True
     )
     assert requests == {w(1, 0): 2}
 
@@ -852,7 +863,7 @@ def test_m20_include_active_requests(clock: FakeClock) -> None:
 def test_m25_sweep_publication(clock: FakeClock) -> None:
     rec = RecordingPublisher()
     sequences = make(clock, {1: (0, 1), 2: (0, 1)}, rec)
-    sequences.add_request(req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), clock.now())
+    add_request(sequences, req("r", w(1, 0), [1, 2, 3], tracking_hint(12)), clock.now())
     rec.clear()
 
     clock.advance(331)
@@ -862,8 +873,8 @@ def test_m25_sweep_publication(clock: FakeClock) -> None:
     assert rec.single_loads == [ActiveLoad(1, 0, 0, 0, None)]
     assert rec.observations == [(w(1, 0), 0, 0)]
     assert rec.load_batches == []
-    assert not sequences.request_worker
-    assert sequences.is_membership_empty()
+    assert not request_ranks(sequences)
+    assert is_membership_empty(sequences)
     assert sequences.active_request_counts()[w(1, 0)] == 0
     sequences.assert_consistent()
 
@@ -873,7 +884,7 @@ def test_m29_lazy_creation_on_local_add(clock: FakeClock) -> None:
     sequences = make(clock, {}, rec)
     assert rec.registered == []
 
-    sequences.add_request(req("r", w(5, 3), [1]), clock.now())
+    add_request(sequences, req("r", w(5, 3), [1]), clock.now())
     assert rec.registered == [w(5, 3)]
     assert sequences.active_blocks() == {w(5, 3): 1}
     assert sequences.worker_ranges() == []

@@ -10,6 +10,7 @@ the request index, LoRA counts and rank slots must equal a small model, and the 
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from kv_slot_tracker.core.errors import (
     WorkerIdNotRegistered,
     WorkerNotFound,
 )
-from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     NS_PER_S,
     PrefillTokenDeltas,
@@ -36,13 +36,22 @@ from kv_slot_tracker.core.types import (
     WorkerWithDpRank,
 )
 from tests.fakes import FakeClock
-from tests.unit.recording import (
+from tests.support.recording import (
     RecordingPublisher,
     modeled_hint,
     naive_overlap,
     naive_potential_loads,
     seq_hashes_for_tokens,
     tracking_hint,
+)
+from tests.support.tracker import (
+    add_request,
+    assert_completely_drained,
+    assert_trie_consistent,
+    new_tracker,
+    potential_blocks_and_tokens,
+    request_ranks,
+    slots,
 )
 
 BLOCK_SIZE = 2
@@ -81,8 +90,8 @@ class OverlapMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.pub = RecordingPublisher()
         initial = {1: (0, 2), 2: (0, 1)}
-        self.tracker = ActiveSequencesMultiWorker(
-            self.pub, BLOCK_SIZE, initial, False, 0, "prop", clock=self.clock.now
+        self.tracker = new_tracker(
+            self.pub, BLOCK_SIZE, initial, False, 0, worker_type="prop", clock=self.clock.now
         )
         self.ranges = {wid: WorkerDpRange(wid, s, n) for wid, (s, n) in initial.items()}
         self.slots = {w for r in self.ranges.values() for w in r.ranks()}
@@ -101,8 +110,8 @@ class OverlapMachine(RuleBasedStateMachine):
 
     def _some_id(self, data: st.DataObject) -> str:
         """Mostly an active id; sometimes a freed, expired, dropped or unknown one."""
-        if self.tracker.request_worker and data.draw(st.integers(0, 3)):
-            return data.draw(st.sampled_from(sorted(self.tracker.request_worker)))
+        if request_ranks(self.tracker) and data.draw(st.integers(0, 3)):
+            return data.draw(st.sampled_from(sorted(request_ranks(self.tracker))))
         return data.draw(st.sampled_from([*self.used_ids, "ghost"]))
 
     def _apply_removed(self, removed: list[WorkerWithDpRank]) -> None:
@@ -148,9 +157,9 @@ class OverlapMachine(RuleBasedStateMachine):
             worker = data.draw(st.sampled_from(sorted(self.slots)))
         else:
             worker = data.draw(ranks)
-        duplicate = bool(self.tracker.request_worker) and not data.draw(st.integers(0, 6))
+        duplicate = bool(request_ranks(self.tracker)) and not data.draw(st.integers(0, 6))
         if duplicate:
-            rid = data.draw(st.sampled_from(sorted(self.tracker.request_worker)))
+            rid = data.draw(st.sampled_from(sorted(request_ranks(self.tracker))))
         else:
             rid = self._fresh_id()
         hint, track = data.draw(hints), data.draw(st.booleans())
@@ -166,9 +175,12 @@ class OverlapMachine(RuleBasedStateMachine):
             return
         if worker not in self.slots:
             self.slots.add(worker)  # lazy creation, kept even if the add then fails
-        add = self.tracker.add_request_if_registered if strict else self.tracker.add_request
+        if strict:
+            add = self.tracker.add_request_if_registered
+        else:
+            add = functools.partial(add_request, self.tracker)
         if duplicate:
-            owner = self.tracker.request_worker[rid]
+            owner = request_ranks(self.tracker)[rid]
             with pytest.raises(DuplicateRequest) as err:
                 add(request, decay_now)
             assert str(err.value) == (
@@ -179,7 +191,7 @@ class OverlapMachine(RuleBasedStateMachine):
         add(request, decay_now)
         self.model[rid] = ModelRequest(worker, self.clock.now(), lora)
         assert len(self.pub.single_loads) == 1
-        assert self.tracker.slots[worker].requests[rid].prompt_blocks == (prompt or [])
+        assert slots(self.tracker)[worker].requests[rid].prompt_blocks == (prompt or [])
 
     @rule(data=st.data())
     def add_lineage(self, data) -> None:
@@ -198,15 +210,15 @@ class OverlapMachine(RuleBasedStateMachine):
         rid = self._some_id(data)
         self.tracker.free(rid, self.clock.now() + decay_offset)  # never raises
         self.model.pop(rid, None)
-        assert rid not in self.tracker.request_worker
+        assert rid not in request_ranks(self.tracker)
 
     @rule(data=st.data(), decay_offset=decay_offsets_ns)
     def mark_prefill_completed(self, data, decay_offset) -> None:
         rid = self._some_id(data)
         decay_now = self.clock.now() + decay_offset
-        if rid in self.tracker.request_worker:
+        if rid in request_ranks(self.tracker):
             self.tracker.mark_prefill_completed(rid, decay_now)
-            assert rid not in self.tracker.slots[self.tracker.request_worker[rid]].prefill.prefills
+            assert rid not in slots(self.tracker)[request_ranks(self.tracker)[rid]].prefill.prefills
         else:
             with pytest.raises(RequestNotFound) as err:
                 self.tracker.mark_prefill_completed(rid, decay_now)
@@ -215,9 +227,9 @@ class OverlapMachine(RuleBasedStateMachine):
     @rule(data=st.data(), fraction=fractions)
     def add_output_block(self, data, fraction) -> None:
         rid = self._some_id(data)
-        if rid in self.tracker.request_worker:
+        if rid in request_ranks(self.tracker):
             h = self.tracker.add_output_block(rid, fraction)
-            slot = self.tracker.slots[self.tracker.request_worker[rid]]
+            slot = slots(self.tracker)[request_ranks(self.tracker)[rid]]
             assert slot.requests[rid].output_blocks[-1] == h
         else:
             with pytest.raises(RequestNotFound) as err:
@@ -325,7 +337,7 @@ class OverlapMachine(RuleBasedStateMachine):
         rng = self.rng
         queries: list[list[int] | None] = [None, []]
         prompts = [
-            st_.prompt_blocks for s in self.tracker.slots.values() for st_ in s.requests.values()
+            st_.prompt_blocks for s in slots(self.tracker).values() for st_ in s.requests.values()
         ]
         for _ in range(2):
             if prompts:
@@ -347,25 +359,25 @@ class OverlapMachine(RuleBasedStateMachine):
     def loads_match_naive(self) -> None:
         tracker, rng = self.tracker, self.rng
         tracker.assert_consistent()
-        tracker.trie.assert_consistent()
-        workers = sorted(tracker.slots)
+        assert_trie_consistent(tracker)
+        workers = sorted(slots(tracker))
         for query in self._queries():
             decay_now = self.clock.now() + rng.choice([0, NS_PER_S, 7 * NS_PER_S, 40 * NS_PER_S])
             by_worker = {w: rng.randint(0, 50) for w in workers if rng.random() < 0.5}
             deltas = PrefillTokenDeltas.new(rng.randint(0, 50), by_worker)
             exp_blocks, exp_tokens = naive_potential_loads(tracker, query, deltas, decay_now)
-            blocks, tokens, requests = tracker.potential_blocks_and_tokens(
-                query, deltas, decay_now, include_active_requests=True
+            blocks, tokens, requests = potential_blocks_and_tokens(
+                tracker, query, deltas, decay_now, include_active_requests=True
             )
             assert blocks == exp_blocks, query
             assert tokens == exp_tokens, query
-            assert requests == {w: len(s.requests) for w, s in tracker.slots.items()}
+            assert requests == {w: len(s.requests) for w, s in slots(tracker).items()}
 
             overlaps = tracker.overlaps(query)
             q_len = len(query) if query else 0
             projections = tracker.project_worker_loads(query, decay_now)
             assert set(projections) == set(workers)
-            for worker, slot in tracker.slots.items():
+            for worker, slot in slots(tracker).items():
                 prompts = [st_.prompt_blocks for st_ in slot.requests.values()]
                 overlap = naive_overlap(prompts, query)
                 assert overlaps.get(worker, 0) == overlap, (worker, query)
@@ -379,10 +391,10 @@ class OverlapMachine(RuleBasedStateMachine):
     @invariant()
     def index_matches_model(self) -> None:
         tracker, now = self.tracker, self.clock.now()
-        assert set(tracker.slots) == self.slots
+        assert set(slots(tracker)) == self.slots
         assert tracker.worker_ranges() == [self.ranges[k] for k in sorted(self.ranges)]
         assert tracker.has_registered_workers() == bool(self.ranges)
-        actual = dict(tracker.request_worker)
+        actual = dict(request_ranks(tracker))
         for rid in [rid for rid in self.model if rid not in actual]:
             # the only silent removal is expiry (strictly older than 300 s)
             assert self.model.pop(rid).started_at < now - EXPIRY_NS, rid
@@ -397,10 +409,10 @@ class OverlapMachine(RuleBasedStateMachine):
         if tracker is None:
             return
         now = self.clock.now()
-        for rid in list(tracker.request_worker):
+        for rid in list(request_ranks(tracker)):
             tracker.free(rid, now)
         tracker.assert_consistent()
-        tracker.assert_completely_drained(now)
+        assert_completely_drained(tracker, now)
         assert tracker.active_blocks() == {w: 0 for w in self.slots}
 
 

@@ -28,14 +28,15 @@ from kv_slot_tracker.replication.queue import (
     PublishQueueFull,
 )
 from tests.fakes import FakeClock
-from tests.unit.replica_runtime import (
+from tests.support.replica_runtime import (
     MAX_REPLICA_BATCH_DURATION_NS,
     MAX_REPLICA_BATCH_EVENTS,
     collect_batch,
     drain,
     run_singleton_publisher,
 )
-from tests.unit.wire import decode_batch, encode_batch
+from tests.support.tracker import add_request, new_tracker
+from tests.support.wire import decode_batch, encode_batch
 
 WORKER = WorkerWithDpRank(1, 0)
 
@@ -112,7 +113,7 @@ def test_active_sequence_publish_sender_drops_newest_when_full() -> None:
 
 def _drive_lifecycle(tracker: ActiveSequencesMultiWorker, clock: FakeClock) -> None:
     req = SequenceRequest("r", WORKER, [1, 2, 3], track_prefill_tokens=False)
-    tracker.add_request(req, clock.now())
+    add_request(tracker, req, clock.now())
     tracker.mark_prefill_completed("r", clock.now())
     tracker.free("r", clock.now())
 
@@ -121,7 +122,7 @@ def test_active_sequence_publish_channel_is_absent_when_replica_sync_disabled() 
     # Port intent: with replica sync off, the tracker never hands an event to the publisher.
     clock = FakeClock()
     disabled: EventQueue[ActiveSequenceEvent] = EventQueue(1)
-    tracker = ActiveSequencesMultiWorker(
+    tracker = new_tracker(
         QueuePublisher(disabled), 4, {1: (0, 1)}, replica_sync=False, clock=clock.now
     )
     _drive_lifecycle(tracker, clock)
@@ -130,7 +131,7 @@ def test_active_sequence_publish_channel_is_absent_when_replica_sync_disabled() 
 
     # Control: the same lifecycle with replica sync on enqueues add, mark, free in order.
     enabled: EventQueue[ActiveSequenceEvent] = EventQueue(3)
-    tracker = ActiveSequencesMultiWorker(
+    tracker = new_tracker(
         QueuePublisher(enabled), 4, {1: (0, 1)}, replica_sync=True, clock=clock.now
     )
     _drive_lifecycle(tracker, clock)
@@ -162,12 +163,10 @@ def test_tracker_logs_closed_queue_error_only_outside_shutdown(
     clock = FakeClock()
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(1)
     queue.close()
-    tracker = ActiveSequencesMultiWorker(
-        QueuePublisher(queue), 4, {1: (0, 1)}, replica_sync=True, clock=clock.now
-    )
+    tracker = new_tracker(QueuePublisher(queue), 4, {1: (0, 1)}, replica_sync=True, clock=clock.now)
     caplog.set_level(logging.DEBUG, logger="kv_slot_tracker.core.tracker")
 
-    tracker.add_request(SequenceRequest("unexpected", WORKER, [1]), clock.now())
+    add_request(tracker, SequenceRequest("unexpected", WORKER, [1]), clock.now())
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
     assert "Failed to publish replica-sync event" in errors[0].getMessage()
@@ -210,7 +209,7 @@ async def _next_attempt(publisher: BlockingSingletonPublisher) -> str:
 async def test_active_sequence_singleton_publisher_serializes_and_stops_on_cancellation(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="tests.unit.replica_runtime")
+    caplog.set_level(logging.ERROR, logger="tests.support.replica_runtime")
     publisher = BlockingSingletonPublisher()
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(3)
     queue.try_send(add_event("ordered"))

@@ -22,7 +22,6 @@ from kv_slot_tracker.core.events import (
 )
 from kv_slot_tracker.core.tracker import (
     ActiveSequencesMultiWorker,
-    ModeledPrefillTimeLoad,
     ReplicaWorkerPolicy,
     SequencePublisher,
 )
@@ -34,13 +33,22 @@ from kv_slot_tracker.core.types import (
     WorkerWithDpRank,
 )
 from tests.fakes import FakeClock
-from tests.unit.recording import RecordingPublisher, modeled_hint, tracking_hint
-from tests.unit.replica_runtime import (
+from tests.support.recording import RecordingPublisher, modeled_hint, tracking_hint
+from tests.support.replica_runtime import (
     PENDING,
     Cancel,
     ReceiveError,
     run_replica_sync,
     start_replica_sync,
+    sync_counts,
+)
+from tests.support.tracker import (
+    ModeledPrefillTimeLoad,
+    add_request,
+    is_membership_empty,
+    modeled_remaining_prefill_time_loads_at,
+    new_tracker,
+    request_ranks,
 )
 
 W1 = WorkerWithDpRank(1, 0)
@@ -128,7 +136,7 @@ def make_recording_tracker(
     workers: dict[int, tuple[int, int]], clock: FakeClock, router_id: int = 0
 ) -> tuple[ActiveSequencesMultiWorker, RecordingPublisher]:
     publisher = RecordingPublisher()
-    tracker = ActiveSequencesMultiWorker(
+    tracker = new_tracker(
         publisher, 4, workers, replica_sync=True, router_id=router_id, clock=clock.now
     )
     return tracker, publisher
@@ -139,7 +147,7 @@ def make_noop_tracker(
     clock: FakeClock,
     policy: ReplicaWorkerPolicy = ReplicaWorkerPolicy.LAZY_REGISTER,
 ) -> ActiveSequencesMultiWorker:
-    return ActiveSequencesMultiWorker(
+    return new_tracker(
         None,
         4,
         workers,
@@ -158,7 +166,7 @@ async def replica(tracker: ActiveSequencesMultiWorker, *items: Item) -> None:
 def modeled_time_by_worker(
     tracker: ActiveSequencesMultiWorker, now: int
 ) -> dict[WorkerWithDpRank, object]:
-    loads: list[ModeledPrefillTimeLoad] = tracker.modeled_remaining_prefill_time_loads_at(now)
+    loads: list[ModeledPrefillTimeLoad] = modeled_remaining_prefill_time_loads_at(tracker, now)
     return {load.worker: load.modeled_remaining_prefill_time_ms for load in loads}
 
 
@@ -185,8 +193,8 @@ async def test_replica_sync_coalesces_latest_load_wake_and_cleanup() -> None:
     assert load.active_prefill_tokens == 0
     assert load.kv_used_blocks is None
     assert publisher.single_loads == []
-    assert tracker.remote_state_update_count == 1
-    assert tracker.cleanup_attempts == 1
+    assert sync_counts(tracker).wakes == 1
+    assert sync_counts(tracker).cleanups == 1
     assert tracker.worker_for("req-2") == W1
     assert tracker.worker_for("req-1") is None
     assert tracker.active_request_counts().get(W1) == 1
@@ -199,13 +207,13 @@ async def test_replica_sync_mark_only_batch_does_not_publish_load() -> None:
     assert len(publisher.load_batches) == 1  # the add's batch, before clearing
 
     publisher.clear()
-    wake_count_before = tracker.remote_state_update_count
+    wake_count_before = sync_counts(tracker).wakes
     await replica(tracker, replica_mark("req-1", W1), replica_mark("req-1", W1))
 
     assert publisher.load_batches == []
     assert publisher.single_loads == []
     assert publisher.observations == []
-    assert tracker.remote_state_update_count == wake_count_before + 1
+    assert sync_counts(tracker).wakes == wake_count_before + 1
 
 
 async def test_replica_sync_free_uses_canonical_worker_for_collapsed_load() -> None:
@@ -238,8 +246,8 @@ async def test_replica_sync_batch_cap_splits_deferred_side_effects() -> None:
     assert all(len(batch) == 1 for batch in batches)
     # first flush after exactly 256 applied adds (one block each), second after the other 44
     assert [batch[0].active_decode_blocks for batch in batches] == [256, 300]
-    assert tracker.cleanup_attempts == 2
-    assert tracker.remote_state_update_count == 0
+    assert sync_counts(tracker).cleanups == 2
+    assert sync_counts(tracker).wakes == 0
 
 
 async def test_replica_sync_flushes_sparse_event_without_waiting_for_another() -> None:
@@ -265,7 +273,7 @@ async def test_replica_sync_flushes_sparse_event_without_waiting_for_another() -
 async def test_replica_sync_receive_error_flushes_applied_prefix(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tests.unit.replica_runtime")
+    caplog.set_level(logging.WARNING, logger="tests.support.replica_runtime")
     tracker, publisher = make_recording_tracker({1: (0, 1)}, FakeClock())
 
     await replica(
@@ -303,8 +311,8 @@ async def test_replica_sync_add_and_free_keep_block_membership_consistent() -> N
 
     await replica(tracker, replica_add("req-1", W1, [1, 2, 3]), replica_free("req-1", W1))
 
-    assert tracker.request_worker == {}
-    assert tracker.is_membership_empty()
+    assert request_ranks(tracker) == {}
+    assert is_membership_empty(tracker)
     assert tracker.active_blocks().get(W1) == 0
     assert tracker.active_request_counts().get(W1, 0) == 0
     tracker.assert_consistent()
@@ -368,7 +376,7 @@ async def test_replica_sync_add_lazily_registers_missing_worker() -> None:
 
     assert tracker.num_workers() == 1
     assert tracker.worker_for("req-1") == W1
-    assert not tracker.is_membership_empty()
+    assert not is_membership_empty(tracker)
     assert tracker.active_blocks().get(W1) == 3
     assert tracker.worker_ranges() == []  # a lazily created slot is not a registration
     assert not tracker.has_registered_workers()
@@ -381,7 +389,7 @@ async def test_replica_sync_require_registered_drops_missing_worker() -> None:
 
     assert tracker.num_workers() == 0
     assert tracker.worker_for("req-1") is None
-    assert tracker.is_membership_empty()
+    assert is_membership_empty(tracker)
 
 
 async def test_replica_sync_require_registered_drops_event_after_worker_removal() -> None:
@@ -392,7 +400,7 @@ async def test_replica_sync_require_registered_drops_event_after_worker_removal(
 
     assert tracker.num_workers() == 0
     assert tracker.worker_for("req-1") is None
-    assert tracker.is_membership_empty()
+    assert is_membership_empty(tracker)
 
 
 # -- SPEC §9.4 R13 / R14 ----------------------------------------------------------------------
@@ -407,8 +415,8 @@ async def test_replica_sync_ignores_own_echo() -> None:
     assert tracker.worker_for("r") is None
     assert tracker.active_blocks() == {W1: 0}
     assert publisher.load_batches == []
-    assert tracker.cleanup_attempts == 0
-    assert tracker.remote_state_update_count == 0
+    assert sync_counts(tracker).cleanups == 0
+    assert sync_counts(tracker).wakes == 0
 
     # the same event from a peer is applied (so the echo check is what made the difference)
     await replica(tracker, replica_add("r", W1, [1, 2, 3], router_id=6))
@@ -437,7 +445,7 @@ def make_emitting_tracker(
     clock: FakeClock, replica_sync: bool = True
 ) -> tuple[ActiveSequencesMultiWorker, RecordingPublisher]:
     publisher = RecordingPublisher()
-    tracker = ActiveSequencesMultiWorker(
+    tracker = new_tracker(
         publisher, 4, {1: (0, 1)}, replica_sync=replica_sync, router_id=7, clock=clock.now
     )
     return tracker, publisher
@@ -449,7 +457,9 @@ def test_add_and_free_enqueue_events_and_second_free_is_silent() -> None:
     tracker, publisher = make_emitting_tracker(clock)
     t = clock.now()
 
-    tracker.add_request(SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t)
+    add_request(
+        tracker, SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t
+    )
     assert publisher.observations == [(W1, 3, 12)]
     assert publisher.single_loads == [ActiveLoad(1, 0, 3, 12, None)]
     assert publisher.events == [
@@ -471,7 +481,9 @@ def test_mark_emits_on_every_repeat_but_not_after_free() -> None:
     clock = FakeClock()
     tracker, publisher = make_emitting_tracker(clock)
     t = clock.now()
-    tracker.add_request(SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t)
+    add_request(
+        tracker, SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t
+    )
     publisher.clear()
 
     tracker.mark_prefill_completed("r", t)
@@ -498,7 +510,7 @@ def test_output_blocks_are_never_replicated() -> None:
         tracker.add_output_block("nope", None)
     assert publisher.events == [] and publisher.single_loads == []
 
-    tracker.add_request(SequenceRequest("r", W1, [1, 2], track_prefill_tokens=False), clock.now())
+    add_request(tracker, SequenceRequest("r", W1, [1, 2], track_prefill_tokens=False), clock.now())
     publisher.clear()
 
     tracker.add_output_block("r", 0.5)
@@ -511,11 +523,11 @@ def test_failed_operations_and_disabled_sync_emit_nothing() -> None:
     clock = FakeClock()
     tracker, publisher = make_emitting_tracker(clock)
     t = clock.now()
-    tracker.add_request(SequenceRequest("r", W1, [1]), t)
+    add_request(tracker, SequenceRequest("r", W1, [1]), t)
     publisher.clear()
 
     with pytest.raises(DuplicateRequest):
-        tracker.add_request(SequenceRequest("r", W1, [2]), t)
+        add_request(tracker, SequenceRequest("r", W1, [2]), t)
     with pytest.raises(WorkerNotFound):
         tracker.add_request_if_registered(SequenceRequest("s", WorkerWithDpRank(1, 1), [3]), t)
     tracker.free("unknown", t)
@@ -526,7 +538,7 @@ def test_failed_operations_and_disabled_sync_emit_nothing() -> None:
     assert publisher.events == []
 
     off, off_publisher = make_emitting_tracker(clock, replica_sync=False)
-    off.add_request(SequenceRequest("r", W1, [1]), t)
+    add_request(off, SequenceRequest("r", W1, [1]), t)
     off.mark_prefill_completed("r", t)
     off.free("r", t)
     assert off_publisher.events == []
@@ -575,13 +587,15 @@ class StateCapturingPublisher(SequencePublisher):
 def test_events_are_emitted_after_the_local_mutation() -> None:
     clock = FakeClock()
     publisher = StateCapturingPublisher(clock)
-    tracker = ActiveSequencesMultiWorker(
+    tracker = new_tracker(
         publisher, 4, {1: (0, 1)}, replica_sync=True, router_id=7, clock=clock.now
     )
     publisher.tracker = tracker
     t = clock.now()
 
-    tracker.add_request(SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t)
+    add_request(
+        tracker, SequenceRequest("r", W1, [1, 2, 3], prefill_load_hint=tracking_hint(12)), t
+    )
     tracker.mark_prefill_completed("r", t)
     tracker.free("r", t)
 
@@ -596,7 +610,7 @@ def test_add_request_on_missing_worker_is_lazy_and_emits_once() -> None:
     clock = FakeClock()
     tracker, publisher = make_emitting_tracker(clock)
     w = WorkerWithDpRank(5, 3)
-    tracker.add_request(SequenceRequest("x", w, [1]), clock.now())
+    add_request(tracker, SequenceRequest("x", w, [1]), clock.now())
     assert publisher.registered[-1:] == [w]
     assert [e.worker for e in publisher.events] == [w]
     assert tracker.worker_ranges() == [WorkerDpRange(1, 0, 1)]

@@ -10,15 +10,15 @@ from __future__ import annotations
 import random
 
 from kv_slot_tracker.core.sequences import ActiveSequences
-from kv_slot_tracker.core.types import (
-    NS_PER_S,
-    PrefillLoadHint,
+from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint
+from tests.fakes import FakeClock
+from tests.support import sequences as seed
+from tests.support.sequences import (
     PromptMembershipDelta,
     PromptMembershipRemove,
     PromptMembershipStore,
-    SequenceMutationOutcome,
+    SeedOutcome,
 )
-from tests.fakes import FakeClock
 
 
 def tracking_hint(tokens: int) -> PrefillLoadHint | None:
@@ -45,16 +45,14 @@ def add(
     decay_now: int,
     *,
     track: bool = True,
-) -> SequenceMutationOutcome:
-    outcome = slot.add_request_with_prefill_tracking(
-        request_id, token_sequence, None, track, hint, decay_now
-    )
+) -> SeedOutcome:
+    outcome = seed.add(slot, request_id, token_sequence, None, track, hint, decay_now)
     slot.assert_consistent()
     return outcome
 
 
 def free(slot: ActiveSequences, request_id: str, decay_now: int) -> PromptMembershipDelta:
-    delta = slot.free(request_id, decay_now)
+    delta = seed.free(slot, request_id, decay_now)
     slot.assert_consistent()
     return delta
 
@@ -70,8 +68,8 @@ def output_block(slot: ActiveSequences, request_id: str, fraction: float | None)
     return h
 
 
-def expire(slot: ActiveSequences) -> SequenceMutationOutcome:
-    outcome = slot.force_expiry()
+def expire(slot: ActiveSequences) -> SeedOutcome:
+    outcome = seed.force_expiry(slot)
     slot.assert_consistent()
     return outcome
 
@@ -496,7 +494,7 @@ def test_c12_duplicate_add_ignored() -> None:
     add(slot, "r1", [1, 2], tracking_hint(8), t)
 
     out = add(slot, "r1", [9], tracking_hint(100), t)
-    assert out == SequenceMutationOutcome()
+    assert out == SeedOutcome()
     assert out.membership_delta.is_empty()
     assert out.expired_request_ids == set()
     assert slot.active_blocks() == 2

@@ -26,19 +26,20 @@ from kv_slot_tracker.core.events import (
     event_from_wire,
     event_to_wire,
 )
-from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
+from kv_slot_tracker.core.tracker import SequencePublisher
 from kv_slot_tracker.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from kv_slot_tracker.replication.queue import EventQueue
 from tests.fakes import FakeClock
-from tests.unit.recording import tracking_hint
-from tests.unit.replica_runtime import (
+from tests.support.recording import tracking_hint
+from tests.support.replica_runtime import (
     PENDING,
     Cancel,
     collect_batch,
     run_singleton_publisher,
     start_replica_sync,
 )
-from tests.unit.wire import decode_batch, decode_event, encode_batch, encode_event
+from tests.support.tracker import add_request, assert_completely_drained, new_tracker, request_ranks
+from tests.support.wire import decode_batch, decode_event, encode_batch, encode_event
 
 # -- Q07 --------------------------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ class Replica:
     ) -> None:
         self.bus = bus
         self.queue: EventQueue[ActiveSequenceEvent] = EventQueue()
-        self.tracker = ActiveSequencesMultiWorker(
+        self.tracker = new_tracker(
             QueuePublisher(self.queue),
             4,
             workers,
@@ -307,7 +308,8 @@ async def test_active_sequence_replica_sync_isolated_by_endpoint(
     replicas.extend([a, a_peer, b])
     worker = WorkerWithDpRank(0, 0)
 
-    a.tracker.add_request(
+    add_request(
+        a.tracker,
         SequenceRequest(
             "endpoint-a-request-0", worker, [1, 2, 3, 4], prefill_load_hint=tracking_hint(4)
         ),
@@ -341,14 +343,16 @@ async def test_multi_worker_cross_instance_sync(wire: str, replicas: list[Replic
     w00, w01, w10 = WorkerWithDpRank(0, 0), WorkerWithDpRank(0, 1), WorkerWithDpRank(1, 0)
     decay_now = clock.now()
 
-    s1.add_request(
+    add_request(
+        s1,
         SequenceRequest("request_0", w00, [0, 1, 2], prefill_load_hint=tracking_hint(12)),
         decay_now,
     )
-    s1.add_request(
-        SequenceRequest("request_1", w01, [3, 4], prefill_load_hint=tracking_hint(8)), decay_now
+    add_request(
+        s1, SequenceRequest("request_1", w01, [3, 4], prefill_load_hint=tracking_hint(8)), decay_now
     )
-    s2.add_request(
+    add_request(
+        s2,
         SequenceRequest("request_2", w10, [0, 1, 2, 3], prefill_load_hint=tracking_hint(16)),
         decay_now,
     )
@@ -375,15 +379,15 @@ async def test_multi_worker_cross_instance_sync(wire: str, replicas: list[Replic
     s1.free("request_2", clock.now())
     s2.free("request_0", clock.now())
     s2.free("request_1", clock.now())
-    await eventually(lambda: not s1.request_worker and not s2.request_worker)
+    await eventually(lambda: not request_ranks(s1) and not request_ranks(s2))
 
     blocks_phase2 = s2.active_blocks()
     tokens_phase2 = s2.active_tokens(clock.now())
     for worker in (w00, w01, w10):
         assert blocks_phase2[worker] == 0, worker
         assert tokens_phase2[worker] == 0, worker
-    s1.assert_completely_drained(clock.now())
-    s2.assert_completely_drained(clock.now())
+    assert_completely_drained(s1, clock.now())
+    assert_completely_drained(s2, clock.now())
 
 
 @WIRES
@@ -398,14 +402,14 @@ async def test_multi_worker_no_token_sequence_sync(wire: str, replicas: list[Rep
     w0, w1, w2 = WorkerWithDpRank(0), WorkerWithDpRank(1), WorkerWithDpRank(2)
     decay_now = clock.now()
 
-    s1.add_request(
-        SequenceRequest("request_0", w0, None, prefill_load_hint=tracking_hint(12)), decay_now
+    add_request(
+        s1, SequenceRequest("request_0", w0, None, prefill_load_hint=tracking_hint(12)), decay_now
     )
-    s1.add_request(
-        SequenceRequest("request_1", w1, None, prefill_load_hint=tracking_hint(8)), decay_now
+    add_request(
+        s1, SequenceRequest("request_1", w1, None, prefill_load_hint=tracking_hint(8)), decay_now
     )
-    s2.add_request(
-        SequenceRequest("request_2", w2, None, prefill_load_hint=tracking_hint(16)), decay_now
+    add_request(
+        s2, SequenceRequest("request_2", w2, None, prefill_load_hint=tracking_hint(16)), decay_now
     )
     await eventually(
         lambda: (
@@ -427,7 +431,7 @@ async def test_multi_worker_no_token_sequence_sync(wire: str, replicas: list[Rep
     s2.mark_prefill_completed("request_1", clock.now())
     s2.free("request_0", clock.now())
     s2.free("request_1", clock.now())
-    await eventually(lambda: not s1.request_worker and not s2.request_worker)
+    await eventually(lambda: not request_ranks(s1) and not request_ranks(s2))
 
     tokens_phase2 = s2.active_tokens(clock.now())
     for worker in (w0, w1, w2):

@@ -421,7 +421,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         else:
             over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain)
         known = part.workers
-        if not t.table.ranges.keys() <= known.keys():
+        if not t.registered_worker_ids() <= known.keys():
             # ranks the slot-tracker routes registered are not candidates of the selection API
             keep = [i for i, w in enumerate(workers) if w.worker_id in known]
             workers = [workers[i] for i in keep]

@@ -5,6 +5,9 @@
   an event, a ``ReceiveError``, ``None`` when the stream is closed, and (``try_next_event`` only)
   ``PENDING`` when nothing is available right now.
 * The singleton publisher (SPEC §6.3): publish queued events one at a time, in order.
+* The seeds' wake-up and cleanup counts of a tracker's replica batches (``sync_counts``): a
+  batch that applied a free or a prefill completion wakes waiters once, one that applied an add
+  or a free attempts one cleanup.
 * ``collect_batch`` with the seeds' caps (``MAX_REPLICA_BATCH_*``); the app passes its own.
 
 (The app replicates through Redis instead: ``kv_slot_tracker.replication.redis``.)
@@ -15,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from kv_slot_tracker.core.events import ActiveSequenceEvent
+from kv_slot_tracker.core.events import ActiveSequenceEvent, AddRequest, Free
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
 from kv_slot_tracker.replication.queue import EventQueue, describe
 from kv_slot_tracker.replication.queue import collect_batch as collect_capped_batch
@@ -87,6 +91,27 @@ async def _first_of(coro, cancel: Cancel):
     return cancel
 
 
+@dataclass(slots=True)
+class SyncCounts:
+    """The seeds' ``remote_state_update_count`` (wakes) and cleanup attempts of one tracker."""
+
+    wakes: int = 0
+    cleanups: int = 0
+
+
+_COUNTS: weakref.WeakKeyDictionary[ActiveSequencesMultiWorker, SyncCounts] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def sync_counts(tracker: ActiveSequencesMultiWorker) -> SyncCounts:
+    """The wake-ups and cleanup attempts of ``tracker``'s replica batches so far."""
+    counts = _COUNTS.get(tracker)
+    if counts is None:
+        counts = _COUNTS[tracker] = SyncCounts()
+    return counts
+
+
 async def run_replica_sync(
     tracker: ActiveSequencesMultiWorker,
     subscriber: SequenceSubscriber,
@@ -96,6 +121,7 @@ async def run_replica_sync(
     """Apply a peer's events until the stream closes or ``cancel`` fires."""
     apply = apply or tracker.apply_replica_event
     clock = tracker.clock
+    counts = sync_counts(tracker)
     effects = ReplicaEffects()
     while True:
         r = await _first_of(subscriber.next_event(), cancel)
@@ -105,9 +131,12 @@ async def run_replica_sync(
             log.warning("Error receiving active sequence event: %s", r.message)
             continue
         event, start, n = r, clock(), 0
-        exit_after = yield_after = False
+        exit_after = yield_after = wake = cleanup = False
         while True:
-            apply(event, effects)
+            if apply(event, effects):
+                kind = type(event.data)
+                wake = wake or kind is not AddRequest
+                cleanup = cleanup or kind is AddRequest or kind is Free
             n += 1
             if cancel.is_cancelled():
                 exit_after = True
@@ -126,6 +155,8 @@ async def run_replica_sync(
                 break
             event = nxt
         tracker.flush_replica_effects(effects)
+        counts.wakes += wake
+        counts.cleanups += cleanup
         if exit_after:
             break
         if yield_after:

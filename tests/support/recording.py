@@ -16,6 +16,7 @@ from kv_slot_tracker.core.types import (
     PrefillTokenDeltas,
     WorkerWithDpRank,
 )
+from tests.support.tracker import slots
 
 __all__ = [
     "RecordingPublisher",
@@ -116,7 +117,7 @@ def naive_potential_loads(
     q_len = len(query) if query else 0
     blocks: dict[WorkerWithDpRank, int] = {}
     tokens: dict[WorkerWithDpRank, int] = {}
-    for worker, slot in tracker.slots.items():
+    for worker, slot in slots(tracker).items():
         prompts = [st.prompt_blocks for st in slot.requests.values()]
         overlap = naive_overlap(prompts, query)
         blocks[worker] = slot.active_blocks() + max(0, q_len - overlap)
