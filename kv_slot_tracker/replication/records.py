@@ -52,10 +52,13 @@ def origin_key(record: dict[str, Any]) -> OriginKey:
 
 
 def as_replayed(record: dict[str, Any]) -> dict[str, Any]:
-    """A copy of one of this instance's own records that the service will apply like a peer's.
+    """A copy of one of this instance's own records that the service will apply like a peer's
+    (its origin and its event's router id cleared: the service and the core skip records
+    carrying their own id).
 
-    Needed after the local state was replaced by a snapshot that predates some of our own
-    records: the service and the core skip records carrying their own id, so the id is cleared.
+    Needed when the local state no longer holds what an own record did: after it was replaced
+    by a snapshot that predates the record, or when a peer's earlier add of the same id replaced
+    the local copy (``kv_slot_tracker.service.replica``).
     """
     copy = dict(record)
     copy["origin"] = 0

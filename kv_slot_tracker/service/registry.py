@@ -37,7 +37,7 @@ class TrackerRegistry:
         check_interval_ns: int,
         instance_id: int,
         replicated: bool,
-        publisher_for: Callable[[Key], SequencePublisher],
+        publisher_for: Callable[[Key, int], SequencePublisher],
     ) -> None:
         self.clock = clock
         self.expiry_ns = expiry_ns
@@ -64,7 +64,7 @@ class TrackerRegistry:
         if capped:
             self.check_room(key)
         tracker = ActiveSequencesMultiWorker(
-            self.publisher_for(key),
+            self.publisher_for(key, block_size),
             block_size,
             {},
             self.replicated,

@@ -52,6 +52,7 @@ from kv_slot_tracker.core.events import (
 from kv_slot_tracker.core.publisher import ReplicaEffects, SequencePublisher
 from kv_slot_tracker.core.snapshot import wall_mapping
 from kv_slot_tracker.core.types import NS_PER_S, WorkerDpRange, WorkerWithDpRank
+from kv_slot_tracker.replication.records import as_replayed
 from kv_slot_tracker.service import early as e
 from kv_slot_tracker.service import record_check as rc
 from kv_slot_tracker.service.commands import Key
@@ -90,14 +91,15 @@ class SharedSelection(Protocol):
 class _TrackerPublisher(SequencePublisher):
     """Forwards one tracker's lifecycle events as replica records."""
 
-    __slots__ = ("replica", "key")
+    __slots__ = ("replica", "key", "block_size")
 
-    def __init__(self, replica: Replica, key: Key) -> None:
+    def __init__(self, replica: Replica, key: Key, block_size: int) -> None:
         self.replica = replica
         self.key = key
+        self.block_size = block_size
 
     def enqueue_event(self, event: ActiveSequenceEvent) -> None:
-        self.replica.emit_lifecycle(self.key, event)
+        self.replica.emit_lifecycle(self.key, self.block_size, event)
 
 
 class Replica:
@@ -146,8 +148,9 @@ class Replica:
         if self.replicator is not None:
             selection.publish = self.emit_selection
 
-    def publisher_for(self, key: Key) -> SequencePublisher:
-        return _TrackerPublisher(self, key)
+    def publisher_for(self, key: Key, block_size: int) -> SequencePublisher:
+        """The publisher of the tracker of ``key``, whose blocks are of ``block_size``."""
+        return _TrackerPublisher(self, key, block_size)
 
     # -- out -------------------------------------------------------------------------------
 
@@ -160,11 +163,10 @@ class Replica:
             "ts": self.wall_clock(),
         }
 
-    def emit_lifecycle(self, key: Key, event: ActiveSequenceEvent) -> None:
+    def emit_lifecycle(self, key: Key, block_size: int, event: ActiveSequenceEvent) -> None:
         if self.replicator is None:
             return
-        t = self.registry.find(key)
-        record = self._envelope(key, t.block_size if t is not None else 0)
+        record = self._envelope(key, block_size)
         record["event"] = event_to_wire(event)
         seq = self.replicator.publish(record)
         if seq and type(event.data) is AddRequest:
@@ -190,7 +192,8 @@ class Replica:
         early = self.early
         if early is None:
             return
-        record = self._envelope(key, self._block_size(key))
+        t = self.registry.find(key)
+        record = self._envelope(key, t.block_size if t is not None else 0)
         early.put((key[0], key[1], request_id), op, record["ts"], record["ts"])
         if op == e.FREE:
             early.counters.tombstones_created += 1
@@ -199,10 +202,6 @@ class Replica:
         record["early"] = {"op": op, "request_id": request_id}
         if self.replicator is not None:
             self.replicator.publish(record)
-
-    def _block_size(self, key: Key) -> int:
-        t = self.registry.find(key)
-        return t.block_size if t is not None else 0
 
     def emit_upsert(
         self, key: Key, block_size: int, worker_id: int, dp_start: int, dp_size: int
@@ -335,7 +334,7 @@ class Replica:
         while superseded and superseded[0][0] <= seq:
             _, record = superseded.pop(0)
             try:  # applied as a peer's record would be, in its place in the stream
-                if self._apply_one(as_peer(record), effects):
+                if self._apply_one(as_replayed(record), effects):
                     self.applied += 1
             except Exception as err:  # noqa: BLE001 - as in apply_remote
                 self.reject(_reason(record, err), err)
@@ -533,10 +532,3 @@ def _reason(rec: dict[str, Any], err: BaseException) -> str:
 
 _ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id
 
-
-def as_peer(record: dict[str, Any]) -> dict[str, Any]:
-    """One of our own records, to be applied like a peer's (origin and router id cleared)."""
-    copy = dict(record)
-    copy["origin"] = 0
-    copy["event"] = {**record["event"], "router_id": 0}
-    return copy
