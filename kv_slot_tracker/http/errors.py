@@ -98,15 +98,30 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     sel.NoEndpoints: (503, _text),
 }
 
-# Every error class an operation may raise on purpose (``except`` clauses catch exactly these).
+# Every error class an operation may raise on purpose (``except`` clauses catch exactly these,
+# and their subclasses).
 EXPECTED: tuple[type[Exception], ...] = (HttpError, *STATUS)
+
+# ``STATUS`` entries by the class actually raised: a subclass of a listed class gets the entry of
+# its nearest listed ancestor (its MRO), looked up once per class.
+_RESOLVED: dict[type[Exception], tuple[int, Callable[[Any], str]]] = dict(STATUS)
+
+
+def _resolve(cls: type[Exception]) -> tuple[int, Callable[[Any], str]]:
+    for base in cls.__mro__:
+        entry = STATUS.get(base)
+        if entry is not None:
+            _RESOLVED[cls] = entry
+            return entry
+    raise KeyError(cls)  # not an error of EXPECTED
 
 
 def describe(exc: Exception) -> tuple[int, str]:
-    """``(status, message)`` for an error of ``EXPECTED``."""
-    if type(exc) is HttpError:
-        return exc.status, exc.message  # type: ignore[attr-defined]
-    status, text = STATUS[type(exc)]
+    """``(status, message)`` for an error of ``EXPECTED`` (or of a subclass of one)."""
+    if isinstance(exc, HttpError):
+        return exc.status, exc.message
+    entry = _RESOLVED.get(type(exc)) or _resolve(type(exc))
+    status, text = entry
     return status, text(exc)
 
 

@@ -39,7 +39,7 @@ def hashes_u64(hashes: list[int] | None, look: bool = True) -> list[int] | None:
 # What a command does not accept (an unknown field, a prompt form given as null) sends the
 # whole body to the validating path, as does a backslash escape. msgspec keeps the last of a key
 # given twice, as the models' batch parser does; a single call's body with a key given twice
-# must take the validating path (its answer is 422), which ``_single`` finds by counting quotes.
+# must take the validating path (its answer is 422), which ``_decode_plain`` finds by counting quotes.
 
 
 class _Batch(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,7 +56,7 @@ _astuple = msgspec.structs.astuple
 
 def _others(cls: type[msgspec.Struct]) -> tuple[tuple[int, Any, bool], ...]:
     """``(index, default, whether it is a string)`` of each field whose default is neither
-    None nor UNSET (``_single`` counts those two with ``tuple.count``)."""
+    None nor UNSET (``_decode_plain`` counts those two with ``tuple.count``)."""
     fields, defaults = cls.__struct_fields__, cls.__struct_defaults__
     first = len(fields) - len(defaults)
     return tuple(
@@ -71,7 +71,7 @@ _ADD, _FREE, _PREFILL, _POTENTIAL = map(
 )
 
 
-def _single(raw: bytes, decode: Any, others: tuple[tuple[int, Any, bool], ...]) -> Any:
+def _decode_plain(raw: bytes, decode: Any, others: tuple[tuple[int, Any, bool], ...]) -> Any:
     """The command ``decode`` makes of the body when it is plain and no key repeats, else None.
 
     Without escapes every ``"`` opens or closes a string: one pair per key and per string
@@ -120,7 +120,7 @@ def _prompt_form(o: Any, raw: bytes) -> Any:
 def add_body(raw: bytes) -> c.Add | None:
     """A plain ``/add`` body's command (prompt form checked, hashes unsigned); None for any
     other body."""
-    o = _single(raw, _decode_add, _ADD)
+    o = _decode_plain(raw, _decode_add, _ADD)
     if o is None or o.worker_id > U64_MAX or o.new_isl_tokens > U64_MAX:
         return None
     return _prompt_form(o, raw)
@@ -129,7 +129,7 @@ def add_body(raw: bytes) -> c.Add | None:
 def potential_loads_body(raw: bytes) -> c.PotentialLoads | None:
     """A plain ``/potential_loads`` body's command (prompt form checked, hashes unsigned);
     None for any other body."""
-    o = _single(raw, _decode_potential, _POTENTIAL)
+    o = _decode_plain(raw, _decode_potential, _POTENTIAL)
     if o is None or o.new_isl_tokens > U64_MAX:
         return None
     return _prompt_form(o, raw)
@@ -137,12 +137,12 @@ def potential_loads_body(raw: bytes) -> c.PotentialLoads | None:
 
 def free_body(raw: bytes) -> c.Free | None:
     """A plain ``/free`` body's command; None for any other body."""
-    return _single(raw, _decode_free, _FREE)
+    return _decode_plain(raw, _decode_free, _FREE)
 
 
 def prefill_complete_body(raw: bytes) -> c.PrefillComplete | None:
     """A plain ``/prefill_complete`` body's command; None for any other body."""
-    return _single(raw, _decode_prefill, _PREFILL)
+    return _decode_plain(raw, _decode_prefill, _PREFILL)
 
 
 def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
@@ -154,7 +154,7 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
         ops = _decode_batch(raw).operations
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    signed = b"-" in raw
+    has_minus = b"-" in raw
     add = c.Add
     for o in ops:
         if type(o) is add:
@@ -170,6 +170,6 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
                 return None
             else:
                 o.token_ids = None
-                if signed:
+                if has_minus:
                     o.sequence_hashes = hashes_u64(hashes, look=False)
     return ops

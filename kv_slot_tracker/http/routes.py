@@ -309,7 +309,7 @@ def body_models() -> list[type[BaseModel]]:
     return seen
 
 
-def _single(params: QueryParams, name: str) -> str | None:
+def query_value(params: QueryParams, name: str) -> str | None:
     values = params.getlist(name)
     if len(values) > 1:
         raise query_error(f"duplicate field `{name}`")
@@ -336,15 +336,15 @@ class Queries:
         return json_response(self.replication.status().as_dict())
 
     def workers(self, params: QueryParams) -> Response:
-        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         return json_response(self.service.workers(m, g))
 
     def loads(self, params: QueryParams) -> Response:
-        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         return json_response(self.service.loads(m, g))
 
     def lora_counts(self, params: QueryParams) -> Response:
-        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         key = (m or "", g if g is not None else DEFAULT_ROUTING_GROUP)
         counts = self.service.lora_counts(key)
         return json_response({"model_name": key[0], "routing_group": key[1], "lora_counts": counts})

@@ -28,7 +28,7 @@ from kv_slot_tracker.core.types import U32_MAX, WorkerWithDpRank
 from kv_slot_tracker.http.body import parse_json
 from kv_slot_tracker.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
 from kv_slot_tracker.http.responses import json_response, load_rows_json
-from kv_slot_tracker.http.routes import _single
+from kv_slot_tracker.http.routes import query_value
 from kv_slot_tracker.http.selection import schemas as ss
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import OverlapScores, SelectionService, SelectOutcome
@@ -369,11 +369,11 @@ class SelectionQueries:
         return json_response(body, 200 if count else 503)
 
     def workers(self, params: QueryParams) -> Response:
-        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         return json_response([worker_json(r) for r in self.service.workers(m, g)])
 
     def loads(self, params: QueryParams) -> Response:
-        m, g = _single(params, "model_name"), _single(params, "routing_group")
+        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         return json_response(
             [
                 {
