@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_slot_tracker.core.sequences import ActiveSequences
-from kv_slot_tracker.core.types import PrefillLoadHint, SequenceHash
+from kv_slot_tracker.core.types import SequenceHash
 
 Held = dict[str, tuple[list[int], tuple[int, ...]]]  # request id -> (prompt, output blocks)
 
@@ -78,25 +79,12 @@ def _expire(held: Held, expired: Iterable[str], delta: PromptMembershipDelta) ->
 
 
 def add(
-    slot: ActiveSequences,
-    request_id: str,
-    token_sequence: list[int] | None,
-    expected_output_tokens: int | None,
-    track_prefill_tokens: bool,
-    prefill_load_hint: PrefillLoadHint | None,
-    decay_now: int,
+    slot: ActiveSequences, request_id: str, token_sequence: list[int] | None, *rest: Any
 ) -> SeedOutcome:
-    """``add_request_with_prefill_tracking`` with the seeds' outcome."""
+    """``add_request_with_prefill_tracking`` (same arguments) with the seeds' outcome."""
     duplicate = request_id in slot.requests
     held = _held(slot)
-    out = slot.add_request_with_prefill_tracking(
-        request_id,
-        token_sequence,
-        expected_output_tokens,
-        track_prefill_tokens,
-        prefill_load_hint,
-        decay_now,
-    )
+    out = slot.add_request_with_prefill_tracking(request_id, token_sequence, *rest)
     seed = SeedOutcome(
         expired_request_ids=out.expired_request_ids, expired_prompts=out.expired_prompts
     )
