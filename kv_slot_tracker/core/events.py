@@ -8,7 +8,7 @@ in declaration order, unit variants are strings, the struct variant is a one-ent
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 
@@ -63,7 +63,8 @@ def duration_from_wire(obj: Any) -> int | None:
         return None
     if not isinstance(obj, dict) or set(obj) != {"secs", "nanos"}:
         raise EventDecodeError(f"invalid duration: {obj!r}")
-    secs, nanos = obj["secs"], obj["nanos"]
+    secs: int = obj["secs"]
+    nanos: int = obj["nanos"]
     if not _is_uint(secs, 64) or not _is_uint(nanos, 32) or nanos >= NS_PER_S:
         raise EventDecodeError(f"invalid duration: {obj!r}")
     return secs * NS_PER_S + nanos
@@ -82,7 +83,7 @@ def worker_from_wire(obj: Any) -> WorkerWithDpRank:
     return WorkerWithDpRank(wid, rank)
 
 
-def _is_uint(v: Any, bits: int) -> bool:
+def _is_uint(v: Any, bits: int) -> TypeGuard[int]:
     return type(v) is int and 0 <= v < (1 << bits)
 
 

@@ -34,7 +34,7 @@ Holders = dict[WorkerWithDpRank, int]
 Edge = tuple[int, ...] | list[int]  # a list is a view: the edge is edge[lo:]
 
 
-class _Solo(dict):
+class _Solo(dict[WorkerWithDpRank, int]):
     """``{rank: 1}`` shared by every node that exactly one prompt holds. Never mutated: a
     node that gains a holder gets its own dict first."""
 
@@ -58,7 +58,7 @@ def _ints(node: _Node) -> tuple[int, ...]:
     return tuple(edge[node.lo :] if node.lo else edge)
 
 
-def _common(edge: tuple[int, ...], seq: Sequence[int], start: int) -> int:
+def _common(edge: Sequence[int], seq: Sequence[int], start: int) -> int:
     """Length of the common prefix of ``edge`` and ``seq[start:]``."""
     n = min(len(edge), len(seq) - start)
     k = 0
@@ -163,7 +163,7 @@ class PromptTrie:
             child = children[key]  # type: ignore[index]
             workers = child.workers
             if type(workers) is _Solo:  # held by this prompt only, and so is all below it
-                del children[key]  # type: ignore[index]
+                del children[key]  # type: ignore[union-attr]
                 if not children:
                     node.children = None
                 gone = 1

@@ -101,7 +101,7 @@ _Entry = int | PrefillLoadState
 
 
 def _state(entry: _Entry) -> PrefillLoadState:
-    return PrefillLoadState(entry, None) if type(entry) is int else entry  # type: ignore[arg-type]
+    return PrefillLoadState(entry, None) if isinstance(entry, int) else entry
 
 
 class _PrefillsView(Mapping[str, PrefillLoadState]):
@@ -198,12 +198,13 @@ class PrefillLoadTracker:
         entry = entries.pop(request_id, None)
         if entry is None:
             return
-        if type(entry) is int:
+        if isinstance(entry, int):
             tokens, duration = entry, None
             self.unmodeled_count -= 1
         else:
-            tokens, duration = entry.tokens, entry.duration_ns  # type: ignore[union-attr]
-            self.modeled_ms_sum -= duration // NS_PER_MS
+            tokens, duration = entry.tokens, entry.duration_ns
+            # an entry is a PrefillLoadState exactly when it is modeled: its duration is set
+            self.modeled_ms_sum -= duration // NS_PER_MS  # type: ignore[operator]
         self.full_sum -= tokens
         queue = self._queue
         if request_id == self.anchor_rid:
@@ -302,7 +303,9 @@ class PrefillLoadTracker:
 
     def assert_consistent(self) -> None:
         states = [_state(e) for e in self._entries.values()]
-        assert all(s.duration_ns is not None for s in self._entries.values() if type(s) is not int)
+        assert all(
+            s.duration_ns is not None for s in self._entries.values() if not isinstance(s, int)
+        )
         assert self.full_sum == sum(s.tokens for s in states)
         assert self.unmodeled_count == sum(1 for s in states if s.duration_ns is None)
         assert self.modeled_ms_sum == sum(

@@ -10,6 +10,8 @@ older copy stays active on its rank until it is freed or expires.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from .types import WorkerWithDpRank
 
 
@@ -55,7 +57,7 @@ class RequestIndex:
             self._lora_dec(lora)
         return worker
 
-    def remove_on(self, ranks: set[WorkerWithDpRank]) -> None:
+    def remove_on(self, ranks: Container[WorkerWithDpRank]) -> None:
         """Forget every id mapped to one of ``ranks`` (a topology change removed them)."""
         for rid in [rid for rid, w in self.workers.items() if w in ranks]:
             self.remove(rid)

@@ -330,7 +330,18 @@ class ActiveSequencesMultiWorker:
                 )
             )
 
-    def _add_to_slot(self, slot, worker, rid, seq, eot, track, hint, decay_now, started_at):
+    def _add_to_slot(
+        self,
+        slot: ActiveSequences,
+        worker: WorkerWithDpRank,
+        rid: str,
+        seq: list[int] | None,
+        eot: int | None,
+        track: bool,
+        hint: PrefillLoadHint | None,
+        decay_now: int,
+        started_at: int | None,
+    ) -> None:
         outcome = slot.add_request_with_prefill_tracking(
             rid, seq, eot, track, hint, decay_now, started_at
         )
@@ -430,6 +441,7 @@ class ActiveSequencesMultiWorker:
             decay_now = self.clock()
         data = event.data
         rid = event.request_id
+        worker: WorkerWithDpRank | None
         if isinstance(data, AddRequest):
             worker = event.worker
             slot = self._slots.get(worker)
@@ -495,7 +507,9 @@ class ActiveSequencesMultiWorker:
         self.publisher.observe_load(worker, self._worker_type, blocks, tokens)
         return ActiveLoad(worker.worker_id, worker.dp_rank, blocks, tokens, None)
 
-    def _publish_worker_load(self, worker: WorkerWithDpRank, slot: ActiveSequences, now: int):
+    def _publish_worker_load(
+        self, worker: WorkerWithDpRank, slot: ActiveSequences, now: int
+    ) -> None:
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, now))
 
@@ -538,7 +552,7 @@ class ActiveSequencesMultiWorker:
         KV blocks and active requests if a prompt of ``token_sequence`` went there (its blocks
         not already active there by the prefix rule are added; prefill tokens saturate at
         2^64-1). ``deltas``: the prompt's tokens per rank, or one count for every rank."""
-        if deltas is None or type(deltas) is int:
+        if deltas is None or isinstance(deltas, int):
             by_worker, default = None, deltas or 0
         else:
             by_worker, default = deltas.by_worker, deltas.default_tokens

@@ -16,8 +16,9 @@ from msgspec import UNSET, UnsetType
 
 from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
+from kv_slot_tracker.core.loads import RankLoadRow
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
-from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, RankLoadRow
+from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     NS_PER_MS,
     NS_PER_S,

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from decimal import Decimal
+from typing import Any
 
 from kv_slot_tracker.core.serde import unexpected
 
@@ -242,7 +243,7 @@ class RouterConfigOverride:
             raise InvalidRouterConfigOverride(
                 f"invalid type: {unexpected(value)}, expected struct RouterConfigOverrideSerde"
             )
-        floats = {
+        floats: dict[str, Any] = {
             name: _json_f64(value.get(name))
             for name in (
                 "overlap_score_credit",

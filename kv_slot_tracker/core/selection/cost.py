@@ -155,7 +155,7 @@ def rank_logits(
     with_decay = config.track_prefill_tokens and decay_rate > 0.0
     rb = request_blocks(isl_tokens, block_size)
     isl = isl_tokens
-    out = []
+    out: list[float] = []
     append = out.append
     # Mixed int/float arithmetic converts the int exactly as float() would (counts < 2^53), so
     # the explicit conversions of rank_logit are left out here.

@@ -184,6 +184,7 @@ def select_columns(
         floor = min(prefill, default=0)
     if not rows:
         raise NoEndpoints()
+    columns: tuple[Sequence[int], ...]
     if isinstance(rows, range):
         columns = (prefill, decode, requests, overlap)
     else:
