@@ -35,6 +35,7 @@ from .topology import TopologyChange, WorkerTable, validate_range
 from .types import (
     U64_MAX,
     ActiveLoad,
+    LifecycleCounts,
     PrefillLoadHint,
     PrefillTokenDeltas,
     SequenceMutationOutcome,
@@ -69,6 +70,7 @@ class ActiveSequencesMultiWorker:
         expiry_ns: int | None = EXPIRY_DURATION_NS,
         check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
         replica_worker_policy: ReplicaWorkerPolicy = ReplicaWorkerPolicy.LAZY_REGISTER,
+        counts: LifecycleCounts | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be greater than 0")
@@ -88,6 +90,9 @@ class ActiveSequencesMultiWorker:
         self.expiry_ns = expiry_ns
         self.check_interval_ns = check_interval_ns
         self.replica_worker_policy = replica_worker_policy
+        # every add, free and swept expiry is counted here (``counts``: the owner's, kept
+        # across a replacement of this tracker)
+        self.counts = LifecycleCounts() if counts is None else counts
 
         self._table = WorkerTable()
         self._sorted_workers: list[WorkerWithDpRank] | None = None
@@ -329,6 +334,7 @@ class ActiveSequencesMultiWorker:
                     lora_name,
                 )
             )
+        self.counts.added += 1
 
     def _add_to_slot(
         self,
@@ -360,6 +366,7 @@ class ActiveSequencesMultiWorker:
         worker = requests.remove(request_id)
         if worker is None:
             return False
+        self.counts.freed += 1
         slot = self._slots.get(worker)
         if slot is None:
             return True
@@ -416,6 +423,7 @@ class ActiveSequencesMultiWorker:
             self._columns.changed.add(worker)
             self._publish_worker_load(worker, slot, now)
             expired.extend(outcome.expired_request_ids)
+        self.counts.expired += len(expired)
         return expired
 
     # -- replica apply ---------------------------------------------------------------------
@@ -464,11 +472,13 @@ class ActiveSequencesMultiWorker:
                 started_at,
             )
             effects.record(worker, True)
+            self.counts.added += 1
             return True
         if isinstance(data, Free):
             worker = self._requests.remove(rid)
             if worker is None:
                 return False
+            self.counts.freed += 1
             slot = self._slots.get(worker)
             if slot is None:
                 return True

@@ -108,6 +108,16 @@ class PrefillTokenDeltas:
 
 
 @dataclass(slots=True)
+class LifecycleCounts:
+    """Requests a tracker added (locally or from a peer), freed, and expired in its sweeps
+    (``force_expire_requests_across_all_workers``), since the counts were created."""
+
+    added: int = 0
+    freed: int = 0
+    expired: int = 0
+
+
+@dataclass(slots=True)
 class SequenceMutationOutcome:
     """What a rank's expiry check freed (adds run one first)."""
 

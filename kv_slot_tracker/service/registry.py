@@ -1,7 +1,7 @@
 """The trackers of one process, keyed by ``(model_name, routing_group)``, with their counters.
 
 A tracker is created by the first topology change of its key and dropped when its last worker
-goes. Its counters (added, freed, expired) go with it: a client that registers and unregisters
+goes. Its counters (added, freed, expired: the tracker counts into them) go with it: a client that registers and unregisters
 ever new names must not grow the process or the metrics (a counter that comes back starts from
 0 again, which Prometheus reads as a counter reset).
 """
@@ -9,23 +9,16 @@ ever new names must not grow the process or the metrics (a counter that comes ba
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
 from kv_slot_tracker.core.publisher import ReplicaWorkerPolicy, SequencePublisher
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
+from kv_slot_tracker.core.types import LifecycleCounts
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import NoTracker, TooManyTrackers
 from kv_slot_tracker.service.leases import Leases
 
 WORKER_TYPE = "standalone"
-
-
-@dataclass(slots=True)
-class KeyCounters:
-    added: int = 0
-    freed: int = 0
-    expired: int = 0
 
 
 class TrackerRegistry:
@@ -46,7 +39,8 @@ class TrackerRegistry:
         self.replicated = replicated
         self.publisher_for = publisher_for
         self.trackers: dict[Key, ActiveSequencesMultiWorker] = {}
-        self.counters: dict[Key, KeyCounters] = {}
+        # per key, kept while its tracker lives, also across a snapshot's replacement of it
+        self.counters: dict[Key, LifecycleCounts] = {}
         self.max_trackers = DEFAULT_MAX_TRACKERS
         self.leases = Leases(0)  # worker leases (``worker_ttl_seconds``; off: 0)
         self.workers_expired = 0  # workers removed because their lease ran out
@@ -74,9 +68,9 @@ class TrackerRegistry:
             expiry_ns=self.expiry_ns,
             check_interval_ns=self.check_interval_ns,
             replica_worker_policy=ReplicaWorkerPolicy.REQUIRE_REGISTERED,
+            counts=self.counters.setdefault(key, LifecycleCounts()),
         )
         self.trackers[key] = tracker
-        self.counters.setdefault(key, KeyCounters())
         return tracker
 
     def get(self, key: Key) -> ActiveSequencesMultiWorker:
@@ -93,15 +87,6 @@ class TrackerRegistry:
         if t is not None and not t.has_registered_workers():
             del self.trackers[key]
             self.counters.pop(key, None)
-
-    def counters_of(self, key: Key) -> KeyCounters:
-        """The counters of a live tracker (of none: a throwaway, counting nothing)."""
-        c = self.counters.get(key)
-        if c is None:
-            c = KeyCounters()
-            if key in self.trackers:
-                self.counters[key] = c
-        return c
 
     def matching(self, model_name: str | None, routing_group: str | None) -> list[Key]:
         """Keys of live trackers, sorted, filtered by model and/or routing group."""

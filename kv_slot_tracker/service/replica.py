@@ -46,7 +46,6 @@ from kv_slot_tracker.core.events import (
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
     AddRequest,
-    Free,
     event_to_wire,
 )
 from kv_slot_tracker.core.publisher import ReplicaEffects, SequencePublisher
@@ -274,8 +273,7 @@ class Replica:
         if kind == "early":
             return self._apply_early(key, rec["early"], rec["ts"], effects)
         event = rc.check_event(rec["event"], self.max_hashes)
-        registry = self.registry
-        t = registry.find(key)
+        t = self.registry.find(key)
         if t is None or t.block_size != block_size:
             log.debug(
                 "ignoring replica event for %s: no tracker with block size %s", key, block_size
@@ -298,14 +296,9 @@ class Replica:
                 self.duplicate_adds += 1  # the copy here came first in the stream: keep it
                 return False
         changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
-        if changed:
-            if isinstance(data, AddRequest):
-                registry.counters_of(key).added += 1
-                if early is not None and rec["ts"] <= early.ts:  # a pending mark
-                    self._complete_prefill(t, event.request_id, early.ts, eff)
-                    self.early.discard((key[0], key[1], event.request_id))  # type: ignore[union-attr]
-            elif isinstance(data, Free):
-                registry.counters_of(key).freed += 1
+        if changed and early is not None and rec["ts"] <= early.ts:  # a pending mark
+            self._complete_prefill(t, event.request_id, early.ts, eff)
+            self.early.discard((key[0], key[1], event.request_id))  # type: ignore[union-attr]
         return changed
 
     # -- the same id added on two instances -------------------------------------------------
@@ -360,7 +353,7 @@ class Replica:
             if eff is None:
                 eff = effects[key] = ReplicaEffects()
             if kind == e.FREE:
-                self._free_copy(key, t, rid, ts, eff)
+                self._free_copy(t, rid, ts, eff)
                 early.counters.tombstones_applied += 1
             else:
                 self._complete_prefill(t, rid, ts, eff)
@@ -369,11 +362,10 @@ class Replica:
             early.put((key[0], key[1], rid), kind, ts, self.wall_clock())
         return applied
 
-    def _free_copy(self, key: Key, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
+    def _free_copy(self, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
         """Free this instance's copy of a request as a peer's free would (nothing is sent)."""
         event = ActiveSequenceEvent(rid, _ANY_RANK, FREE, 0)
-        if t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts)):
-            self.registry.counters_of(key).freed += 1
+        t.apply_replica_event(event, eff, decay_now=self.producer_instant(ts))
 
     def _complete_prefill(self, t: Tracker, rid: str, ts: int, eff: ReplicaEffects) -> None:
         """Apply a pending mark: the request's prefill completed at the mark's time."""
@@ -532,4 +524,3 @@ def _reason(rec: dict[str, Any], err: BaseException) -> str:
 
 
 _ANY_RANK = WorkerWithDpRank(0, 0)  # replica frees and marks find the rank by request id
-

@@ -22,6 +22,7 @@ from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     NS_PER_MS,
     NS_PER_S,
+    LifecycleCounts,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -33,7 +34,7 @@ from kv_slot_tracker.service.errors import (
     WorkerExists,
 )
 from kv_slot_tracker.service.leases import Leases, renew_listed
-from kv_slot_tracker.service.registry import KeyCounters, TrackerRegistry
+from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.replica import Replica, Replicator
 from kv_slot_tracker.service.topology_rules import (
     check_capacity,
@@ -89,7 +90,7 @@ class SlotTrackerService:
     def replicator(self) -> Replicator | None:
         return self.replica.replicator
 
-    def counters(self) -> list[tuple[Key, KeyCounters]]:
+    def counters(self) -> list[tuple[Key, LifecycleCounts]]:
         """Added/freed/expired counts per live tracker, sorted (they go with the tracker)."""
         return sorted(self.registry.counters.items())
 
@@ -255,16 +256,13 @@ class SlotTrackerService:
             lora_name=cmd.lora_name,
             decay_now=self.clock(),
         )
-        self.registry.counters[key].added += 1
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
         t.mark_prefill_completed(cmd.request_id, self.clock())
 
     def free(self, cmd: c.Free) -> None:
-        key = (cmd.model_name, cmd.routing_group)
-        if self.registry.get(key).free(cmd.request_id, self.clock()):
-            self.registry.counters[key].freed += 1
+        self.registry.get((cmd.model_name, cmd.routing_group)).free(cmd.request_id, self.clock())
 
     def output_block(self, cmd: c.OutputBlock) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
@@ -272,13 +270,10 @@ class SlotTrackerService:
 
     def expire(self) -> int:
         """One forced-expiry sweep over every tracker; returns how many requests expired."""
-        total = 0
-        for key, t in list(self.registry.trackers.items()):
-            n = len(t.force_expire_requests_across_all_workers())
-            if n:
-                self.registry.counters_of(key).expired += n
-                total += n
-        return total
+        return sum(
+            len(t.force_expire_requests_across_all_workers())
+            for t in list(self.registry.trackers.values())
+        )
 
     # -- reads -----------------------------------------------------------------------------
 

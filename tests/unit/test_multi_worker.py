@@ -18,10 +18,17 @@ from kv_slot_tracker.core.errors import (
     WorkerIdNotRegistered,
     WorkerNotFound,
 )
-from kv_slot_tracker.core.events import FREE, MARK_PREFILL_COMPLETED, AddRequest
+from kv_slot_tracker.core.events import (
+    FREE,
+    MARK_PREFILL_COMPLETED,
+    ActiveSequenceEvent,
+    AddRequest,
+)
+from kv_slot_tracker.core.publisher import ReplicaEffects
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     ActiveLoad,
+    LifecycleCounts,
     PrefillLoadHint,
     PrefillTokenDeltas,
     SequenceRequest,
@@ -890,3 +897,31 @@ def test_m29_lazy_creation_on_local_add(clock: FakeClock) -> None:
     assert sequences.worker_ranges() == []
     assert not sequences.has_registered_workers()
     sequences.assert_consistent()
+
+
+def test_the_tracker_counts_every_add_free_and_swept_expiry(clock: FakeClock) -> None:
+    """The per-key counters behind ``kv_slot_tracker_requests_{added,freed,expired}``: local
+    and replicated adds and frees alike, expiries only in a sweep."""
+    counts = LifecycleCounts()
+    t = new_tracker(None, 4, {1: (0, 1)}, router_id=1, clock=clock.now, counts=counts)
+    w = WorkerWithDpRank(1, 0)
+    now = clock.now()
+    add_request(t, SequenceRequest("local", w, [1, 2]), now)
+    effects = ReplicaEffects()
+    peer_add = AddRequest([3], False, None, None)
+    assert t.apply_replica_event(ActiveSequenceEvent("peer", w, peer_add, 2), effects)
+    with pytest.raises(DuplicateRequest):
+        add_request(t, SequenceRequest("local", w, [9]), now)  # refused: not counted
+    assert counts == LifecycleCounts(added=2, freed=0, expired=0)
+
+    assert t.free("local", now) and not t.free("local", now)  # the second is a no-op
+    assert t.apply_replica_event(ActiveSequenceEvent("peer", w, FREE, 2), effects)
+    assert not t.apply_replica_event(ActiveSequenceEvent("peer", w, FREE, 2), effects)
+    assert t.apply_replica_event(ActiveSequenceEvent("own", w, peer_add, 1), effects) is False
+    assert counts == LifecycleCounts(added=2, freed=2, expired=0)
+
+    add_request(t, SequenceRequest("old", w, [4]), now)
+    clock.advance(301)
+    assert t.force_expire_requests_across_all_workers() == ["old"]
+    assert counts == LifecycleCounts(added=3, freed=2, expired=1)
+    assert t.counts is counts

@@ -191,7 +191,6 @@ class SelectionService:
             ),
             now,
         )
-        self.registry.counters_of(key).added += 1
         self.reservations.hold(b.selection_id, Reservation(key, b.worker, now))
         if b.block_hashes and not self.config.use_kv_events:
             self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
@@ -200,8 +199,7 @@ class SelectionService:
 
     def _apply_release(self, r: m.Release, now: int) -> None:
         res = self._reserved(r.selection_id)
-        if self.registry.get(res.key).free(r.selection_id, now):
-            self.registry.counters_of(res.key).freed += 1
+        self.registry.get(res.key).free(r.selection_id, now)
         self.reservations.forget(r.selection_id)
 
     def replace_catalog(
