@@ -28,7 +28,7 @@ from kv_slot_tracker.ingest.zmq import ZmqIngest
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.consistency import ConsistencyCounters
-from kv_slot_tracker.service.replica import Replica
+from kv_slot_tracker.service.replica import ReplicaRecords
 from kv_slot_tracker.service.selection.kv_events import KvEvents
 from kv_slot_tracker.service.selection.service import SelectionService
 from kv_slot_tracker.service.selection.types import SELECTION_OUTCOMES
@@ -257,7 +257,7 @@ def watch_ingest(registry: CollectorRegistry, ingest: ZmqIngest, kv_events: KvEv
 class ConsistencyCollector(Collector):
     """Replicated mode: lifecycle calls that waited for their add, and early calls kept."""
 
-    def __init__(self, counters: ConsistencyCounters, replica: Replica) -> None:
+    def __init__(self, counters: ConsistencyCounters, replica: ReplicaRecords) -> None:
         self.counters = counters
         self.replica = replica
 
@@ -302,7 +302,7 @@ class ConsistencyCollector(Collector):
 
 
 def watch_consistency(
-    registry: CollectorRegistry, counters: ConsistencyCounters, replica: Replica
+    registry: CollectorRegistry, counters: ConsistencyCounters, replica: ReplicaRecords
 ) -> None:
     registry.register(ConsistencyCollector(counters, replica))
 

@@ -55,7 +55,7 @@ class Restored(Protocol):
 
     block_size: int
 
-    def num_workers(self) -> int: ...
+    def num_ranks(self) -> int: ...
     def num_requests(self) -> int: ...
     def reconcile_workers(self, ranges: Iterable[WorkerDpRange]) -> Any: ...
     def ensure_rank(self, worker: WorkerWithDpRank) -> None: ...
@@ -117,7 +117,7 @@ def restore_tracker(tracker: R, data: dict[str, Any], from_wall: InstantMap) -> 
         raise ValueError(
             f"snapshot block size {data['block_size']} != tracker block size {tracker.block_size}"
         )
-    if tracker.num_workers() or tracker.num_requests():
+    if tracker.num_ranks() or tracker.num_requests():
         raise ValueError("restore_tracker needs an empty tracker")
 
     tracker.reconcile_workers(WorkerDpRange(*r) for r in data["ranges"])

@@ -130,7 +130,8 @@ class ActiveSequencesMultiWorker:
     def has_registered_workers(self) -> bool:
         return self._table.has_registered_workers()
 
-    def num_workers(self) -> int:
+    def num_ranks(self) -> int:
+        """Tracked ranks (registered or created lazily), not workers."""
         return len(self._slots)
 
     def workers(self) -> list[WorkerWithDpRank]:

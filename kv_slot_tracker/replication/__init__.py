@@ -2,7 +2,7 @@
 
 Where each rule lives:
 
-* ``port``: the seam. ``Replication`` (what the app calls), ``ReplicaTarget`` (what replication
+* ``port``: the seam. ``Replication`` (what the app calls), ``ReplicatedState`` (what replication
   calls on the service) and ``ReplicationStatus`` (``GET /replication``).
 * ``embedded``: one instance, nothing to replicate (no ``redis_url``).
 * ``redis/``: instances sharing records through one Redis stream; its package docstring is the
@@ -19,10 +19,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from kv_slot_tracker.replication.embedded import EmbeddedReplication
-from kv_slot_tracker.replication.port import ReplicaTarget, Replication, ReplicationStatus
+from kv_slot_tracker.replication.port import ReplicatedState, Replication, ReplicationStatus
 from kv_slot_tracker.settings import Settings
 
-__all__ = ["ReplicaTarget", "Replication", "ReplicationStatus", "make_replication"]
+__all__ = ["ReplicatedState", "Replication", "ReplicationStatus", "make_replication"]
 
 
 def make_replication(settings: Settings, registry: CollectorRegistry) -> Replication:

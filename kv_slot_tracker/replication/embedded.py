@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kv_slot_tracker.replication.port import ReplicaTarget, ReplicationStatus
+from kv_slot_tracker.replication.port import ReplicatedState, ReplicationStatus
 from kv_slot_tracker.replication.records import resolve_instance_id
 from kv_slot_tracker.settings import Settings
 
@@ -23,7 +23,7 @@ class EmbeddedReplication:
         """Nothing to send to: a no-op."""
         return 0
 
-    async def start(self, target: ReplicaTarget) -> None:
+    async def start(self, target: ReplicatedState) -> None:
         pass
 
     async def settled(self, timeout_s: float) -> None:

@@ -3,8 +3,8 @@
 Wiring is one-phase: the composition root builds the replication from settings first (it owns
 the instance id), then the service with ``instance_id=replication.instance_id`` and, unless the
 mode is embedded, ``replicator=replication``; ``start(service)`` then hands it the service as
-its ``ReplicaTarget``. The service only ever calls ``publish``; replication only ever calls the
-``ReplicaTarget`` methods.
+its ``ReplicatedState``. The service only ever calls ``publish``; replication only ever calls the
+``ReplicatedState`` methods.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from pydantic import ConfigDict
 
 
-class ReplicaTarget(Protocol):
+class ReplicatedState(Protocol):
     """What replication needs of the service whose state it keeps in agreement."""
 
     def apply_remote(self, records: list[dict[str, Any]]) -> int:
@@ -63,7 +63,7 @@ class Replication(Protocol):
         Returns the record's sequence number among this process's records (0: not queued)."""
         ...
 
-    async def start(self, target: ReplicaTarget) -> None:
+    async def start(self, target: ReplicatedState) -> None:
         """Start keeping ``target`` in agreement with the peers, in the background: returns at
         once (the instance listens while it bootstraps); never raises for I/O trouble."""
         ...

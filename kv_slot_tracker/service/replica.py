@@ -2,7 +2,7 @@
 
 Out: every topology change and every lifecycle event of a local call becomes one record (an
 envelope with the key, block size, origin instance and the producer's wall-clock time) handed
-to the ``Replicator`` (``kv_slot_tracker.replication``), which must never block.
+to the ``RecordSink`` (``kv_slot_tracker.replication``), which must never block.
 
 In: ``apply_remote`` applies other instances' records in order. Lifecycle events keep the
 producer's time: a replicated request ages from its producer's add time and its prefill decays
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 REJECTION_LOG_INTERVAL_NS = 60 * NS_PER_S  # at most one log line per reason in this time
 
 
-class Replicator(Protocol):
+class RecordSink(Protocol):
     """Where a service sends its replica records. ``publish`` must never block; it returns the
     record's sequence number among this process's records (0 or None: not queued)."""
 
@@ -93,7 +93,7 @@ class _TrackerPublisher(SequencePublisher):
 
     __slots__ = ("replica", "key", "block_size")
 
-    def __init__(self, replica: Replica, key: Key, block_size: int) -> None:
+    def __init__(self, replica: ReplicaRecords, key: Key, block_size: int) -> None:
         self.replica = replica
         self.key = key
         self.block_size = block_size
@@ -102,13 +102,13 @@ class _TrackerPublisher(SequencePublisher):
         self.replica.emit_lifecycle(self.key, self.block_size, event)
 
 
-class Replica:
+class ReplicaRecords:
     def __init__(
         self,
         instance_id: int,
         clock: Callable[[], int],
         wall_clock: Callable[[], int],
-        replicator: Replicator | None,
+        replicator: RecordSink | None,
     ) -> None:
         self.instance_id = instance_id
         self.clock = clock

@@ -35,7 +35,7 @@ from kv_slot_tracker.service.errors import (
 )
 from kv_slot_tracker.service.leases import Leases, renew_listed
 from kv_slot_tracker.service.registry import TrackerRegistry
-from kv_slot_tracker.service.replica import Replica, Replicator
+from kv_slot_tracker.service.replica import RecordSink, ReplicaRecords
 from kv_slot_tracker.service.topology_rules import (
     check_capacity,
     check_range,
@@ -58,12 +58,12 @@ class SlotTrackerService:
         max_hashes_per_request: int = 1_048_576,
         max_trackers: int = DEFAULT_MAX_TRACKERS,
         worker_ttl_seconds: int = 0,
-        replicator: Replicator | None = None,
+        replicator: RecordSink | None = None,
     ) -> None:
         self.clock = clock
         self.instance_id = instance_id
         self.max_hashes = max_hashes_per_request
-        self.replica = Replica(instance_id, clock, wall_clock, replicator)
+        self.replica = ReplicaRecords(instance_id, clock, wall_clock, replicator)
         self.replica.max_hashes = max_hashes_per_request
         self.registry = TrackerRegistry(
             clock=clock,
@@ -87,7 +87,7 @@ class SlotTrackerService:
         return self.registry.get(key)
 
     @property
-    def replicator(self) -> Replicator | None:
+    def replicator(self) -> RecordSink | None:
         return self.replica.replicator
 
     def counters(self) -> list[tuple[Key, LifecycleCounts]]:
@@ -108,7 +108,7 @@ class SlotTrackerService:
         t = self._tracker_for_topology(key, cmd.block_size)
         if t is not None and t.has_worker(cmd.worker_id):
             raise WorkerExists(key, cmd.worker_id)
-        check_capacity(key, (t.num_workers() if t is not None else 0) + cmd.dp_size)
+        check_capacity(key, (t.num_ranks() if t is not None else 0) + cmd.dp_size)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
@@ -330,7 +330,7 @@ class SlotTrackerService:
     def lora_counts(self, key: Key) -> dict[str, int]:
         return dict(sorted(self.registry.get(key).get_active_lora_counts().items()))
 
-    # -- replication (the ``ReplicaTarget`` of ``kv_slot_tracker.replication``) -------------------------
+    # -- replication (the ``ReplicatedState`` of ``kv_slot_tracker.replication``) -------------------------
 
     def apply_remote(self, records: list[dict[str, Any]]) -> int:
         return self.replica.apply_remote(records)

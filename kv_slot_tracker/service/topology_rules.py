@@ -37,7 +37,7 @@ def check_capacity(key: Key, ranks: int) -> None:
 def check_upsert(key: Key, t: Tracker | None, worker_id: int, dp_size: int) -> None:
     """A worker's ranks replaced by ``dp_size`` ranks must fit the tracker (range checked)."""
     old = t.worker_range(worker_id) if t is not None else None
-    kept = (t.num_workers() if t is not None else 0) - (old.dp_size if old is not None else 0)
+    kept = (t.num_ranks() if t is not None else 0) - (old.dp_size if old is not None else 0)
     check_capacity(key, kept + dp_size)
 
 

@@ -407,7 +407,7 @@ def test_strict_add_after_worker_removal_cannot_recreate_worker(clock: FakeClock
         )
 
     assert err.value.worker == worker
-    assert sequences.num_workers() == 0
+    assert sequences.num_ranks() == 0
     assert not request_ranks(sequences)
     assert is_membership_empty(sequences)
     sequences.assert_consistent()
@@ -437,7 +437,7 @@ def test_free_cleans_stale_request_mapping_when_worker_slot_is_missing(clock: Fa
     # without applying the topology change (so the mapping is left stale).
     sequences.reconcile_workers([])
     sequences.index_request(request_id, worker, "adapter")
-    assert sequences.worker_for(request_id) == worker and sequences.num_workers() == 0
+    assert sequences.worker_for(request_id) == worker and sequences.num_ranks() == 0
 
     sequences.free(request_id, clock.now())
 
@@ -488,7 +488,7 @@ def test_m02_range_validation_and_strictness(clock: FakeClock) -> None:
     with pytest.raises(InvalidDpRange) as err:
         sequences.register_worker(WorkerDpRange(1, 4294967295, 1))
     assert str(err.value) == "dp range overflows u32 for worker 1: start=4294967295 size=1"
-    assert sequences.num_workers() == 0
+    assert sequences.num_ranks() == 0
     assert not sequences.has_registered_workers()
 
     change = sequences.register_worker(WorkerDpRange(1, 2, 2))
@@ -692,7 +692,7 @@ def test_m11_strict_add_never_creates_slots(clock: FakeClock) -> None:
     with pytest.raises(WorkerNotFound) as err:
         sequences.add_request_if_registered(req("r", w(1, 0), [1, 2, 3]), clock.now())
     assert str(err.value) == "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 0 } not found"
-    assert sequences.num_workers() == 0
+    assert sequences.num_ranks() == 0
     assert not request_ranks(sequences)
     assert is_membership_empty(sequences)
     sequences.assert_consistent()

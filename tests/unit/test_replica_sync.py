@@ -374,7 +374,7 @@ async def test_replica_sync_add_lazily_registers_missing_worker() -> None:
 
     await replica(tracker, replica_add("req-1", W1, [1, 2, 3]))
 
-    assert tracker.num_workers() == 1
+    assert tracker.num_ranks() == 1
     assert tracker.worker_for("req-1") == W1
     assert not is_membership_empty(tracker)
     assert tracker.active_blocks().get(W1) == 3
@@ -387,7 +387,7 @@ async def test_replica_sync_require_registered_drops_missing_worker() -> None:
 
     await replica(tracker, replica_add("req-1", W1, [1, 2, 3]))
 
-    assert tracker.num_workers() == 0
+    assert tracker.num_ranks() == 0
     assert tracker.worker_for("req-1") is None
     assert is_membership_empty(tracker)
 
@@ -398,7 +398,7 @@ async def test_replica_sync_require_registered_drops_event_after_worker_removal(
 
     await replica(tracker, replica_add("req-1", W1, [1, 2, 3]))
 
-    assert tracker.num_workers() == 0
+    assert tracker.num_ranks() == 0
     assert tracker.worker_for("req-1") is None
     assert is_membership_empty(tracker)
 

@@ -55,8 +55,9 @@ class Prompt:
     """Built from ``token_ids``: the sequence hashes are then the cache's chain keys."""
 
     @property
-    def cache_chain(self) -> list[int] | None:
-        """Precomputed approximate-cache keys when known for free (token prompts), else ``None``."""
+    def precomputed_chain(self) -> list[int] | None:
+        """The approximate-cache keys when known for free (a token prompt's sequence hashes),
+        else ``None`` (the selection service's ``cache_chain`` computes them for any prompt)."""
         return list(self.sequence_hashes) if self.from_tokens else None
 
 

@@ -22,7 +22,7 @@ from kv_slot_tracker.replication.metrics import (
     lag_histogram,
     register_collector,
 )
-from kv_slot_tracker.replication.port import ReplicaTarget, ReplicationStatus
+from kv_slot_tracker.replication.port import ReplicatedState, ReplicationStatus
 from kv_slot_tracker.replication.records import random_id, resolve_instance_id
 from kv_slot_tracker.replication.redis.barrier import ReadBarrier
 from kv_slot_tracker.replication.redis.bootstrap import START_WAIT_S, Bootstrap
@@ -98,7 +98,7 @@ class RedisReplication:
         self.outbox.group_commit = group_commit_histogram(registry).observe
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
-        self._target: ReplicaTarget | None = None
+        self._target: ReplicatedState | None = None
         self.reader.check_role = self.endpoint.kind == "sentinel"
         register_collector(
             registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
@@ -110,7 +110,7 @@ class RedisReplication:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def start(self, target: ReplicaTarget) -> None:
+    async def start(self, target: ReplicatedState) -> None:
         """Start the background tasks, which connect and bootstrap ``target`` (snapshot +
         catch-up); returns at once, so the instance listens (``/health`` 200, ``/ready`` 503
         with the reason) while it bootstraps. ``settled`` waits for the bootstrap.

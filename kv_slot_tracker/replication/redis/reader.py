@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
-from kv_slot_tracker.replication.port import ReplicaTarget
+from kv_slot_tracker.replication.port import ReplicatedState
 from kv_slot_tracker.replication.records import (
     RECORD_FIELD,
     MalformedRecord,
@@ -88,9 +88,9 @@ class StreamReader:
         self.check_role = False  # Sentinel: make sure a (re)connection reached the primary
         self._client: Redis | None = None
         self._store: SnapshotStore | None = None
-        self._target: ReplicaTarget | None = None
+        self._target: ReplicatedState | None = None
 
-    def connect(self, client: Redis, store: SnapshotStore, target: ReplicaTarget) -> None:
+    def connect(self, client: Redis, store: SnapshotStore, target: ReplicatedState) -> None:
         self._client = client
         self._store = store
         self._target = target

@@ -1,6 +1,6 @@
 """Snapshots of a whole instance in Redis: what a starting (or lagging) instance loads first.
 
-A snapshot is the state of every tracker (``ReplicaTarget.export_state``), the stream id up to
+A snapshot is the state of every tracker (``ReplicatedState.export_state``), the stream id up to
 which that state includes every record, and the sequence ledger matching it. Loading it and then
 reading the stream after that id, skipping records the ledger already counts, gives the same
 state as having read the whole stream. Own records queued or appended after a snapshot was taken
@@ -35,7 +35,7 @@ import msgpack
 from redis.asyncio import Redis
 
 from kv_slot_tracker.core.types import NS_PER_MS
-from kv_slot_tracker.replication.port import ReplicaTarget
+from kv_slot_tracker.replication.port import ReplicatedState
 from kv_slot_tracker.replication.records import OriginKey, SeqLedger, random_id
 from kv_slot_tracker.replication.redis.bootstrap import Bootstrap
 from kv_slot_tracker.replication.redis.connection import IO_ERRORS, honour_cancellation
@@ -201,9 +201,9 @@ class SnapshotWriter:
         self.outbox = outbox
         self.reader = reader
         self.store: SnapshotStore | None = None
-        self._target: ReplicaTarget | None = None
+        self._target: ReplicatedState | None = None
 
-    def connect(self, store: SnapshotStore, target: ReplicaTarget) -> None:
+    def connect(self, store: SnapshotStore, target: ReplicatedState) -> None:
         self.store = store
         self._target = target
 

@@ -1,8 +1,8 @@
 """The selection state shared between instances: ``SelectionReplica``, held by the selection
-service as ``replica`` and bound to the instance's replica (``Replica.bind_selection``).
+service as ``replica`` and bound to the instance's replica (``ReplicaRecords.bind_selection``).
 
 Out: ``SelectionService.commit`` hands every change it applied to ``send``, which passes the
-replicated ones to ``publish`` (set by ``Replica.bind_selection``): a worker put or removed, a
+replicated ones to ``publish`` (set by ``ReplicaRecords.bind_selection``): a worker put or removed, a
 booking, a pending selection, a release. What is not sent, and why: a booking's request, its
 prefill completion and its free travel as the tracker's own lifecycle records (published by the
 tracker as it changes, so they come first in the stream); an output block is local to the

@@ -275,7 +275,7 @@ class SelectionService:
                     f"too many partitions: this instance already holds "
                     f"{self.registry.max_trackers} (max_trackers)"
                 ]
-        ranks = (t.num_workers() if t is not None else 0) - placed_here + spec.dp_size
+        ranks = (t.num_ranks() if t is not None else 0) - placed_here + spec.dp_size
         if ranks > MAX_RANKS_PER_PARTITION:
             return [
                 f"reconciliation failed: too many ranks for model={spec.model_name} "
@@ -554,7 +554,7 @@ class SelectionService:
         if not blocks:
             over: dict[WorkerWithDpRank, int] = {}
         elif self.config.use_kv_events:
-            keys = chain or prompt.cache_chain
+            keys = chain or prompt.precomputed_chain
             found = part.index.overlaps(keys) if keys else {}
             over = {w: o.device for w, o in found.items()}
             tiers = {
@@ -563,7 +563,7 @@ class SelectionService:
                 if o.host_extension or o.disk_extension
             }
         else:
-            over = part.cache.overlaps(blocks, now, chain=chain or prompt.cache_chain)
+            over = part.cache.overlaps(blocks, now, chain=chain or prompt.precomputed_chain)
         known = part.workers
         if not t.registered_worker_ids() <= known.keys():
             # ranks the slot-tracker routes registered are not candidates of the selection API
@@ -728,7 +728,7 @@ class SelectionService:
         rows = dict(zip(candidates.workers, candidates.overlap, strict=True))
         extensions: dict[tuple[int, int], tuple[int, int]] = {}
         if blocks and self.config.use_kv_events:
-            keys = prompt.cache_chain
+            keys = prompt.precomputed_chain
             # the index's ranks outside the candidates too (a batch may name a rank the worker
             # did not declare: the reference indexes and lists it)
             for w, o in (part.index.overlaps(keys) if keys else {}).items():
@@ -737,7 +737,7 @@ class SelectionService:
                     extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
         elif blocks:
             now = self.clock()
-            for w, k in part.cache.overlaps(blocks, now, chain=prompt.cache_chain).items():
+            for w, k in part.cache.overlaps(blocks, now, chain=prompt.precomputed_chain).items():
                 rows.setdefault(w, k)
         return OverlapScores(
             part.block_size,

@@ -121,9 +121,9 @@ def test_keys_are_the_chained_hashes_dump_shows() -> None:
     ]
     assert chain_keys(list(prompt.block_hashes)) == list(prompt.sequence_hashes)
     # a token prompt's sequence hashes can be passed as the chain
-    assert cache.overlaps(list(prompt.block_hashes), clock.now(), chain=prompt.cache_chain) == {
-        A: 2
-    }
+    assert cache.overlaps(
+        list(prompt.block_hashes), clock.now(), chain=prompt.precomputed_chain
+    ) == {A: 2}
 
 
 def test_remove_rank_and_worker() -> None:

@@ -28,7 +28,7 @@ def test_token_prompt_matches_the_reference_vectors() -> None:
     assert [to_i64(h) for h in p.sequence_hashes] == [9143094415614847814, -8936425687869117083]
     assert p.isl_tokens == 10
     assert p.from_tokens
-    assert p.cache_chain == list(p.sequence_hashes)
+    assert p.precomputed_chain == list(p.sequence_hashes)
 
 
 def test_lora_changes_the_token_hashes() -> None:
@@ -57,7 +57,7 @@ def test_hash_triple_is_normalised_to_unsigned() -> None:
     assert p.sequence_hashes == (2**64 - 2, 6)
     assert p.isl_tokens == 3  # may be smaller than len * bs
     assert not p.from_tokens
-    assert p.cache_chain is None
+    assert p.precomputed_chain is None
     empty = prompt_from_hashes(block_hashes=[], sequence_hashes=[], isl_tokens=4)
     assert (empty.block_hashes, empty.sequence_hashes) == ((), ())
 
