@@ -192,7 +192,7 @@ def startup_summary(settings: Settings, replication: Replication) -> str:
         mode = "embedded mode (one instance, state in this process, no Redis)"
     else:
         status = replication.status()
-        ack = settings.replication_ack
+        ack: str = settings.replication_ack
         if ack == "redis" and settings.replication_ack_replicas:
             ack += f" + {settings.replication_ack_replicas} replica(s)"
         mode = (

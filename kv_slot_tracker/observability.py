@@ -421,14 +421,14 @@ class _HttpCollector(Collector):
             labels=["method", "handler"],
         )
         bounds = [*(floatToGoString(b) for b in HttpMetrics.BUCKETS), "+Inf"]
-        for labels, hist in latency.items():
+        for route, hist in latency.items():
             counts, seconds = hist[: len(bounds)], hist[len(bounds)]
             cumulative, running = [], 0
             for bound, count in zip(bounds, counts, strict=True):
                 running += count
                 cumulative.append((bound, running))
-            hist_family.add_metric(list(labels), cumulative, seconds)
-            method, handler = labels
+            hist_family.add_metric(list(route), cumulative, seconds)
+            method, handler = route
             hist_family.samples.append(
                 Sample(
                     "http_request_duration_seconds_created",

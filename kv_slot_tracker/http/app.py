@@ -122,7 +122,7 @@ def build_http_app(
         selection_operations = ReplicatedSelectionOperations(
             selection, gate, consistency, ack_timeout_ms
         )
-    operations = {"slot": slot_operations, "selection": selection_operations}
+    operations: dict[str, Any] = {"slot": slot_operations, "selection": selection_operations}
     queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
     lean_routes = []
     for route in ROUTES:
@@ -151,7 +151,7 @@ def build_http_app(
     api_key = settings.api_key.get_secret_value()
     http_metrics = HttpMetrics(registry)
     if settings.access_log:  # every path (lean, direct, FastAPI) observes through this
-        http_metrics.observe = access_logged(http_metrics.observe)  # type: ignore[method-assign]
+        http_metrics.observe = access_logged(http_metrics.observe)  # type: ignore[assignment]
     Instrumentator(
         registry=registry, excluded_handlers=["/metrics"], should_group_untemplated=True
     ).add(http_metrics.instrumentation).instrument(app).expose(
@@ -192,7 +192,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def query_error(_: Request, exc: RequestValidationError) -> Response:
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        err: dict[str, Any] = (
+            exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        )
         field = err["loc"][-1] if err.get("loc") else ""
         what = f"missing field `{field}`" if err.get("type") == "missing" else err["msg"]
         return json_response({"error": QUERY_SHAPE + what}, 400)

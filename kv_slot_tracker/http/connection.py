@@ -159,7 +159,7 @@ async def _service_unavailable(scope: Scope, receive: Receive, send: Send) -> No
 
 # uvicorn's protocol looks its 503 application up by this module-level name (``pyproject.toml``
 # bounds uvicorn's version; ``tests/api/test_http_limits.py`` checks the answer)
-_uvicorn_httptools.service_unavailable = _service_unavailable
+_uvicorn_httptools.service_unavailable = _service_unavailable  # type: ignore[assignment]
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:

@@ -105,7 +105,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
                 "http_version": self.parser.get_http_version(),
                 "server": self.server,
                 "client": self.client,
-                "scheme": self.scheme,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
                 "root_path": self.root_path,
                 "state": self.app_state.copy(),
             }
@@ -133,7 +133,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             scope["path"] = path
             scope["raw_path"] = raw_path
             scope["query_string"] = url.query or b""
-            found = self.lean.route_for(scope)
+            found = self.lean.route_for(scope)  # type: ignore[arg-type]
             if found is not None:
                 self._in_head = False  # what LimitedHttpToolsProtocol.on_headers_complete does
                 self._reading_since = self.loop.time()
@@ -173,7 +173,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         self._in_head, self._received = True, False
         self._route = None
         body, self._body = self._body, b""
-        if type(body) is bytearray:
+        if isinstance(body, bytearray):
             body = bytes(body)
         if self._error is not None:
             result = error_result(self._error)
@@ -212,7 +212,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         async def answer(scope: Scope, receive: Receive, send: Send) -> None:
             await lean.reply(route, pending, send, start)
 
-        self._start_asgi_task(cycle, answer)
+        self._start_asgi_task(cycle, answer)  # type: ignore[arg-type]
 
     def _respond(self, status: int, payload: bytes) -> None:
         """What uvicorn's send and ``on_response_complete`` do for a complete JSON response."""

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kv_slot_tracker.http.errors import ROUTE_NOT_FOUND, error_body
 from kv_slot_tracker.http.lean import encoded_path
@@ -40,7 +39,7 @@ class HeadAsGet:
             await self.app(scope, receive, send)
             return
 
-        async def send_without_body(message: dict[str, Any]) -> None:
+        async def send_without_body(message: Message) -> None:
             if message["type"] == "http.response.body":
                 message = {**message, "body": b""}
             await send(message)

@@ -58,18 +58,18 @@ def number(low: float, high: float) -> Any:
 
 
 # `sequence_hashes` or `token_ids`: exactly one of the two (the service answers 422 otherwise).
-ONE_PROMPT_FORM = [{"required": ["sequence_hashes"]}, {"required": ["token_ids"]}]
+ONE_PROMPT_FORM: list[Any] = [{"required": ["sequence_hashes"]}, {"required": ["token_ids"]}]
 
 MODEL = Field(description="Model name; with the routing group it selects one tracker.")
 GROUP = Field(
     DEFAULT_ROUTING_GROUP, description="Routing group inside the model (default `default`)."
 )
-HASHES = Field(
+HASHES: Any = Field(
     None,
     description="Sequence hashes of the prompt's full KV blocks, in order, as signed 64-bit "
     "integers (values >= 2^63 are sent as their two's-complement negative).",
 )
-TOKENS = Field(
+TOKENS: Any = Field(
     None,
     description="Prompt token ids (u32); the service computes Dynamo-compatible sequence hashes "
     "with the tracker's block size and `lora_name`. Give this or `sequence_hashes`, not both.",
@@ -163,7 +163,7 @@ class AddBody(_Keyed):
     sequence_hashes: list[Hash] = HASHES
     token_ids: list[TokenId] = TOKENS
     new_isl_tokens: U64 = Field(0, description="Prompt tokens still to prefill on this rank.")
-    expected_prefill_ms: number(0, MAX_PREFILL_MS) | None = Field(
+    expected_prefill_ms: number(0, MAX_PREFILL_MS) | None = Field(  # type: ignore[valid-type]
         None, description="Modeled prefill duration in ms; the prefill tokens then decay linearly."
     )
     track_prefill_tokens: StrictBool | None = Field(
@@ -198,7 +198,7 @@ class RequestBody(_Keyed):
 
 
 class OutputBlockBody(RequestBody):
-    decay_fraction: number(0, 1) | None = Field(
+    decay_fraction: number(0, 1) | None = Field(  # type: ignore[valid-type]
         None, description="Weight (0..1) given to the blocks held only by this request."
     )
 

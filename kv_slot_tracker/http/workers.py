@@ -143,7 +143,7 @@ def merge_metrics(views: dict[int, bytes]) -> bytes:
                 labels = {**sample.labels, "worker": str(index)}
                 merged.samples.append(sample._replace(labels=labels))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(families.values()))  # type: ignore[arg-type]
+    registry.register(_Families(families.values()))
     return generate_latest(registry)
 
 

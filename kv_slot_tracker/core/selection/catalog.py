@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..limits import MAX_DP_SIZE  # the slot-tracker routes' limit, re-exported
+from ..limits import MAX_DP_SIZE as MAX_DP_SIZE  # the slot-tracker routes' limit, re-exported
 from ..types import U32_MAX, WorkerDpRange
 
 SCHEDULABLE = "schedulable"

@@ -14,6 +14,7 @@ yet by us.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -55,7 +56,7 @@ class ReadBarrier:
             return False
         try:
             async with asyncio.timeout(timeout_s):
-                newest = await client.xrevrange(self.keys.events, "+", "-", count=1)
+                newest: Any = await client.xrevrange(self.keys.events, "+", "-", count=1)
                 if not newest:
                     return True  # an empty (or missing) stream: nothing to wait for
                 target = parse_id(newest[0][0])

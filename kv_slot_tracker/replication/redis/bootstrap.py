@@ -103,7 +103,7 @@ class Bootstrap:
     def waiting_for_snapshot(self, why: str) -> None:
         self._enter(Phase.WAITING_FOR_SNAPSHOT, why)
 
-    def unreachable(self, error: BaseException) -> None:
+    def unreachable(self, error: BaseException | None) -> None:
         """Redis did not answer; nothing changes once ready (local state keeps serving)."""
         if not self.ready():
             self._enter(Phase.UNREACHABLE, str(error))

@@ -290,7 +290,7 @@ class Outbox:
         connection) runs ``WAIT replicas timeout`` after the script; ``_replicas_held`` keeps
         how many replicas confirmed."""
         keys = [self.me.keys.events, self.me.keys.reset]
-        args = [last, self._trim_horizon(), self.settings.stream_max_entries, *payloads]
+        args: list[Any] = [last, self._trim_horizon(), self.settings.stream_max_entries, *payloads]
         if not self.replicas:
             return await self.append(keys=keys, args=args)
         assert self._client is not None
@@ -377,7 +377,7 @@ class Outbox:
         if ids is None:  # our previous entry is gone: re-send recent records first
             await self._resend_recent()
             ids = await self._append_call("", payloads)
-        self._last_appended = id_text(ids[-1])
+        self._last_appended = id_text(ids[-1])  # type: ignore[index]  # just re-sent: not gone
         now = self.me.wall_clock()
         recent = self._recent
         recent.extend((now, p) for p in payloads)
@@ -414,7 +414,7 @@ class Outbox:
         step = self.settings.replication_batch_events
         for i in range(0, len(payloads), step):
             ids = await self._append_call("", payloads[i : i + step])
-            self._last_appended = id_text(ids[-1])
+            self._last_appended = id_text(ids[-1])  # type: ignore[index]  # "": never gone
         self.counters.resent += len(payloads)
 
     def _refused_for_memory(self, error: BaseException) -> None:

@@ -139,7 +139,7 @@ class StreamReader:
 
     async def _read_once(self, block_ms: int | None) -> int:
         assert self._client is not None
-        reply = await self._client.xread(
+        reply: Any = await self._client.xread(
             {self.me.keys.events: self.position}, count=READ_COUNT, block=block_ms
         )
         self._set_connected(True)

@@ -139,7 +139,7 @@ class SnapshotStore:
         self._write = client.register_script(WRITE_SNAPSHOT_SCRIPT)
 
     async def load(self) -> Snapshot | None:
-        blob = await self.client.hget(self.keys.snapshot, "data")
+        blob: Any = await self.client.hget(self.keys.snapshot, "data")
         if blob is None:
             return None
         with gc_paused():
@@ -157,7 +157,8 @@ class SnapshotStore:
 
     async def meta(self) -> tuple[str, int] | None:
         """``(stream id, taken at wall ns)`` of the stored snapshot, without its data."""
-        sid, at = await self.client.hmget(self.keys.snapshot, ["id", "at"])
+        reply: Any = await self.client.hmget(self.keys.snapshot, ["id", "at"])
+        sid, at = reply
         if sid is None or at is None:
             return None
         return sid.decode(), int(at)
