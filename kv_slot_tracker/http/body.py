@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -99,7 +100,7 @@ _STRUCT_NAMES = {
 }
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     loc = _loc(err["loc"])
     typ = err["type"]
     names = [p for p in err["loc"] if isinstance(p, str)]

@@ -31,6 +31,7 @@ _DONE = b'{"status":200}'
 
 C = TypeVar("C", bound=c.Keyed)
 P = TypeVar("P", bound=c.Prompt)
+R = TypeVar("R", bound=c.Register)
 Result = tuple[int, bytes]
 Operation = Callable[[bytes], Result]
 
@@ -56,7 +57,7 @@ def prompt_command(cls: type[P], b: Any) -> P:
     hashes made unsigned."""
     check_prompt(b)
     cmd = command(cls, b)
-    cmd.sequence_hashes = p.hashes_u64(cmd.sequence_hashes)
+    cmd.sequence_hashes = p.hashes_u64(cmd.sequence_hashes)  # type: ignore[arg-type, assignment]
     return cmd
 
 
@@ -76,7 +77,7 @@ def output_block_command(b: Any) -> c.OutputBlock:
     return command(c.OutputBlock, b)
 
 
-def worker_range(cls: type[c.Register], b: s.RegisterBody) -> c.Register:
+def worker_range(cls: type[R], b: s.RegisterBody) -> R:
     return cls(
         model_name=b.model_name,
         routing_group=b.routing_group,
@@ -243,9 +244,10 @@ class Operations:
         self._check_size(len(ops))
         service = self.service
         add, free = service.add, service.free
-        results = []
+        results: list[Any] = []
         append = results.append
         free_cmd, add_cmd = c.Free, c.Add
+        o: Any  # dispatched on its exact type below
         for o in ops:
             kind = type(o)
             try:

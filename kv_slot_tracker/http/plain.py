@@ -66,9 +66,8 @@ def _others(cls: type[msgspec.Struct]) -> tuple[tuple[int, Any, bool], ...]:
     )
 
 
-_ADD, _FREE, _PREFILL, _POTENTIAL = map(
-    _others, (c.Add, c.Free, c.PrefillComplete, c.PotentialLoads)
-)
+_STRUCTS: tuple[type[msgspec.Struct], ...] = (c.Add, c.Free, c.PrefillComplete, c.PotentialLoads)
+_ADD, _FREE, _PREFILL, _POTENTIAL = map(_others, _STRUCTS)
 
 
 def _decode_plain(raw: bytes, decode: Any, others: tuple[tuple[int, Any, bool], ...]) -> Any:
@@ -165,11 +164,12 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
             if hashes is UNSET:
                 if tokens is UNSET:
                     return None
-                o.sequence_hashes = None
+                # a prompt form not given is None past decoding (the command accepts no null)
+                o.sequence_hashes = None  # type: ignore[assignment]
             elif tokens is not UNSET:
                 return None
             else:
-                o.token_ids = None
+                o.token_ids = None  # type: ignore[assignment]
                 if has_minus:
-                    o.sequence_hashes = hashes_u64(hashes, look=False)
+                    o.sequence_hashes = hashes_u64(hashes, look=False)  # type: ignore[assignment]
     return ops
