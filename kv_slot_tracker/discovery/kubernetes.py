@@ -203,9 +203,11 @@ class KubernetesDiscovery:
         return client.ApiClient(configuration=configuration)
 
     async def _list(self, api: Any) -> None:
-        """Every slice, page by page; then the service is made to hold exactly their workers."""
+        """Every slice, page by page (each read as it comes: never more than a page held);
+        then the service is made to hold exactly their workers."""
         self.counters.lists += 1
-        objects: list[Any] = []
+        self.resource_version = None  # a list that fails half-way is started again
+        touched: set[WorkerKey] = set(self.applier.applied) | self.discovered.clear()
         token = None
         while True:
             kwargs: dict[str, Any] = {"label_selector": self.selector, "limit": LIST_PAGE}
@@ -219,16 +221,14 @@ class KubernetesDiscovery:
             meta = body.get("metadata") if isinstance(body, dict) else None
             if not isinstance(items, list) or not isinstance(meta, dict):
                 raise ValueError("an EndpointSliceList without items or metadata")
-            objects.extend(items)
+            for obj in items:
+                touched |= self._put(obj)
             token = meta.get("continue")
             if not token:
                 version = meta.get("resourceVersion")
                 break
         if not isinstance(version, str) or not version:
             raise ValueError("an EndpointSliceList without metadata.resourceVersion")
-        touched: set[WorkerKey] = set(self.applier.applied) | self.discovered.clear()
-        for obj in objects:
-            touched |= self._put(obj)
         await self._apply(touched, force=True)
         self.resource_version = version
         self.synced = True

@@ -52,6 +52,7 @@ class FakeKubeApi:
         self.watches: list[str] = []  # the resourceVersion each watch asked for
         self.unauthorized = 0
         self.refusing = False  # answer every call 401, as for a token not accepted
+        self.garbled_lists = 0  # answer this many lists with a body that is no EndpointSliceList
         self._watch_sockets: set[socket.socket] = set()
         self._generation = 0  # bumped by drop_watches: every open watch ends
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -203,6 +204,10 @@ class FakeKubeApi:
             def _list(self, selector: str, query: dict[str, str]) -> None:
                 with fake.cond:
                     fake.lists += 1
+                    if fake.garbled_lists:
+                        fake.garbled_lists -= 1
+                        self._json(200, {"kind": "Status", "items": "not a list"})
+                        return
                     items = [
                         copy.deepcopy(o)
                         for _, o in sorted(fake.slices.items())

@@ -250,6 +250,18 @@ async def test_an_api_server_refusing_the_key_is_retried_not_fatal(
         await eventually(lambda: [w[1] for w in seen(app)] == [0], "the list once accepted")
 
 
+async def test_an_answer_that_is_no_list_is_counted_and_listed_again(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
+    kube.put("vllm-a", [endpoint("vllm-0")], LLAMA)
+    kube.garbled_lists = 2
+    async with serving(kube, tmp_path) as app:
+        await eventually(lambda: [w[1] for w in seen(app)] == [0], "the third list")
+        d = app.state.discovery
+        assert (d.counters.lists, d.counters.errors, kube.lists) == (3, 2, 3)
+        assert d.last_error is None and d.synced
+
+
 def test_a_service_name_or_a_label_selector() -> None:
     assert label_selector("vllm") == "kubernetes.io/service-name=vllm"
     assert label_selector("app=vllm,tier!=cpu") == "app=vllm,tier!=cpu"
