@@ -217,6 +217,13 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("discovery_kubernetes_kubeconfig")
+    @classmethod
+    def _check_kubeconfig(cls, value: str) -> str:
+        if value and not Path(value).is_file():
+            raise ValueError(f"no such file: {value}")
+        return value
+
     @model_validator(mode="after")
     def _check_together(self) -> Settings:
         """Rules between settings, checked at start rather than discovered in production."""

@@ -154,15 +154,17 @@ class KubernetesDiscovery:
     async def _run(self) -> None:
         from kubernetes_asyncio import client
 
-        api_client = await self._api_client()
+        api_client = None
         try:
-            api = client.DiscoveryV1Api(api_client)
-            log.info(
-                "discovery: watching EndpointSlices %s in namespace %s",
-                self.selector, self.namespace,
-            )  # fmt: skip
             while True:
                 try:
+                    if api_client is None:  # the configuration may be missing for a while
+                        api_client = await self._api_client()
+                        api = client.DiscoveryV1Api(api_client)
+                        log.info(
+                            "discovery: watching EndpointSlices %s in namespace %s",
+                            self.selector, self.namespace,
+                        )  # fmt: skip
                     if self.resource_version is None or self.discovered.room_made:
                         await self._list(api)
                     await self._watch(api)
@@ -179,7 +181,8 @@ class KubernetesDiscovery:
                     await asyncio.sleep(self._backoff)
                     self._backoff = min(self._backoff * 2, BACKOFF_S[1])
         finally:
-            await api_client.close()
+            if api_client is not None:
+                await api_client.close()
 
     async def _api_client(self) -> Any:
         from kubernetes_asyncio import client, config

@@ -305,3 +305,22 @@ async def test_what_one_instance_discovers_every_instance_holds(
         if keys:
             client.delete(*keys)
         client.close()
+
+
+async def test_a_kubeconfig_without_a_cluster_is_retried_not_fatal(tmp_path: Path) -> None:
+    broken = tmp_path / "kubeconfig"
+    broken.write_text('{"apiVersion": "v1", "kind": "Config", "current-context": "none"}')
+    app = create_app(
+        load_settings(
+            discovery_kubernetes_service="vllm", discovery_kubernetes_kubeconfig=str(broken)
+        )
+    )
+    async with app.router.lifespan_context(app):
+        await eventually(lambda: app.state.discovery.counters.errors >= 1, "the failed start")
+        assert "context" in app.state.discovery.last_error
+        assert app.state.discovery.counters.lists == 0
+
+
+def test_a_kubeconfig_that_is_not_there_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such file"):
+        load_settings(discovery_kubernetes_kubeconfig=str(tmp_path / "missing"))
