@@ -324,3 +324,30 @@ async def test_a_kubeconfig_without_a_cluster_is_retried_not_fatal(tmp_path: Pat
 def test_a_kubeconfig_that_is_not_there_is_a_configuration_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such file"):
         load_settings(discovery_kubernetes_kubeconfig=str(tmp_path / "missing"))
+
+
+def test_a_served_instance_discovers_workers(kube: FakeKubeApi, tmp_path: Path) -> None:
+    """``python -m kv_slot_tracker`` (uvloop, uvicorn) configured by environment variables."""
+    from tests.servers import live_server
+
+    kube.put("vllm-a", [endpoint("vllm-0"), endpoint("vllm-1")], LLAMA)
+    env = {
+        "SLOT_TRACKER_DISCOVERY_KUBERNETES_SERVICE": "vllm",
+        "SLOT_TRACKER_DISCOVERY_KUBERNETES_KUBECONFIG": str(kube.kubeconfig(tmp_path / "kc")),
+    }
+    with live_server(tmp_path, **env) as url:
+
+        def worker_ids() -> list[int]:
+            return sorted(w["worker_id"] for w in httpx.get(f"{url}/workers").json())
+
+        deadline = time.monotonic() + 20
+        while worker_ids() != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker_ids() == [0, 1]
+        kube.put("vllm-a", [endpoint("vllm-1")], LLAMA)
+        deadline = time.monotonic() + 20
+        while worker_ids() != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker_ids() == [1]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "kv_slot_tracker_discovery_removals_total 1.0" in metrics
