@@ -51,7 +51,7 @@ def validator(doc: dict[str, Any], name: str) -> jsonschema.Draft202012Validator
 
 def test_every_response_schema_has_examples(document: dict[str, Any]) -> None:
     names = response_schema_names(document)
-    assert len(names) == 21
+    assert len(names) >= 21  # every schema a route answers with, errors included
     schemas = document["components"]["schemas"]
     lacking = sorted(n for n in names if not schemas[n].get("examples"))
     assert lacking == []
