@@ -78,7 +78,7 @@ class DiscoveryCounters:
     watches: int = 0  # watches opened
     events: int = 0  # watch events applied (added, modified, deleted)
     errors: int = 0  # failed list or watch calls (then a backoff)
-    invalid_slices: int = 0  # objects without a name, skipped
+    invalid_slices: int = 0  # slices without a name, watch lines that are no event: skipped
     invalid_endpoints: int = 0  # endpoints that could not be made a worker (bad labels, no ordinal)
     not_ready: int = 0  # not-ready endpoints seen (not registered, or removed)
 
@@ -239,46 +239,53 @@ class KubernetesDiscovery:
         self._backoff = BACKOFF_S[0]
 
     async def _watch(self, api: Any) -> None:
-        """Events from ``resource_version`` until the server ends the watch."""
-        from kubernetes_asyncio import watch
-        from kubernetes_asyncio.client.exceptions import ApiException
-
+        """Events from ``resource_version`` until the server ends the watch: one JSON object a
+        line, ``{"type": ..., "object": ...}``, each checked as input."""
         self.counters.watches += 1
-        w = watch.Watch(return_type="object")
+        resp = await api.list_namespaced_endpoint_slice(
+            self.namespace,
+            label_selector=self.selector,
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_TIMEOUT_S,
+            watch=True,
+            _preload_content=False,
+            _request_timeout=(10, WATCH_TIMEOUT_S + 30),
+        )
         try:
-            stream = w.stream(
-                api.list_namespaced_endpoint_slice,
-                self.namespace,
-                label_selector=self.selector,
-                resource_version=self.resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=WATCH_TIMEOUT_S,
-                _request_timeout=(10, WATCH_TIMEOUT_S + 30),
-            )
-            async for event in stream:
+            # the server took the watch: what this instance holds is current
+            self.synced, self.last_error, self._backoff = True, None, BACKOFF_S[0]
+            while line := await resp.content.readline():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    event = None
                 kind = event.get("type") if isinstance(event, dict) else None
-                obj = event.get("raw_object") if isinstance(event, dict) else None
+                obj = event.get("object") if isinstance(event, dict) else None
+                if kind == "ERROR":
+                    code = obj.get("code") if isinstance(obj, dict) else None
+                    if code == 410:
+                        raise _Gone()
+                    raise ValueError(f"the watch answered an error: {obj}")
                 if kind in ("ADDED", "MODIFIED"):
                     touched = self._put(obj)
                 elif kind == "DELETED":
                     touched = self._delete(obj)
-                else:
+                elif kind == "BOOKMARK":
                     touched = set()
-                version = _version_of(obj)
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                else:
+                    self.counters.invalid_slices += 1  # not an event: skipped
+                    continue
+                if kind != "BOOKMARK":
                     self.counters.events += 1
                     await self._apply(touched)
-                    self.synced, self.last_error, self._backoff = True, None, BACKOFF_S[0]
+                version = _version_of(obj)
                 if version:
                     self.resource_version = version
                 if self.discovered.room_made:
                     return  # a worker skipped for the cap may fit now: list again
-        except ApiException as e:
-            if e.status == 410:
-                raise _Gone() from e
-            raise
         finally:
-            await w.close()
+            resp.release()
 
     def _put(self, obj: Any) -> set[WorkerKey]:
         try:

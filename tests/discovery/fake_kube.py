@@ -139,6 +139,13 @@ class FakeKubeApi:
             self.cond.notify_all()
             return self.version
 
+    def inject(self, line: bytes) -> None:
+        """Send ``line`` as it is on every watch, as if it were an event (input to survive)."""
+        with self.cond:
+            self.version += 1
+            self.history.append((self.version, "RAW", {"raw": line}))
+            self.cond.notify_all()
+
     def compact(self) -> None:
         """Forget the history: a watch from any version seen so far is told 410 Gone."""
         with self.cond:
@@ -275,7 +282,10 @@ class FakeKubeApi:
                             if fake._generation != generation:
                                 return  # dropped: the socket is already shut down
                         for version, kind, obj in pending:
-                            if fake._selected(obj, selector):
+                            if kind == "RAW":
+                                data = obj["raw"] + b"\n"
+                                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                            elif fake._selected(obj, selector):
                                 self._chunk({"type": kind, "object": obj})
                             sent = version
                     self.wfile.write(b"0\r\n\r\n")  # the server's timeout: a clean end

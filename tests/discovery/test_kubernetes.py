@@ -139,6 +139,7 @@ async def test_the_watch_resumes_after_a_drop_and_lists_again_after_410(
         kube.drop_watches()  # cut mid-stream: a new watch from the last version seen
         await eventually(lambda: len(kube.watches) == 2 and kube.open_watches() == 1, "rewatch")
         assert kube.watches == ["1001", "1001"]
+        await eventually(lambda: app.state.discovery.synced, "synced again without an event")
         kube.put("vllm-a", [endpoint("vllm-0"), endpoint("vllm-1")], LLAMA)  # version 1002
         await eventually(lambda: [w[1] for w in seen(app)] == [0, 1], "vllm-1 after the drop")
         assert kube.lists == 1  # resumed, not listed again
@@ -260,6 +261,22 @@ async def test_an_answer_that_is_no_list_is_counted_and_listed_again(
         d = app.state.discovery
         assert (d.counters.lists, d.counters.errors, kube.lists) == (3, 2, 3)
         assert d.last_error is None and d.synced
+
+
+async def test_a_watch_line_that_is_no_event_is_counted_and_skipped(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
+    kube.put("vllm-a", [endpoint("vllm-0")], LLAMA)
+    async with serving(kube, tmp_path) as app:
+        await eventually(lambda: kube.open_watches() == 1, "the watch")
+        kube.inject(b"not json")
+        kube.inject(b'{"type": "ADDED", "object": {"metadata": {}}}')  # a slice without a name
+        kube.inject(b'{"type": "DELETED", "object": 7}')
+        kube.inject(b'{"object": {}}')  # no type
+        kube.put("vllm-a", [endpoint("vllm-0"), endpoint("vllm-2")], LLAMA)
+        await eventually(lambda: [w[1] for w in seen(app)] == [0, 2], "the change after them")
+        d = app.state.discovery
+        assert (d.counters.invalid_slices, d.counters.errors, d.counters.watches) == (4, 0, 1)
 
 
 def test_a_service_name_or_a_label_selector() -> None:
