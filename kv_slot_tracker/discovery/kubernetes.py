@@ -107,7 +107,7 @@ class KubernetesDiscovery:
         self.counters = DiscoveryCounters()
         self.lease_renew_s = lease_renew_s
         self.resource_version: str | None = None
-        self.synced = False  # a full list was applied and no error since
+        self.synced = False  # the last list or watch call succeeded (none failed since)
         self.last_error: str | None = None
         self._backoff = BACKOFF_S[0]  # the wait after the next error; reset by any progress
         self._tasks: list[asyncio.Task] = []

@@ -368,3 +368,38 @@ def test_a_served_instance_discovers_workers(kube: FakeKubeApi, tmp_path: Path) 
         assert worker_ids() == [1]
         metrics = httpx.get(f"{url}/metrics").text
         assert "kv_slot_tracker_discovery_removals_total 1.0" in metrics
+
+
+async def test_discovered_workers_keep_their_leases_and_others_expire(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
+    from tests.fakes import FakeClock
+
+    clock = FakeClock()
+    kube.put("vllm-a", [endpoint("vllm-0")], LLAMA)
+    settings = load_settings(
+        discovery_kubernetes_service="vllm",
+        discovery_kubernetes_kubeconfig=str(kube.kubeconfig(tmp_path / "kubeconfig")),
+        worker_ttl_seconds=3,
+    )
+    app = create_app(settings, clock=clock.now)
+    service = app.state.service
+    key = ("llama", "default")
+    async with app.router.lifespan_context(app):
+        await eventually(lambda: [w[1] for w in seen(app)] == [0], "the discovered worker")
+        register = {"model_name": "llama", "worker_id": 9, "block_size": 16, "dp_start": 0,
+                    "dp_size": 2}  # fmt: skip
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.post("/register", json=register)).status_code == 201
+        start = clock.now()
+        assert service.registry.leases.deadline(key, 9) == start + 3 * 10**9
+        clock.advance(2)
+        # discovery renews its worker every ttl/3 (1 s of real time): from the clock's now
+        await eventually(
+            lambda: service.registry.leases.deadline(key, 0) == clock.now() + 3 * 10**9,
+            "the renewal",
+        )
+        clock.advance(2)  # worker 9: 4 s without a renewal; worker 0: 2 s since its renewal
+        await eventually(lambda: [w[1] for w in seen(app)] == [0], "worker 9's lease to run out")
+        assert service.registry.workers_expired == 1
