@@ -13,8 +13,10 @@ a stored block is re-hashed from the ``token_ids`` the event carries (``local_ha
 keyed by its *chain key*: the chained local hashes from block 0 (``compute_seq_hash_for_block``),
 which is the prompt's own sequence hash at that depth. The engine's hash only serves to find a
 parent and to remove a block; the parent's chain key and the new block's local hash give the new
-chain key. A rank therefore keeps, per tier, ``engine hash -> (chain key, local hash, parent
-engine hash)``, and the index keeps, per tier, ``chain key -> ranks holding it``.
+chain key. Device blocks live in the reference's compressed radix tree (runs of blocks shared by
+the ranks that stored them, see ``KvIndex``); host and disk blocks per rank and tier as
+``engine hash -> (chain key, local hash, parent engine hash)`` with, per chain key, the ranks
+holding it.
 
 What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1):
 
@@ -24,10 +26,16 @@ What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1)
   parent included) is dropped; an event whose ``block_size`` differs from
   the partition's, or whose ``token_ids`` cover fewer blocks than it names, stores the full blocks
   it covers and stops (``local_hashes``).
-* ``BlockRemoved`` drops the named blocks of that tier from the rank; in the device tier each
-  with every block the rank stored under it (stores ``[1,2,3]``, removes ``2``: ``/dump`` lists
-  ``1`` only, a later store under ``3`` is refused, overlap 1), in the host and disk tiers just
-  the named blocks. Unknown hashes are skipped.
+* A host or disk block already held under another parent stays there, and the store stops at it
+  (the blocks after it are not kept); one held in the same place is kept as it is.
+* ``BlockRemoved`` drops the named blocks of that tier from the rank. In the device tier a block
+  goes with the rest of its run that the rank holds, where a run is a node of the reference's
+  tree: the blocks stored together that no other store has split (stores ``[1,2,3]``, removes
+  ``2``: ``/dump`` lists ``1`` only and a later store under ``3`` is refused). Runs below it are
+  kept (listed by ``/dump`` under their parent, reachable as store parents, but no prompt reaches
+  them through the removed block), unless no rank holds the run whole any more: then they drop
+  out of reach. A removal event's consecutive hashes of one run act from the first of them in
+  the run. In the host and disk tiers just the named blocks go. Unknown hashes are skipped.
 * ``AllBlocksCleared`` empties the publishing rank, every tier (other dp ranks of the worker keep
   theirs).
 * Tiers: ``device`` (GPU), ``host_pinned`` (CPU) and ``disk``; a rank's overlap is its device
@@ -35,15 +43,18 @@ What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1)
   host memory), then the ``disk`` extension after that. ``/overlap_scores`` reports
   ``host_pinned_blocks = d + host_ext`` and ``disk_blocks = host_pinned_blocks + disk_ext``.
 
-Cost: a store or removal is proportional to its blocks; clearing a rank to the blocks it holds; a
-lookup walks the prompt's chain keys once per non-empty tier and compares rank sets only where a
-rank stops matching (never a scan over the partition's ranks or blocks). Pure: no time, I/O or
-asyncio.
+Cost: a store or removal is proportional to its blocks, plus, where a store splits a run, the
+moved part of the run times its holders (as the reference); finding a block in a run searches
+at most ``_LONG`` positions (longer runs keep an index); clearing a rank is proportional to the
+blocks it holds; a lookup walks the prompt's chain keys once per non-empty tier and visits ranks
+only where some stop matching (never a scan over the partition's ranks or blocks). Pure: no
+time, I/O or asyncio.
 """
 
 from __future__ import annotations
 
 import struct
+from array import array
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -151,50 +162,170 @@ def _holds(held: Holders, worker: WorkerWithDpRank) -> bool:
     return worker in held if type(held) is dict else held == worker
 
 
-def _link(kids: dict[int, int | set[int]], parent: int, child: int) -> None:
-    have = kids.get(parent)
-    if have is None:
-        kids[parent] = child
-    elif type(have) is set:
-        have.add(child)
-    elif have != child:
-        kids[parent] = {have, child}
+_LONG = 48
+"""Edges longer than this keep a dict from engine hash to position (shorter ones are searched)."""
 
 
-def _unlink(kids: dict[int, int | set[int]], parent: int, child: int) -> None:
-    have = kids.get(parent)
-    if type(have) is set:
-        have.discard(child)
-    elif have == child:
-        del kids[parent]
+class _Node:
+    """A run of device blocks shared by the ranks that stored it (one edge of the reference's
+    compressed radix tree): per block its chain key, engine hash and local hash, in three
+    arrays; ``full`` the ranks holding the whole run, ``cut`` those holding only its first
+    ``c`` blocks (``0 < c < len``)."""
+
+    __slots__ = ("keys", "hashes", "locals", "index", "full", "cut", "children", "internal")
+
+    def __init__(self, keys: array, hashes: array, locals_: array, full: set) -> None:
+        self.keys = keys
+        self.hashes = hashes
+        self.locals = locals_
+        self.index: dict[int, int] | None = _index_of(hashes)
+        self.full: set[WorkerWithDpRank] = full
+        self.cut: dict[WorkerWithDpRank, int] | None = None
+        # first chain key of the child run -> child; None while the node has none
+        self.children: dict[int, _Node] | None = None
+        # once a node has had a child it is never extended in place again (sticky)
+        self.internal = False
+
+
+def _index_of(hashes: array) -> dict[int, int] | None:
+    return {h: i for i, h in enumerate(hashes)} if len(hashes) > _LONG else None
+
+
+def _pos(node: _Node, h: int) -> int:
+    """The position of engine hash ``h`` in the node's run, -1 when absent."""
+    idx = node.index
+    if idx is not None:
+        return idx.get(h, -1)
+    try:
+        return node.hashes.index(h)
+    except ValueError:
+        return -1
+
+
+def _cutoff(node: _Node, worker: WorkerWithDpRank) -> int:
+    """How many of the node's blocks ``worker`` holds (always a prefix of the run)."""
+    if worker in node.full:
+        return len(node.hashes)
+    cut = node.cut
+    return cut.get(worker, 0) if cut else 0
+
+
+def _promote(node: _Node, worker: WorkerWithDpRank) -> None:
+    if worker in node.full:
+        return
+    cut = node.cut
+    if cut and cut.pop(worker, None) is not None and not cut:
+        node.cut = None
+    node.full.add(worker)
+
+
+def _cover_prefix(node: _Node, worker: WorkerWithDpRank, n: int) -> None:
+    if n >= len(node.hashes):
+        _promote(node, worker)
+    elif n > 0 and worker not in node.full:
+        cut = node.cut
+        if cut is None:
+            node.cut = {worker: n}
+        elif cut.get(worker, 0) < n:
+            cut[worker] = n
+
+
+def _drop(node: _Node, worker: WorkerWithDpRank) -> bool:
+    """Take ``worker`` off the node; True when it held some of it."""
+    if worker in node.full:
+        node.full.discard(worker)
+        return True
+    cut = node.cut
+    if cut and cut.pop(worker, None) is not None:
+        if not cut:
+            node.cut = None
+        return True
+    return False
+
+
+def _extend_leaf(
+    node: _Node, worker: WorkerWithDpRank, keys: array, hashes: array, locals_: array
+) -> None:
+    """Append blocks to a leaf run: ``worker`` holds all of it, the other full holders keep
+    the old length."""
+    old = len(node.hashes)
+    others = [w for w in node.full if w != worker]
+    if others:
+        cut = node.cut
+        if cut is None:
+            cut = node.cut = {}
+        for w in others:
+            node.full.discard(w)
+            cut[w] = old
+    _promote(node, worker)
+    node.keys.extend(keys)
+    node.hashes.extend(hashes)
+    node.locals.extend(locals_)
+    idx = node.index
+    if idx is not None:
+        for i, h in enumerate(hashes, old):
+            idx[h] = i
+    else:
+        node.index = _index_of(node.hashes)
 
 
 class KvIndex:
-    """Blocks per rank and tier of one partition, keyed by chain key."""
+    """Blocks per rank and tier of one partition.
+
+    The device tier is the reference's compressed radix tree, shared by the partition's ranks:
+    runs of blocks (``_Node``) keyed under their parent run by their first chain key, each with
+    the ranks holding all or a prefix of it, and per rank ``engine hash -> run``. The host and
+    disk tiers keep, per rank, ``engine hash -> (chain key, local hash, parent)`` and per chain
+    key its holders."""
 
     def __init__(self) -> None:
-        # tier -> chain key -> the rank holding it, or a dict (ordered set) when several do: most
-        # blocks have one holder, and a dict per block would double the index's memory
+        self._root = _Node(array("Q"), array("Q"), array("Q"), set())
+        self._root.internal = True
+        # rank -> engine hash -> the device run holding it
+        self._lookup: dict[WorkerWithDpRank, dict[int, _Node]] = {}
+        # host and disk tiers: tier -> chain key -> the rank holding it, or a dict (ordered set)
+        # when several do (the device entry is unused)
         self._holders: tuple[dict[int, Holders], ...] = ({}, {}, {})
         # rank -> per tier: engine hash -> (chain key, local hash, parent engine hash or None)
         self._ranks: dict[WorkerWithDpRank, tuple[dict[int, tuple[int, int, int | None]], ...]] = {}
-        # rank -> device parent engine hash -> its child's engine hash, or a set when several
-        # (removals cascade in the device tier only)
-        self._kids: dict[WorkerWithDpRank, dict[int, int | set[int]]] = {}
         self._ranks_of_worker: dict[int, set[WorkerWithDpRank]] = {}
-        self._size = 0
+        self._lower_size = 0
         self.lookup_probes = 0
-        """Work done by ``overlaps``: chain keys looked up plus ranks compared (never reset)."""
+        """Work done by ``overlaps``: chain keys compared plus ranks dropped (never reset)."""
 
     # -- writes ------------------------------------------------------------------------------------
+
+    def _note_rank(self, worker: WorkerWithDpRank) -> None:
+        self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
 
     def _rank(self, worker: WorkerWithDpRank) -> tuple[dict[int, tuple[int, int, int | None]], ...]:
         maps = self._ranks.get(worker)
         if maps is None:
             maps = self._ranks[worker] = ({}, {}, {})
-            self._kids[worker] = {}
-            self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
+            self._note_rank(worker)
         return maps
+
+    def _parent_key(self, worker: WorkerWithDpRank, tier: int, parent: int) -> int | None:
+        """The chain key of ``parent`` as ``worker`` holds it, looked up in ``tier`` first and
+        then in every tier; None when the rank holds it nowhere."""
+        maps = self._ranks.get(worker)
+        if maps is not None:
+            entry = maps[tier].get(parent)
+            if entry is not None:
+                return entry[0]
+        lk = self._lookup.get(worker)
+        if lk is not None:
+            node = lk.get(parent)
+            if node is not None:
+                pos = _pos(node, parent)
+                if pos >= 0:
+                    return node.keys[pos]
+        if maps is not None:
+            for other in (HOST_PINNED, DISK):
+                entry = maps[other].get(parent)
+                if entry is not None:
+                    return entry[0]
+        return None
 
     def store(
         self,
@@ -213,42 +344,28 @@ class KvIndex:
         seen = set(hashes)
         if len(seen) != len(hashes) or (parent is not None and parent in seen):
             return False
-        maps = self._ranks.get(worker)
+        locals_ = [local & U64_MAX for _, local in blocks]
+        if tier == DEVICE:
+            return self._store_device(worker, parent, hashes, locals_)
         parent_key: int | None = None
         if parent is not None:
-            entry = None
-            if maps is not None:
-                entry = maps[tier].get(parent)
-                if entry is None and tier != DEVICE:
-                    for other in TIERS:
-                        entry = maps[other].get(parent)
-                        if entry is not None:
-                            break
-            if entry is not None:
-                parent_key = entry[0]
-            elif tier == DEVICE:
-                return False
-            else:  # kept under a key no prompt can reach, as the reference keeps it
+            parent_key = self._parent_key(worker, tier, parent)
+            if parent_key is None:  # kept under a key no prompt can reach, as the reference
                 parent_key = orphan_key(parent)
         if not blocks:
             return True
-        maps = self._rank(worker)
-        mine = maps[tier]
-        kids = self._kids[worker] if tier == DEVICE else None
+        mine = self._rank(worker)[tier]
         holders = self._holders[tier]
         prev = parent
-        for h, (_, local) in zip(hashes, blocks, strict=True):
-            local &= U64_MAX
-            key = chain_key(parent_key, local)
+        for h, local in zip(hashes, locals_, strict=True):
             old = mine.get(h)
-            if old is not None:  # stored again: moves to its new place in the chain
-                self._unhold(holders, old[0], worker)
-                self._size -= 1
-                if kids is not None and old[2] is not None:
-                    _unlink(kids, old[2], h)
+            if old is not None:
+                if old[1] != local or old[2] != prev:
+                    break  # held under another parent: the first store wins, the walk stops
+                parent_key, prev = old[0], h
+                continue
+            key = chain_key(parent_key, local)
             mine[h] = (key, local, prev)
-            if kids is not None and prev is not None:
-                _link(kids, prev, h)
             held = holders.get(key)
             if held is None:
                 holders[key] = worker
@@ -256,9 +373,154 @@ class KvIndex:
                 held[worker] = None
             elif held != worker:
                 holders[key] = {held: None, worker: None}
-            self._size += 1
+            self._lower_size += 1
             parent_key, prev = key, h
         return True
+
+    def _store_device(
+        self, worker: WorkerWithDpRank, parent: int | None, hashes: list[int], locals_: list[int]
+    ) -> bool:
+        """The reference's store into its radix tree (1.6.1): from the root, or from the run
+        holding the parent (refused when the rank does not hold it); runs the blocks match are
+        shared, a run is split where a store leaves it, and a leaf run the rank holds to its
+        end is extended in place."""
+        lk = self._lookup.get(worker)
+        node = self._root
+        pos = -1
+        pkey: int | None = None
+        if parent is not None:
+            found = lk.get(parent) if lk is not None else None
+            if found is None:
+                return False
+            pos = _pos(found, parent)
+            if pos < 0:
+                return False
+            if pos >= _cutoff(found, worker):  # a stale entry: forgotten, the store refused
+                del lk[parent]
+                return False
+            node = found
+            pkey = node.keys[pos]
+        if lk is None:
+            lk = self._lookup[worker] = {}
+            self._note_rank(worker)
+        total = len(hashes)
+        if not total:
+            return True
+        keys = array("Q")
+        for local in locals_:
+            pkey = local if pkey is None else _h(_pack(pkey, local), seed=XXH3_SEED)
+            keys.append(pkey)
+        hs = array("Q", hashes)
+        ls = array("Q", locals_)
+        if parent is not None and pos != len(node.hashes) - 1:
+            # the parent is inside the run: reuse the run's rest, extend a leaf, or split
+            rest = len(node.hashes) - pos - 1
+            if total <= rest:
+                if node.keys[pos + 1 : pos + 1 + total] == keys and (
+                    node.hashes[pos + 1 : pos + 1 + total] == hs
+                ):
+                    _cover_prefix(node, worker, pos + 1 + total)
+                    for h in hashes:
+                        lk[h] = node
+                    return True
+            elif (
+                not node.internal
+                and node.keys[pos + 1 :] == keys[:rest]
+                and node.hashes[pos + 1 :] == hs[:rest]
+            ):
+                _extend_leaf(node, worker, keys[rest:], hs[rest:], ls[rest:])
+                for h in hashes:
+                    lk[h] = node
+                return True
+            self._split(node, pos + 1)
+        last = parent
+        i = 0
+        while i < total:
+            kids = node.children
+            child = kids.get(keys[i]) if kids else None
+            if child is None:
+                if (
+                    last is not None
+                    and not node.internal
+                    and node.hashes[-1] == last
+                    and len(node.hashes) <= _cutoff(node, worker)
+                ):
+                    _extend_leaf(node, worker, keys[i:], hs[i:], ls[i:])
+                    for h in hashes[i:]:
+                        lk[h] = node
+                    return True
+                new = _Node(keys[i:], hs[i:], ls[i:], {worker})
+                if kids is None:
+                    kids = node.children = {}
+                kids[keys[i]] = new
+                node.internal = True
+                for h in hashes[i:]:
+                    lk[h] = new
+                return True
+            ck = child.keys
+            e = len(ck)
+            lim = min(e, total - i)
+            m = 1
+            while m < lim and ck[m] == keys[i + m]:
+                m += 1
+            if m < e:
+                if m == total - i:  # the store ends inside the run: the rank holds a prefix
+                    _cover_prefix(child, worker, m)
+                    for h in hashes[i:]:
+                        lk[h] = child
+                    return True
+                self._split(child, m)
+                _promote(child, worker)
+                tail = _Node(keys[i + m :], hs[i + m :], ls[i + m :], {worker})
+                child.children[keys[i + m]] = tail  # type: ignore[index]
+                for h in hashes[i : i + m]:
+                    lk[h] = child
+                for h in hashes[i + m :]:
+                    lk[h] = tail
+                return True
+            _promote(child, worker)
+            for h in hashes[i : i + e]:
+                lk[h] = child
+            last = hashes[i + e - 1]
+            i += e
+            node = child
+        return True
+
+    def _split(self, node: _Node, pos: int) -> _Node:
+        """Cut ``node``'s run before ``pos``: the rest becomes its only child, with the node's
+        children and the holders that reach into it."""
+        suffix = _Node(node.keys[pos:], node.hashes[pos:], node.locals[pos:], set(node.full))
+        del node.keys[pos:], node.hashes[pos:], node.locals[pos:]
+        node.index = _index_of(node.hashes)
+        cut = node.cut
+        if cut:
+            rest: dict[WorkerWithDpRank, int] = {}
+            for w, c in list(cut.items()):
+                if c >= pos:
+                    del cut[w]
+                    node.full.add(w)
+                    if c > pos:
+                        rest[w] = c - pos
+            if not cut:
+                node.cut = None
+            suffix.cut = rest or None
+        suffix.children = node.children
+        suffix.internal = node.internal
+        node.children = {suffix.keys[0]: suffix}
+        node.internal = True
+        lookup = self._lookup
+        for w in suffix.full:
+            lk = lookup.get(w)
+            if lk is not None:
+                for h in suffix.hashes:
+                    lk[h] = suffix
+        if suffix.cut:
+            for w, c in suffix.cut.items():
+                lk = lookup.get(w)
+                if lk is not None:
+                    for h in suffix.hashes[:c]:
+                        lk[h] = suffix
+        return suffix
 
     @staticmethod
     def _unhold(holders: dict[int, Holders], key: int, worker: WorkerWithDpRank) -> None:
@@ -275,61 +537,115 @@ class KvIndex:
             del holders[key]
 
     def remove(self, worker: WorkerWithDpRank, tier: int, block_hashes: Sequence[int]) -> int:
-        """Drop the named blocks of ``tier`` from ``worker``, each with the blocks the rank
-        stored under it in that tier; returns how many blocks went."""
-        maps = self._ranks.get(worker)
-        if maps is None:
+        """Drop the named blocks of ``tier`` from ``worker``; returns how many blocks went.
+
+        In the device tier, as the reference's tree: a removed block takes with it the rest of
+        its run that the rank holds (the blocks the run's holders stored together), but not the
+        runs below it (the rank keeps them; no prompt reaches them through the removed block).
+        Consecutive hashes of one run are removed from the first of them in the run."""
+        if tier != DEVICE:
+            maps = self._ranks.get(worker)
+            if maps is None:
+                return 0
+            mine = maps[tier]
+            holders = self._holders[tier]
+            removed = 0
+            for h in block_hashes:
+                entry = mine.pop(h & U64_MAX, None)
+                if entry is not None:
+                    self._unhold(holders, entry[0], worker)
+                    removed += 1
+            self._lower_size -= removed
+            return removed
+        lk = self._lookup.get(worker)
+        if lk is None:
             return 0
-        mine = maps[tier]
-        kids = self._kids[worker]
-        holders = self._holders[tier]
-        removed = 0
+        before = len(lk)
+        node: _Node | None = None
+        group: list[int] = []
         for h in block_hashes:
             h &= U64_MAX
-            entry = mine.get(h)
-            if entry is None:
+            if node is not None and _pos(node, h) >= 0:
+                group.append(h)
                 continue
-            if tier != DEVICE:
-                del mine[h]
-                self._unhold(holders, entry[0], worker)
-                removed += 1
+            if node is not None:
+                self._remove_group(lk, worker, node, group)
+            node = lk.get(h)
+            group = [h]
+        if node is not None:
+            self._remove_group(lk, worker, node, group)
+        return before - len(lk)
+
+    def _remove_group(
+        self, lk: dict[int, _Node], worker: WorkerWithDpRank, node: _Node, group: list[int]
+    ) -> None:
+        best, best_hash = -1, 0
+        unmatched = []
+        for h in group:
+            p = _pos(node, h)
+            if p < 0:
+                unmatched.append(h)
+            elif best < 0 or p < best:
+                best, best_hash = p, h
+        if best < 0:
+            for h in group:
+                lk.pop(h, None)
+            return
+        self._cut(lk, worker, node, best, best_hash)
+        for h in unmatched:
+            other = lk.get(h)
+            if other is None:
                 continue
-            if entry[2] is not None:
-                _unlink(kids, entry[2], h)
-            stack = [h]
-            while stack:
-                b = stack.pop()
-                gone = mine.pop(b, None)
-                if gone is None:
-                    continue
-                self._unhold(holders, gone[0], worker)
-                removed += 1
-                below = kids.pop(b, None)
-                if type(below) is set:
-                    stack.extend(below)
-                elif below is not None:
-                    stack.append(below)
-        self._size -= removed
-        return removed
+            p = _pos(other, h)
+            if p < 0:
+                del lk[h]
+            else:
+                self._cut(lk, worker, other, p, h)
+
+    @staticmethod
+    def _cut(lk: dict[int, _Node], worker: WorkerWithDpRank, node: _Node, pos: int, h: int) -> None:
+        """``worker`` keeps only the blocks of ``node`` before ``pos``; a run no rank holds whole
+        any more loses its children (they stay in their holders' maps, out of every prompt's
+        and the dump's reach)."""
+        if pos >= _cutoff(node, worker):
+            lk.pop(h, None)
+        else:
+            for s in node.hashes[pos:]:
+                lk.pop(s, None)
+            if pos == 0:
+                _drop(node, worker)
+            else:
+                node.full.discard(worker)
+                if node.cut is None:
+                    node.cut = {}
+                node.cut[worker] = pos
+        if not node.full and node.children:
+            node.children = None
 
     def clear_rank(self, worker: WorkerWithDpRank) -> int:
         """Forget every block ``worker`` holds, all tiers (``AllBlocksCleared``, a lost gap, a
         rank leaving); returns how many."""
+        n = 0
+        lk = self._lookup.pop(worker, None)
+        if lk is not None:
+            n += len(lk)
+            for node in set(lk.values()):
+                if _drop(node, worker) and not node.full and node.children:
+                    node.children = None
         maps = self._ranks.pop(worker, None)
-        if maps is None:
+        if maps is not None:
+            for tier in (HOST_PINNED, DISK):
+                holders = self._holders[tier]
+                for key, _, _ in maps[tier].values():
+                    self._unhold(holders, key, worker)
+                n += len(maps[tier])
+                self._lower_size -= len(maps[tier])
+        if lk is None and maps is None:
             return 0
-        del self._kids[worker]
         ranks = self._ranks_of_worker[worker.worker_id]
         ranks.discard(worker)
         if not ranks:
             del self._ranks_of_worker[worker.worker_id]
-        n = 0
-        for tier in TIERS:
-            holders = self._holders[tier]
-            for key, _, _ in maps[tier].values():
-                self._unhold(holders, key, worker)
-            n += len(maps[tier])
-        self._size -= n
         return n
 
     def remove_worker(self, worker_id: int) -> int:
@@ -374,56 +690,97 @@ class KvIndex:
         return out
 
     def _device_prefix(self, keys: Sequence[int]) -> dict[WorkerWithDpRank, int]:
-        """Consecutive device blocks from block 0, per rank: the ranks holding block 0 are
-        active; at each deeper block the active ranks it lacks score the depth reached so far
-        and drop out. (The reference's tree gives the same: a rank whose middle block was removed
-        stops there even though it still holds deeper blocks, and another rank holding those
-        deeper blocks is not credited with it.) The active set is compared with a block's holders
-        by one C-level subset test per depth; ranks are visited only where some drop out."""
-        holders = self._holders[DEVICE]
+        """Each rank's device prefix, as the reference's tree walk (1.6.1) scores it: the ranks
+        holding the whole first run are active, those holding a prefix of it score that; at each
+        deeper run an active rank scores where its hold ends and drops out. Where the run has
+        no partial holders and as many full holders as there are active ranks, the reference
+        takes them to be the active ranks and compares nothing (a rank can then be credited
+        with a run it does not hold; this index gives the same scores). Work: the prompt's
+        chain keys compared once, plus the ranks that drop out."""
         result: dict[WorkerWithDpRank, int] = {}
-        first = holders.get(keys[0] & U64_MAX)
-        if first is None:
-            self.lookup_probes += 1
-            return result
-        active = _members(first)
+        n = len(keys)
+        kids = self._root.children
+        node = kids.get(keys[0] & U64_MAX) if kids else None
         probes = 1
-        depth = 1
-        for depth in range(1, len(keys)):
-            held = holders.get(keys[depth] & U64_MAX)
-            probes += 1
-            if held is None:
+        if node is None:
+            self.lookup_probes += probes
+            return result
+        active: set[WorkerWithDpRank] | None = None
+        pos = 0
+        while True:
+            nk = node.keys
+            e = len(nk)
+            walk = min(e, n - pos)
+            m = 1
+            while m < walk and nk[m] == keys[pos + m]:
+                m += 1
+            probes += m
+            cut = node.cut
+            if active is None:
+                active = set(node.full)
+                if cut:
+                    for w, c in cut.items():
+                        result[w] = min(c, m)
+            elif cut:
+                full = node.full
+                for w in [w for w in active if w not in full]:
+                    c = cut.get(w)
+                    result[w] = pos + (0 if c is None else min(c, m))
+                    active.discard(w)
+                    probes += 1
+            elif len(node.full) != len(active):
+                gone = active - node.full
+                for w in gone:
+                    result[w] = pos
+                active -= gone
+                probes += len(gone)
+            pos += m
+            if not active or m < e or pos == n:
                 break
-            ranks = _members(held)
-            if not active <= ranks:
-                probes += len(active)
-                kept = active & ranks
-                for w in active - kept:
-                    result[w] = depth
-                active = kept
-                if not kept:
-                    break
-        else:
-            depth = len(keys)
+            kids = node.children
+            node = kids.get(keys[pos] & U64_MAX) if kids else None
+            probes += 1
+            if node is None:
+                break
         for w in active:
-            result[w] = depth
-        self.lookup_probes += probes + len(active)
+            result[w] = pos
+        self.lookup_probes += probes
         return result
 
     def blocks(self) -> Iterator[IndexedBlock]:
-        """Every indexed block, per rank and tier, in store order."""
+        """Every indexed block: the device runs reachable from the root (each rank's part of a
+        run, under the run's parent block, as the reference's ``/dump``), then each rank's host
+        and disk blocks in store order."""
+        stack: list[tuple[_Node, int | None]] = [
+            (c, None) for c in (self._root.children or {}).values()
+        ]
+        while stack:
+            node, parent = stack.pop()
+            hashes, locals_ = node.hashes, node.locals
+            holds = [(w, len(hashes)) for w in node.full]
+            if node.cut:
+                holds += node.cut.items()
+            for w, c in holds:
+                prev = parent
+                for i in range(c):
+                    yield IndexedBlock(w, DEVICE, hashes[i], prev, locals_[i])
+                    prev = hashes[i]
+            if node.children:
+                last = hashes[-1]
+                stack.extend((c, last) for c in node.children.values())
         for worker, maps in self._ranks.items():
-            for tier in TIERS:
+            for tier in (HOST_PINNED, DISK):
                 for h, (_, local, parent) in maps[tier].items():
                     yield IndexedBlock(worker, tier, h, parent, local)
 
     def ranks(self) -> list[WorkerWithDpRank]:
-        return list(self._ranks)
+        return list(dict.fromkeys([*self._lookup, *self._ranks]))
 
     def rank_size(self, worker: WorkerWithDpRank) -> int:
+        lk = self._lookup.get(worker)
         maps = self._ranks.get(worker)
-        return 0 if maps is None else sum(len(m) for m in maps)
+        return (0 if lk is None else len(lk)) + (0 if maps is None else sum(len(m) for m in maps))
 
     def __len__(self) -> int:
-        """Indexed (rank, tier, block) entries."""
-        return self._size
+        """Indexed (rank, tier, block) entries (device: the blocks in the ranks' maps)."""
+        return self._lower_size + sum(len(lk) for lk in self._lookup.values())
