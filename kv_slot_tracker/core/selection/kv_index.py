@@ -149,6 +149,8 @@ class IndexedBlock:
     """The router's local hash (u64)."""
 
 
+Ranks = set[WorkerWithDpRank] | frozenset[WorkerWithDpRank]
+
 Holders = WorkerWithDpRank | dict[WorkerWithDpRank, None]
 """The ranks holding a chain key: the rank itself when one does (the usual case), else a dict."""
 
@@ -170,16 +172,17 @@ class _Node:
     """A run of device blocks shared by the ranks that stored it (one edge of the reference's
     compressed radix tree): per block its chain key, engine hash and local hash, in three
     arrays; ``full`` the ranks holding the whole run, ``cut`` those holding only its first
-    ``c`` blocks (``0 < c < len``)."""
+    ``c`` blocks (``0 < c < len``). A run held whole by one rank shares that rank's one-rank
+    frozenset (most runs); ``full`` becomes a set of its own when a second rank joins."""
 
     __slots__ = ("keys", "hashes", "locals", "index", "full", "cut", "children", "internal")
 
-    def __init__(self, keys: array, hashes: array, locals_: array, full: set) -> None:
+    def __init__(self, keys: array, hashes: array, locals_: array, full: Ranks) -> None:
         self.keys = keys
         self.hashes = hashes
         self.locals = locals_
         self.index: dict[int, int] | None = _index_of(hashes)
-        self.full: set[WorkerWithDpRank] = full
+        self.full = full
         self.cut: dict[WorkerWithDpRank, int] | None = None
         # first chain key of the child run -> child; None while the node has none
         self.children: dict[int, _Node] | None = None
@@ -210,18 +213,44 @@ def _cutoff(node: _Node, worker: WorkerWithDpRank) -> int:
     return cut.get(worker, 0) if cut else 0
 
 
-def _promote(node: _Node, worker: WorkerWithDpRank) -> None:
+def _add(node: _Node, worker: WorkerWithDpRank, solo: frozenset[WorkerWithDpRank]) -> None:
+    """Add ``worker`` to the run's full holders (``solo``: its one-rank frozenset)."""
+    full = node.full
+    if not full:
+        node.full = solo
+    elif type(full) is frozenset:
+        node.full = {*full, worker}
+    else:
+        full.add(worker)
+
+
+def _discard(node: _Node, worker: WorkerWithDpRank) -> None:
+    full = node.full
+    if worker not in full:
+        return
+    if type(full) is frozenset:
+        node.full = _NOBODY
+    else:
+        full.discard(worker)
+
+
+_NOBODY: frozenset[WorkerWithDpRank] = frozenset()
+
+
+def _promote(node: _Node, worker: WorkerWithDpRank, solo: frozenset[WorkerWithDpRank]) -> None:
     if worker in node.full:
         return
     cut = node.cut
     if cut and cut.pop(worker, None) is not None and not cut:
         node.cut = None
-    node.full.add(worker)
+    _add(node, worker, solo)
 
 
-def _cover_prefix(node: _Node, worker: WorkerWithDpRank, n: int) -> None:
+def _cover_prefix(
+    node: _Node, worker: WorkerWithDpRank, n: int, solo: frozenset[WorkerWithDpRank]
+) -> None:
     if n >= len(node.hashes):
-        _promote(node, worker)
+        _promote(node, worker, solo)
     elif n > 0 and worker not in node.full:
         cut = node.cut
         if cut is None:
@@ -233,7 +262,7 @@ def _cover_prefix(node: _Node, worker: WorkerWithDpRank, n: int) -> None:
 def _drop(node: _Node, worker: WorkerWithDpRank) -> bool:
     """Take ``worker`` off the node; True when it held some of it."""
     if worker in node.full:
-        node.full.discard(worker)
+        _discard(node, worker)
         return True
     cut = node.cut
     if cut and cut.pop(worker, None) is not None:
@@ -244,7 +273,12 @@ def _drop(node: _Node, worker: WorkerWithDpRank) -> bool:
 
 
 def _extend_leaf(
-    node: _Node, worker: WorkerWithDpRank, keys: array, hashes: array, locals_: array
+    node: _Node,
+    worker: WorkerWithDpRank,
+    solo: frozenset[WorkerWithDpRank],
+    keys: array,
+    hashes: array,
+    locals_: array,
 ) -> None:
     """Append blocks to a leaf run: ``worker`` holds all of it, the other full holders keep
     the old length."""
@@ -255,9 +289,9 @@ def _extend_leaf(
         if cut is None:
             cut = node.cut = {}
         for w in others:
-            node.full.discard(w)
             cut[w] = old
-    _promote(node, worker)
+        node.full = _NOBODY
+    _promote(node, worker, solo)
     node.keys.extend(keys)
     node.hashes.extend(hashes)
     node.locals.extend(locals_)
@@ -279,7 +313,9 @@ class KvIndex:
     key its holders."""
 
     def __init__(self) -> None:
-        self._root = _Node(array("Q"), array("Q"), array("Q"), set())
+        self._root = _Node(array("Q"), array("Q"), array("Q"), _NOBODY)
+        # rank -> its one-rank frozenset, shared by the runs it alone holds whole
+        self._solos: dict[WorkerWithDpRank, frozenset[WorkerWithDpRank]] = {}
         self._root.internal = True
         # rank -> engine hash -> the device run holding it
         self._lookup: dict[WorkerWithDpRank, dict[int, _Node]] = {}
@@ -403,6 +439,7 @@ class KvIndex:
         if lk is None:
             lk = self._lookup[worker] = {}
             self._note_rank(worker)
+        solo = self._solo(worker)
         total = len(hashes)
         if not total:
             return True
@@ -419,7 +456,7 @@ class KvIndex:
                 if node.keys[pos + 1 : pos + 1 + total] == keys and (
                     node.hashes[pos + 1 : pos + 1 + total] == hs
                 ):
-                    _cover_prefix(node, worker, pos + 1 + total)
+                    _cover_prefix(node, worker, pos + 1 + total, solo)
                     for h in hashes:
                         lk[h] = node
                     return True
@@ -428,7 +465,7 @@ class KvIndex:
                 and node.keys[pos + 1 :] == keys[:rest]
                 and node.hashes[pos + 1 :] == hs[:rest]
             ):
-                _extend_leaf(node, worker, keys[rest:], hs[rest:], ls[rest:])
+                _extend_leaf(node, worker, solo, keys[rest:], hs[rest:], ls[rest:])
                 for h in hashes:
                     lk[h] = node
                 return True
@@ -445,11 +482,11 @@ class KvIndex:
                     and node.hashes[-1] == last
                     and len(node.hashes) <= _cutoff(node, worker)
                 ):
-                    _extend_leaf(node, worker, keys[i:], hs[i:], ls[i:])
+                    _extend_leaf(node, worker, solo, keys[i:], hs[i:], ls[i:])
                     for h in hashes[i:]:
                         lk[h] = node
                     return True
-                new = _Node(keys[i:], hs[i:], ls[i:], {worker})
+                new = _Node(keys[i:], hs[i:], ls[i:], solo)
                 if kids is None:
                     kids = node.children = {}
                 kids[keys[i]] = new
@@ -465,20 +502,20 @@ class KvIndex:
                 m += 1
             if m < e:
                 if m == total - i:  # the store ends inside the run: the rank holds a prefix
-                    _cover_prefix(child, worker, m)
+                    _cover_prefix(child, worker, m, solo)
                     for h in hashes[i:]:
                         lk[h] = child
                     return True
                 self._split(child, m)
-                _promote(child, worker)
-                tail = _Node(keys[i + m :], hs[i + m :], ls[i + m :], {worker})
+                _promote(child, worker, solo)
+                tail = _Node(keys[i + m :], hs[i + m :], ls[i + m :], solo)
                 child.children[keys[i + m]] = tail  # type: ignore[index]
                 for h in hashes[i : i + m]:
                     lk[h] = child
                 for h in hashes[i + m :]:
                     lk[h] = tail
                 return True
-            _promote(child, worker)
+            _promote(child, worker, solo)
             for h in hashes[i : i + e]:
                 lk[h] = child
             last = hashes[i + e - 1]
@@ -486,10 +523,22 @@ class KvIndex:
             node = child
         return True
 
+    def _solo(self, worker: WorkerWithDpRank) -> frozenset[WorkerWithDpRank]:
+        solo = self._solos.get(worker)
+        if solo is None:
+            solo = self._solos[worker] = frozenset((worker,))
+        return solo
+
     def _split(self, node: _Node, pos: int) -> _Node:
         """Cut ``node``'s run before ``pos``: the rest becomes its only child, with the node's
         children and the holders that reach into it."""
-        suffix = _Node(node.keys[pos:], node.hashes[pos:], node.locals[pos:], set(node.full))
+        full = node.full
+        suffix = _Node(
+            node.keys[pos:],
+            node.hashes[pos:],
+            node.locals[pos:],
+            full if type(full) is frozenset else set(full),
+        )
         del node.keys[pos:], node.hashes[pos:], node.locals[pos:]
         node.index = _index_of(node.hashes)
         cut = node.cut
@@ -498,7 +547,7 @@ class KvIndex:
             for w, c in list(cut.items()):
                 if c >= pos:
                     del cut[w]
-                    node.full.add(w)
+                    _add(node, w, self._solo(w))
                     if c > pos:
                         rest[w] = c - pos
             if not cut:
@@ -615,7 +664,7 @@ class KvIndex:
             if pos == 0:
                 _drop(node, worker)
             else:
-                node.full.discard(worker)
+                _discard(node, worker)
                 if node.cut is None:
                     node.cut = {}
                 node.cut[worker] = pos
@@ -627,6 +676,7 @@ class KvIndex:
         rank leaving); returns how many."""
         n = 0
         lk = self._lookup.pop(worker, None)
+        self._solos.pop(worker, None)
         if lk is not None:
             n += len(lk)
             for node in set(lk.values()):
