@@ -170,18 +170,16 @@ _LONG = 48
 
 class _Node:
     """A run of device blocks shared by the ranks that stored it (one edge of the reference's
-    compressed radix tree): per block its chain key, engine hash and local hash, in three
-    arrays; ``full`` the ranks holding the whole run, ``cut`` those holding only its first
+    compressed radix tree): per block its chain key, engine hash and local hash, side by side in
+    one array (``edge[3 i : 3 i + 3]``); ``full`` the ranks holding the whole run, ``cut`` those holding only its first
     ``c`` blocks (``0 < c < len``). A run held whole by one rank shares that rank's one-rank
     frozenset (most runs); ``full`` becomes a set of its own when a second rank joins."""
 
-    __slots__ = ("keys", "hashes", "locals", "index", "full", "cut", "children", "internal")
+    __slots__ = ("edge", "index", "full", "cut", "children", "internal")
 
-    def __init__(self, keys: array, hashes: array, locals_: array, full: Ranks) -> None:
-        self.keys = keys
-        self.hashes = hashes
-        self.locals = locals_
-        self.index: dict[int, int] | None = _index_of(hashes)
+    def __init__(self, edge: array, full: Ranks) -> None:
+        self.edge = edge
+        self.index: dict[int, int] | None = _index_of(edge)
         self.full = full
         self.cut: dict[WorkerWithDpRank, int] | None = None
         # first chain key of the child run -> child; None while the node has none
@@ -190,8 +188,8 @@ class _Node:
         self.internal = False
 
 
-def _index_of(hashes: array) -> dict[int, int] | None:
-    return {h: i for i, h in enumerate(hashes)} if len(hashes) > _LONG else None
+def _index_of(edge: array) -> dict[int, int] | None:
+    return {h: i for i, h in enumerate(edge[1::3])} if len(edge) > 3 * _LONG else None
 
 
 def _pos(node: _Node, h: int) -> int:
@@ -199,8 +197,14 @@ def _pos(node: _Node, h: int) -> int:
     idx = node.index
     if idx is not None:
         return idx.get(h, -1)
+    edge = node.edge
+    i = 0
     try:
-        return node.hashes.index(h)
+        while True:
+            i = edge.index(h, i)
+            if i % 3 == 1:
+                return i // 3
+            i += 1
     except ValueError:
         return -1
 
@@ -208,7 +212,7 @@ def _pos(node: _Node, h: int) -> int:
 def _cutoff(node: _Node, worker: WorkerWithDpRank) -> int:
     """How many of the node's blocks ``worker`` holds (always a prefix of the run)."""
     if worker in node.full:
-        return len(node.hashes)
+        return len(node.edge) // 3
     cut = node.cut
     return cut.get(worker, 0) if cut else 0
 
@@ -249,7 +253,7 @@ def _promote(node: _Node, worker: WorkerWithDpRank, solo: frozenset[WorkerWithDp
 def _cover_prefix(
     node: _Node, worker: WorkerWithDpRank, n: int, solo: frozenset[WorkerWithDpRank]
 ) -> None:
-    if n >= len(node.hashes):
+    if n >= len(node.edge) // 3:
         _promote(node, worker, solo)
     elif n > 0 and worker not in node.full:
         cut = node.cut
@@ -276,13 +280,11 @@ def _extend_leaf(
     node: _Node,
     worker: WorkerWithDpRank,
     solo: frozenset[WorkerWithDpRank],
-    keys: array,
-    hashes: array,
-    locals_: array,
+    tail: array,
 ) -> None:
     """Append blocks to a leaf run: ``worker`` holds all of it, the other full holders keep
     the old length."""
-    old = len(node.hashes)
+    old = len(node.edge) // 3
     others = [w for w in node.full if w != worker]
     if others:
         cut = node.cut
@@ -292,15 +294,13 @@ def _extend_leaf(
             cut[w] = old
         node.full = _NOBODY
     _promote(node, worker, solo)
-    node.keys.extend(keys)
-    node.hashes.extend(hashes)
-    node.locals.extend(locals_)
+    node.edge.extend(tail)
     idx = node.index
     if idx is not None:
-        for i, h in enumerate(hashes, old):
+        for i, h in enumerate(tail[1::3], old):
             idx[h] = i
     else:
-        node.index = _index_of(node.hashes)
+        node.index = _index_of(node.edge)
 
 
 class KvIndex:
@@ -313,7 +313,7 @@ class KvIndex:
     key its holders."""
 
     def __init__(self) -> None:
-        self._root = _Node(array("Q"), array("Q"), array("Q"), _NOBODY)
+        self._root = _Node(array("Q"), _NOBODY)
         # rank -> its one-rank frozenset, shared by the runs it alone holds whole
         self._solos: dict[WorkerWithDpRank, frozenset[WorkerWithDpRank]] = {}
         self._root.internal = True
@@ -355,7 +355,7 @@ class KvIndex:
             if node is not None:
                 pos = _pos(node, parent)
                 if pos >= 0:
-                    return node.keys[pos]
+                    return node.edge[3 * pos]
         if maps is not None:
             for other in (HOST_PINNED, DISK):
                 entry = maps[other].get(parent)
@@ -435,7 +435,7 @@ class KvIndex:
                 del lk[parent]
                 return False
             node = found
-            pkey = node.keys[pos]
+            pkey = node.edge[3 * pos]
         if lk is None:
             lk = self._lookup[worker] = {}
             self._note_rank(worker)
@@ -443,29 +443,25 @@ class KvIndex:
         total = len(hashes)
         if not total:
             return True
-        keys = array("Q")
-        for local in locals_:
+        ed = array("Q", bytes(24 * total))  # (chain key, engine hash, local hash) per block
+        ed[1::3] = array("Q", hashes)
+        ed[2::3] = array("Q", locals_)
+        for j, local in enumerate(locals_):
             pkey = local if pkey is None else _h(_pack(pkey, local), seed=XXH3_SEED)
-            keys.append(pkey)
-        hs = array("Q", hashes)
-        ls = array("Q", locals_)
-        if parent is not None and pos != len(node.hashes) - 1:
+            ed[3 * j] = pkey
+        run = len(node.edge) // 3
+        if parent is not None and pos != run - 1:
             # the parent is inside the run: reuse the run's rest, extend a leaf, or split
-            rest = len(node.hashes) - pos - 1
+            rest = run - pos - 1
+            at = 3 * (pos + 1)
             if total <= rest:
-                if node.keys[pos + 1 : pos + 1 + total] == keys and (
-                    node.hashes[pos + 1 : pos + 1 + total] == hs
-                ):
+                if node.edge[at : at + 3 * total] == ed:
                     _cover_prefix(node, worker, pos + 1 + total, solo)
                     for h in hashes:
                         lk[h] = node
                     return True
-            elif (
-                not node.internal
-                and node.keys[pos + 1 :] == keys[:rest]
-                and node.hashes[pos + 1 :] == hs[:rest]
-            ):
-                _extend_leaf(node, worker, solo, keys[rest:], hs[rest:], ls[rest:])
+            elif not node.internal and node.edge[at:] == ed[: 3 * rest]:
+                _extend_leaf(node, worker, solo, ed[3 * rest :])
                 for h in hashes:
                     lk[h] = node
                 return True
@@ -474,31 +470,32 @@ class KvIndex:
         i = 0
         while i < total:
             kids = node.children
-            child = kids.get(keys[i]) if kids else None
+            first = ed[3 * i]
+            child = kids.get(first) if kids else None
             if child is None:
                 if (
                     last is not None
                     and not node.internal
-                    and node.hashes[-1] == last
-                    and len(node.hashes) <= _cutoff(node, worker)
+                    and node.edge[-2] == last
+                    and len(node.edge) // 3 <= _cutoff(node, worker)
                 ):
-                    _extend_leaf(node, worker, solo, keys[i:], hs[i:], ls[i:])
+                    _extend_leaf(node, worker, solo, ed[3 * i :])
                     for h in hashes[i:]:
                         lk[h] = node
                     return True
-                new = _Node(keys[i:], hs[i:], ls[i:], solo)
+                new = _Node(ed[3 * i :], solo)
                 if kids is None:
                     kids = node.children = {}
-                kids[keys[i]] = new
+                kids[first] = new
                 node.internal = True
                 for h in hashes[i:]:
                     lk[h] = new
                 return True
-            ck = child.keys
-            e = len(ck)
+            ce = child.edge
+            e = len(ce) // 3
             lim = min(e, total - i)
             m = 1
-            while m < lim and ck[m] == keys[i + m]:
+            while m < lim and ce[3 * m] == ed[3 * (i + m)]:
                 m += 1
             if m < e:
                 if m == total - i:  # the store ends inside the run: the rank holds a prefix
@@ -508,8 +505,8 @@ class KvIndex:
                     return True
                 self._split(child, m)
                 _promote(child, worker, solo)
-                tail = _Node(keys[i + m :], hs[i + m :], ls[i + m :], solo)
-                child.children[keys[i + m]] = tail  # type: ignore[index]
+                tail = _Node(ed[3 * (i + m) :], solo)
+                child.children[ed[3 * (i + m)]] = tail  # type: ignore[index]
                 for h in hashes[i : i + m]:
                     lk[h] = child
                 for h in hashes[i + m :]:
@@ -533,14 +530,9 @@ class KvIndex:
         """Cut ``node``'s run before ``pos``: the rest becomes its only child, with the node's
         children and the holders that reach into it."""
         full = node.full
-        suffix = _Node(
-            node.keys[pos:],
-            node.hashes[pos:],
-            node.locals[pos:],
-            full if type(full) is frozenset else set(full),
-        )
-        del node.keys[pos:], node.hashes[pos:], node.locals[pos:]
-        node.index = _index_of(node.hashes)
+        suffix = _Node(node.edge[3 * pos :], full if type(full) is frozenset else set(full))
+        del node.edge[3 * pos :]
+        node.index = _index_of(node.edge)
         cut = node.cut
         if cut:
             rest: dict[WorkerWithDpRank, int] = {}
@@ -555,19 +547,19 @@ class KvIndex:
             suffix.cut = rest or None
         suffix.children = node.children
         suffix.internal = node.internal
-        node.children = {suffix.keys[0]: suffix}
+        node.children = {suffix.edge[0]: suffix}
         node.internal = True
         lookup = self._lookup
         for w in suffix.full:
             lk = lookup.get(w)
             if lk is not None:
-                for h in suffix.hashes:
+                for h in suffix.edge[1::3]:
                     lk[h] = suffix
         if suffix.cut:
             for w, c in suffix.cut.items():
                 lk = lookup.get(w)
                 if lk is not None:
-                    for h in suffix.hashes[:c]:
+                    for h in suffix.edge[1 : 3 * c : 3]:
                         lk[h] = suffix
         return suffix
 
@@ -659,7 +651,7 @@ class KvIndex:
         if pos >= _cutoff(node, worker):
             lk.pop(h, None)
         else:
-            for s in node.hashes[pos:]:
+            for s in node.edge[3 * pos + 1 :: 3]:
                 lk.pop(s, None)
             if pos == 0:
                 _drop(node, worker)
@@ -758,11 +750,11 @@ class KvIndex:
         active: set[WorkerWithDpRank] | None = None
         pos = 0
         while True:
-            nk = node.keys
-            e = len(nk)
+            ne = node.edge
+            e = len(ne) // 3
             walk = min(e, n - pos)
             m = 1
-            while m < walk and nk[m] == keys[pos + m]:
+            while m < walk and ne[3 * m] == keys[pos + m]:
                 m += 1
             probes += m
             cut = node.cut
@@ -806,7 +798,7 @@ class KvIndex:
         ]
         while stack:
             node, parent = stack.pop()
-            hashes, locals_ = node.hashes, node.locals
+            hashes, locals_ = node.edge[1::3], node.edge[2::3]
             holds = [(w, len(hashes)) for w in node.full]
             if node.cut:
                 holds += node.cut.items()
