@@ -6,7 +6,8 @@ batches of one ``BlockStored`` of ``--chain`` blocks each (distinct prompts, rou
 the ranks); a server has ingested everything when the last prompt of every rank shows its full
 overlap. Reported per server: blocks and batches ingested per second (from the first publish to
 the last rank complete), resident memory added per indexed block, and sequential
-``/select`` calls per second (token prompts of stored chains).
+``/select`` calls per second (token prompts of stored chains; ``--rounds`` rounds alternating
+between the servers, the median reported).
 
     .venv/bin/python bench/kv_ingest_bench.py --ranks 64 --blocks 100000
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--chain", type=int, default=16)
     ap.add_argument("--selects", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -105,12 +108,20 @@ def main(argv: list[str] | None = None) -> int:
             per_block = (after[n] - before[n]) * 1024 / (batches * args.chain)
             print(f"{n}: {batches * args.chain / secs:,.0f} blocks/s ({batches / secs:,.0f} batches/s), "
                   f"{per_block:,.0f} bytes RSS per indexed block")  # fmt: skip
-        for n, c in clients.items():
-            t0 = time.monotonic()
-            for _ in range(args.selects):
-                c.post("/select", json={"token_ids": prompts[rng.randrange(batches)]})
-            print(f"{n}: {args.selects / (time.monotonic() - t0):,.0f} /select per second "
-                  f"({args.ranks} ranks, sequential)")  # fmt: skip
+        # /select: --rounds alternating rounds per server, the same prompts for both; median
+        per_round = max(1, args.selects // args.rounds)
+        rates: dict[str, list[float]] = {n: [] for n in clients}
+        for _ in range(args.rounds):
+            picks = [prompts[rng.randrange(batches)] for _ in range(per_round)]
+            for n, c in clients.items():
+                t0 = time.monotonic()
+                for tokens in picks:
+                    r = c.post("/select", json={"token_ids": tokens})
+                    assert r.status_code == 200, r.text
+                rates[n].append(per_round / (time.monotonic() - t0))
+        for n, rs in rates.items():
+            print(f"{n}: {statistics.median(rs):,.0f} /select per second (median of {args.rounds} "
+                  f"rounds of {per_round}; {args.ranks} ranks, sequential)")  # fmt: skip
     finally:
         pub.close()
         for s in servers.values():

@@ -171,9 +171,10 @@ _LONG = 48
 class _Node:
     """A run of device blocks shared by the ranks that stored it (one edge of the reference's
     compressed radix tree): per block its chain key, engine hash and local hash, side by side in
-    one array (``edge[3 i : 3 i + 3]``); ``full`` the ranks holding the whole run, ``cut`` those holding only its first
-    ``c`` blocks (``0 < c < len``). A run held whole by one rank shares that rank's one-rank
-    frozenset (most runs); ``full`` becomes a set of its own when a second rank joins."""
+    one array (``edge[3 i : 3 i + 3]``); ``full`` the ranks holding the whole run, ``cut`` those
+    holding only its first ``c`` blocks (``0 < c < len``). A run held whole by one rank shares
+    that rank's one-rank frozenset (most runs); ``full`` becomes a set of its own when a second
+    rank joins."""
 
     __slots__ = ("edge", "index", "full", "cut", "children", "internal")
 
@@ -314,9 +315,9 @@ class KvIndex:
 
     def __init__(self) -> None:
         self._root = _Node(array("Q"), _NOBODY)
+        self._root.internal = True
         # rank -> its one-rank frozenset, shared by the runs it alone holds whole
         self._solos: dict[WorkerWithDpRank, frozenset[WorkerWithDpRank]] = {}
-        self._root.internal = True
         # rank -> engine hash -> the device run holding it
         self._lookup: dict[WorkerWithDpRank, dict[int, _Node]] = {}
         # host and disk tiers: tier -> chain key -> the rank holding it, or a dict (ordered set)
