@@ -74,11 +74,11 @@ def create_app(
     ingest = None
     if selection.config.use_kv_events:
         ingest = ZmqIngest(
-            selection,
+            selection.kv_events,
             max_message_bytes=settings.kv_events_max_message_bytes,
             replay_timeout=settings.kv_events_replay_timeout_seconds,
         )
-        watch_ingest(registry, ingest, selection)
+        watch_ingest(registry, ingest, selection.kv_events)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -181,7 +181,7 @@ def build_selection(
         session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
     )
-    service.replica.bind_selection(selection)
+    service.replica.bind_selection(selection.replica)
     return selection
 
 
