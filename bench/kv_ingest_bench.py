@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -83,30 +84,44 @@ def main(argv: list[str] | None = None) -> int:
             work.append([i % args.ranks, [stored(hashes, tokens, BS)]])
         # --chunk batches at a time; the next chunk goes out once both servers hold the last
         # prompt of every rank in this one, so neither queues more than a chunk (a burst of the
-        # whole run would measure the receive backlog the allocator keeps, not the index).
-        # A server's time is the sum over chunks of publish -> its last rank complete.
+        # whole run also measures the receive backlog the allocator keeps). A server's time is
+        # the sum over chunks of publish -> its last rank complete, each server polled by its
+        # own thread.
         done: dict[str, float] = {n: 0.0 for n in servers}
         failed: set[str] = set()
-        for lo in range(0, batches, args.chunk):
-            hi = min(batches, lo + args.chunk)
-            last = {i % args.ranks: i for i in range(lo, hi)}  # rank -> its last prompt
-            pending = {n: dict(last) for n in servers}
-            started = time.monotonic()
-            pub.call(op="bulk", batches=work[lo:hi])
-            while any(pending.values()) and time.monotonic() - started < 600:
-                for n, c in clients.items():
-                    if not pending[n]:
-                        continue
-                    for rank, i in list(pending[n].items()):
-                        r = c.post("/overlap_scores", json={"token_ids": prompts[i]}).json()
-                        full = {w["worker_id"]: w["device_blocks"] for w in r["workers"]}
-                        if full.get(rank + 1) != args.chain:
-                            break
-                        del pending[n][rank]
-                    if not pending[n]:
-                        done[n] += time.monotonic() - started
+
+        def wait_chunk(n: str, last: dict[int, int], started: float) -> float | None:
+            """Poll server ``n`` until it holds the last prompt of every rank in the chunk;
+            the seconds since ``started``, or None after 600 s."""
+            c = clients[n]
+            pending = dict(last)
+            while time.monotonic() - started < 600:
+                for rank, i in list(pending.items()):
+                    r = c.post("/overlap_scores", json={"token_ids": prompts[i]}).json()
+                    full = {w["worker_id"]: w["device_blocks"] for w in r["workers"]}
+                    if full.get(rank + 1) != args.chain:
+                        break
+                    del pending[rank]
+                if not pending:
+                    return time.monotonic() - started
                 time.sleep(0.01)
-            failed |= {n for n in servers if pending[n]}
+            return None
+
+        with ThreadPoolExecutor(len(servers)) as pool:  # one poller per server
+            for lo in range(0, batches, args.chunk):
+                hi = min(batches, lo + args.chunk)
+                last = {i % args.ranks: i for i in range(lo, hi)}  # rank -> its last prompt
+                started = time.monotonic()
+                pub.call(op="bulk", batches=work[lo:hi])
+                waits = {n: pool.submit(wait_chunk, n, last, started) for n in servers}
+                for n, f in waits.items():
+                    secs = f.result()
+                    if secs is None:
+                        failed.add(n)
+                    else:
+                        done[n] += secs
+                if failed:
+                    break
         time.sleep(0.5)
         after = {n: rss_kib(s.pid) for n, s in servers.items() if s.pid}
         for n in servers:
