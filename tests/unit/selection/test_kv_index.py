@@ -394,3 +394,29 @@ def test_a_host_block_stays_where_it_was_first_stored() -> None:
         (1, None), (2, 1), (3, 2),
     ]  # fmt: skip
     assert len(ix) == 3
+
+
+def test_long_runs_and_hashes_equal_to_other_fields() -> None:
+    # a run longer than the searched length keeps an index; it must agree with the search
+    toks = list(range(1000, 1000 + 4 * 100))
+    loc = local_hashes(toks, BS, 100, BS)
+    keys = compute_seq_hash_for_block(loc)
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, [(5000 + i, loc[i]) for i in range(100)])
+    ix.store(B, DEVICE, None, [(5000 + i, loc[i]) for i in range(70)])
+    assert ix.store(A, DEVICE, 5069, [(9000, alt(1))])  # splits the run after block 69
+    assert ix.remove(A, DEVICE, [5080]) == 20  # the rest of its run: blocks 80-99
+    assert device(ix, loc) == {1: 80, 2: 70}
+    # blocks 30-69; B still holds 0-69 whole, so 70-79 and 9000 stay listed below them
+    assert ix.remove(A, DEVICE, [5030]) == 40
+    assert device(ix, loc) == {1: 30, 2: 70}
+    assert ix.overlaps(keys[:30]) == {A: TierOverlap(30), B: TierOverlap(30)}
+    assert (1, 9000, 5069) in facts(ix) and (1, 5075, 5074) in facts(ix)
+    assert len(ix) == 30 + 10 + 1 + 70
+    # an engine hash equal to another block's local hash or chain key is found as the hash
+    ix = KvIndex()
+    # (block 1's engine hash is block 0's local hash, block 2's is block 1's chain key)
+    assert ix.store(A, DEVICE, None, [(111, LOCAL[0]), (LOCAL[0], LOCAL[1]), (KEYS[1], LOCAL[2])])
+    assert ix.remove(A, DEVICE, [KEYS[1]]) == 1
+    assert ix.remove(A, DEVICE, [LOCAL[0]]) == 1
+    assert facts(ix) == [(1, 111, None)]
