@@ -23,11 +23,13 @@ from prometheus_client import CollectorRegistry
 from kv_slot_tracker import __version__
 from kv_slot_tracker.core.selection import RouterConfig
 from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery, require_client
 from kv_slot_tracker.http.app import build_http_app
 from kv_slot_tracker.ingest.zmq import ZmqIngest
 from kv_slot_tracker.observability import (
     build_registry,
     watch_consistency,
+    watch_discovery,
     watch_ingest,
     watch_selection,
     watch_service,
@@ -79,6 +81,11 @@ def create_app(
             replay_timeout=settings.kv_events_replay_timeout_seconds,
         )
         watch_ingest(registry, ingest, selection.kv_events)
+    discovery = None
+    if settings.discovery_kubernetes_service:
+        require_client()  # a clear start-up error when the [kubernetes] extra is missing
+        discovery = KubernetesDiscovery.from_settings(settings, service, replication)
+        watch_discovery(registry, discovery)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -95,12 +102,16 @@ def create_app(
         await replication.start(service)
         if ingest is not None:
             ingest.start()
+        if discovery is not None:
+            discovery.start()
         if wait_ready_s > 0:
             await _until_ready(replication, wait_ready_s)
         log.info("%s", startup_summary(settings, replication))
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             if ingest is not None:
                 await ingest.stop()
             for sweeper in sweepers:
@@ -122,6 +133,7 @@ def create_app(
     app.state.service = service
     app.state.selection = selection
     app.state.ingest = ingest
+    app.state.discovery = discovery
     app.state.replication = replication
     app.state.registry = registry
     return app

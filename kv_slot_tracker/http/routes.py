@@ -15,10 +15,10 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from fastapi import Path, Query, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from starlette.datastructures import QueryParams
 
 from kv_slot_tracker.core.types import U64_MAX
@@ -307,6 +307,22 @@ def body_models() -> list[type[BaseModel]]:
         if r.body is not None and r.body not in seen:
             seen.append(r.body)
     return seen
+
+
+def response_examples() -> dict[str, list[Any]]:
+    """The examples of every success model (a list's or a dict's items too), by schema name,
+    as the models give them: FastAPI's document drops their null values, this keeps them."""
+    out: dict[str, list[Any]] = {}
+    for r in ROUTES:
+        model = r.response
+        if get_origin(model) in (list, dict):
+            model = get_args(model)[-1]
+        if model is None or model is Response:
+            continue
+        examples = TypeAdapter(model).json_schema().get("examples")
+        if examples:
+            out[model.__name__] = examples
+    return out
 
 
 def query_value(params: QueryParams, name: str) -> str | None:
