@@ -22,7 +22,7 @@ LINT_PATHS := $(wildcard kv_slot_tracker tests bench scripts loadtest clients do
 help:
 	@echo "make run      start the service (ARGS='--port 8091 --config FILE')"
 	@echo "make test     run the test suite (PYTEST_ARGS='-k name -x')"
-	@echo "make lint     ruff check + format check"
+	@echo "make lint     ruff check + format check + mypy (pyproject.toml [tool.mypy])"
 	@echo "make fmt      ruff format + autofix"
 	@echo "make openapi  write openapi.yaml from the app"
 	@echo "make loadtest run Locust against a local instance (LOADTEST_TIME=60s LOADTEST_USERS=50)"
@@ -67,6 +67,7 @@ docker-lint: dev
 lint: dev
 	$(VENV_PY) -m ruff check $(LINT_PATHS)
 	$(VENV_PY) -m ruff format --check $(LINT_PATHS)
+	$(VENV_PY) -m mypy
 
 fmt: dev
 	$(VENV_PY) -m ruff check --fix $(LINT_PATHS)
@@ -81,6 +82,6 @@ loadtest: dev
 	bash loadtest/run.sh
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis
 	rm -rf $(CLIENT)/build $(CLIENT)/dist $(CLIENT)/src/*.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -157,7 +157,7 @@ def worker_id_of(pod: str, namespace: str, source: WorkerIdFrom) -> int:
 
 def read_slice(obj: Any, mapping: Mapping) -> SliceRead:
     """The ready workers of one EndpointSlice object; InvalidSlice when it has no name."""
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    meta: Any = obj.get("metadata") if isinstance(obj, dict) else None
     name = meta.get("name") if isinstance(meta, dict) else None
     if not isinstance(name, str) or not name:
         raise InvalidSlice("an EndpointSlice without metadata.name")
@@ -242,6 +242,7 @@ class DiscoveredSet:
 
     def put(self, name: str, workers: dict[WorkerKey, Worker]) -> set[WorkerKey]:
         """The slice ``name`` now lists ``workers`` ready; returns the workers touched."""
+        holders: dict[str, Worker] | None
         touched = set(self._slices.pop(name, ()))
         for key in touched:
             holders = self._holders[key]

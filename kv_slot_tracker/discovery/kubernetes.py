@@ -196,6 +196,7 @@ class KubernetesDiscovery:
         else:
             path = self.kubeconfig or None
             await config.load_kube_config(config_file=path, client_configuration=configuration)
+            active: Any
             with contextlib.suppress(Exception):
                 _, active = config.list_kube_config_contexts(config_file=path)
                 namespace = active["context"].get("namespace") or ""

@@ -157,7 +157,7 @@ Holders = WorkerWithDpRank | dict[WorkerWithDpRank, None]
 
 def _members(held: Holders) -> AbstractSet[WorkerWithDpRank]:
     """``held`` as a set-like of ranks (a dict's keys view, or a one-rank frozenset)."""
-    return held.keys() if type(held) is dict else frozenset((held,))
+    return held.keys() if type(held) is dict else frozenset((held,))  # type: ignore[arg-type]
 
 
 def _holds(held: Holders, worker: WorkerWithDpRank) -> bool:
@@ -178,7 +178,7 @@ class _Node:
 
     __slots__ = ("edge", "index", "full", "cut", "children", "internal")
 
-    def __init__(self, edge: array, full: Ranks) -> None:
+    def __init__(self, edge: array[int], full: Ranks) -> None:
         self.edge = edge
         self.index: dict[int, int] | None = _index_of(edge)
         self.full = full
@@ -189,7 +189,7 @@ class _Node:
         self.internal = False
 
 
-def _index_of(edge: array) -> dict[int, int] | None:
+def _index_of(edge: array[int]) -> dict[int, int] | None:
     return {h: i for i, h in enumerate(edge[1::3])} if len(edge) > 3 * _LONG else None
 
 
@@ -226,7 +226,7 @@ def _add(node: _Node, worker: WorkerWithDpRank, solo: frozenset[WorkerWithDpRank
     elif type(full) is frozenset:
         node.full = {*full, worker}
     else:
-        full.add(worker)
+        full.add(worker)  # type: ignore[union-attr]  # a set: not the frozenset
 
 
 def _discard(node: _Node, worker: WorkerWithDpRank) -> None:
@@ -236,7 +236,7 @@ def _discard(node: _Node, worker: WorkerWithDpRank) -> None:
     if type(full) is frozenset:
         node.full = _NOBODY
     else:
-        full.discard(worker)
+        full.discard(worker)  # type: ignore[union-attr]  # a set: not the frozenset
 
 
 _NOBODY: frozenset[WorkerWithDpRank] = frozenset()
@@ -281,7 +281,7 @@ def _extend_leaf(
     node: _Node,
     worker: WorkerWithDpRank,
     solo: frozenset[WorkerWithDpRank],
-    tail: array,
+    tail: array[int],
 ) -> None:
     """Append blocks to a leaf run: ``worker`` holds all of it, the other full holders keep
     the old length."""
@@ -409,7 +409,7 @@ class KvIndex:
             elif type(held) is dict:
                 held[worker] = None
             elif held != worker:
-                holders[key] = {held: None, worker: None}
+                holders[key] = {held: None, worker: None}  # type: ignore[dict-item]
             self._lower_size += 1
             parent_key, prev = key, h
         return True
@@ -433,7 +433,7 @@ class KvIndex:
             if pos < 0:
                 return False
             if pos >= _cutoff(found, worker):  # a stale entry: forgotten, the store refused
-                del lk[parent]
+                del lk[parent]  # type: ignore[union-attr]  # found in it: not None
                 return False
             node = found
             pkey = node.edge[3 * pos]
@@ -767,7 +767,7 @@ class KvIndex:
             elif cut:
                 full = node.full
                 for w in [w for w in active if w not in full]:
-                    c = cut.get(w)
+                    c = cut.get(w)  # type: ignore[assignment]
                     result[w] = pos + (0 if c is None else min(c, m))
                     active.discard(w)
                     probes += 1

@@ -427,7 +427,7 @@ class SelectAndReserveResponse(SelectResponse):
         }
     )
 
-    selection_id: str  # type: ignore[assignment]
+    selection_id: str
     sequence_hashes: list[int]
     isl_tokens: int
     track_prefill_tokens: bool
