@@ -427,3 +427,46 @@ class KvIndex:
     def __len__(self) -> int:
         """Indexed (rank, tier, block) entries."""
         return self._size
+
+    # -- dump and load (an index handed from one instance to another) ------------------------------
+
+    def rank_entries(self, worker: WorkerWithDpRank) -> list[tuple[int, int, int | None, int]]:
+        """Every block of ``worker`` as ``(tier, engine hash, parent engine hash or None, local
+        hash)``, per tier in store order: what ``load_rank`` takes back."""
+        maps = self._ranks.get(worker)
+        if maps is None:
+            return []
+        return [(t, h, p, local) for t in TIERS for h, (_, local, p) in maps[t].items()]
+
+    def load_rank(
+        self, worker: WorkerWithDpRank, entries: Sequence[tuple[int, int, int | None, int]]
+    ) -> int:
+        """Store ``entries`` (as ``rank_entries`` gives them, in any order: a block waits for
+        its parent) on ``worker``; returns how many could not be stored (a device block whose
+        parent never came, or a store ``store`` refuses). Host and disk blocks whose parent never
+        came are kept under an orphan key, as ``store`` keeps them."""
+        waiting: dict[int, list[tuple[int, int, int | None, int]]] = {}
+        todo = list(reversed(entries))
+        refused = 0
+        while todo:
+            tier, h, parent, local = entry = todo.pop()
+            if parent is not None and not self._holds_parent(worker, tier, parent & U64_MAX):
+                waiting.setdefault(parent & U64_MAX, []).append(entry)
+                continue
+            if not self.store(worker, tier, parent, ((h, local),)):
+                refused += 1
+                continue
+            todo.extend(reversed(waiting.pop(h & U64_MAX, ())))
+        for left in waiting.values():
+            for tier, h, parent, local in left:
+                if tier == DEVICE or not self.store(worker, tier, parent, ((h, local),)):
+                    refused += 1
+        return refused
+
+    def _holds_parent(self, worker: WorkerWithDpRank, tier: int, parent: int) -> bool:
+        maps = self._ranks.get(worker)
+        if maps is None:
+            return False
+        if tier == DEVICE:
+            return parent in maps[DEVICE]
+        return any(parent in m for m in maps)

@@ -273,3 +273,36 @@ def test_random_operations_agree_with_a_naive_model() -> None:
                 keys = compute_seq_hash_for_block(local[p])
                 assert fast.overlaps(keys) == slow.overlaps(keys), seed
         assert len(fast) == sum(len(m) for maps in slow.maps.values() for m in maps)
+
+
+def test_a_rank_dumped_and_loaded_elsewhere_answers_the_same() -> None:
+    import random
+
+    rng = random.Random(7)
+    src = KvIndex()
+    assert src.store(A, DEVICE, None, blocks([11, 12, 13, 14]))
+    assert src.store(A, HOST_PINNED, 14, blocks([15, 16], 4))
+    assert src.store(A, DISK, 999, blocks([17], 5))  # parent unknown: an orphan, kept
+    assert src.store(B, DEVICE, None, blocks([21, 22]))
+    assert src.store(A, DEVICE, 11, blocks([31], 1))  # a second child of block 0
+    prompts = [KEYS, KEYS[:3], sequence_hashes_for_tokens(TOKENS[:4] + TOKENS[8:12], BS)]
+    want = [src.overlaps(p) for p in prompts]
+    for order in range(4):  # in dump order, then shuffled: each block waits for its parent
+        dst = KvIndex()
+        for w in (A, B):
+            entries = src.rank_entries(w)
+            if order:
+                rng.shuffle(entries)
+            assert dst.load_rank(w, entries) == 0
+        assert [dst.overlaps(p) for p in prompts] == want
+        assert sorted(dst.blocks(), key=repr) == sorted(src.blocks(), key=repr)
+        assert len(dst) == len(src) == 10
+
+
+def test_loading_refuses_device_blocks_whose_parent_never_comes() -> None:
+    ix = KvIndex()
+    entries = [(DEVICE, 12, 11, LOCAL[1]), (DEVICE, 11, None, LOCAL[0]), (DEVICE, 40, 41, 5),
+               (HOST_PINNED, 50, 51, 6), (DEVICE, 60, 61, 7), (DEVICE, 61, 60, 8)]  # fmt: skip
+    assert ix.load_rank(A, entries) == 3  # 40 (no parent), 60 and 61 (a cycle)
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
+    assert ix.rank_size(A) == 3  # 11, 12 and the host orphan 50
