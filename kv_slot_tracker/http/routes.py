@@ -230,6 +230,13 @@ SELECTION_ROUTES: tuple[Route, ...] = (
     Route(SEL + "/dump", "GET", "dump", "The approximate caches as stored events",
           response=dict[str, ss.PartitionDump], errors=(401,), api="selection",
           description="Each partition's cache contents as the stored-block events that would rebuild them."),
+    Route(SEL + "/kv_index", "GET", "kv_index",
+          "This instance's KV-event index, for another instance to start from", errors=(401, 404),
+          api="selection",
+          extra={"response_class": Response, "responses": {
+              200: {"description": "NDJSON, one rank at a time (see the README's KV events section).",
+                    "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}}},
+          description="What `indexer_peers` loads at start: per partition and rank, every block (tier, engine hash, parent hash, tokens hash) and the sequence number of the rank's last applied batch, so that the loader's listener continues from there. Streamed, one rank's blocks read at a time. 404 when KV events are off."),
 )  # fmt: skip
 
 ROUTES: tuple[Route, ...] = (

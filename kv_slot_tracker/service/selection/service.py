@@ -61,7 +61,7 @@ from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSele
 from kv_slot_tracker.core.selection.selector import select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
 from kv_slot_tracker.core.types import WorkerWithDpRank
-from kv_slot_tracker.ingest.port import RankKey, Subscription
+from kv_slot_tracker.ingest.port import IndexedPartition, RankKey, Subscription
 from kv_slot_tracker.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
@@ -725,6 +725,17 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
 
     def kv_indexed_blocks(self) -> dict[Key, int]:
         return {key: len(part.index) for key, part in self.partitions.items()}
+
+    def kv_partitions(self) -> dict[Key, IndexedPartition]:
+        """Every partition's index and schedulable ranks (peer recovery: ``KvIndexHost``)."""
+        return {
+            key: IndexedPartition(
+                part.block_size,
+                part.index,
+                {w: range(s.dp_start, s.dp_start + s.dp_size) for w, s in part.workers.items()},
+            )
+            for key, part in self.partitions.items()
+        }
 
     # -- background ------------------------------------------------------------------------
 

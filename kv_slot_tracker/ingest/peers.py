@@ -1,0 +1,460 @@
+"""Peer recovery of the KV-event index (Dynamo's ``--indexer-peers``).
+
+KV events are not replicated through Redis: every instance listens to the engines itself. An
+instance that starts late, or again, has missed what the engines published before; an engine's
+replay socket (when it has one) may fill the gap, else the rank is cleared at its first batch.
+With ``indexer_peers`` it loads the index from another instance first.
+
+The dump (``dump_lines``, served as ``GET /selection/kv_index``) is NDJSON, streamed one rank at
+a time so that neither side holds more than one rank's blocks at once to produce it:
+
+* ``{"kind": "header", "format": 1}``;
+* per partition ``{"kind": "partition", "model_name", "routing_group", "block_size"}``, then its
+  ranks ``{"kind": "rank", "worker_id", "dp_rank", "seq", "blocks": [[tier, block_hash,
+  parent_hash or null, tokens_hash], ...]}``, a rank's blocks split over lines of at most
+  ``CHUNK_BLOCKS`` (each line repeats the rank). ``seq`` is the last batch the rank's listener
+  applied (null: none); it is read in the same step as the rank's blocks, so the two agree;
+* ``{"kind": "end", "ranks": n, "blocks": n}``.
+
+The loader (``IndexPeers.run``) waits for the shared state (the worker catalog says which
+partitions and workers exist here), then asks each peer in turn, again and again, until one gives
+its whole dump or ``indexer_peers_timeout_seconds`` have passed. A dump is applied in one
+synchronous step once its end line has arrived (a dump broken off is not applied at all). The
+listeners start only then, each rank from its ``seq``: the next batch continues the index, a later
+one is a gap (replayed, or the rank cleared) like any other. With no peer answering, the
+listeners start with no sequence number and it is logged.
+
+A peer is a trust boundary. Bounded: ``MAX_DUMP_BYTES`` in all, ``MAX_LINE_BYTES`` a line. A line
+that does not decode, or an entry out of range, is counted and skipped, and its partition's
+sequence numbers are not used (those ranks resynchronise from the engines at their first batch);
+a partition unknown here (or of another block size) and a worker not schedulable here are skipped
+and counted. Nothing a peer sends is fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgspec
+import orjson
+
+from kv_slot_tracker.core.selection.kv_index import TIERS
+from kv_slot_tracker.core.types import U64_MAX, WorkerWithDpRank
+
+from .port import KvIndexHost, PartitionKey, RankKey
+from .zmq import ZmqIngest
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+DUMP_PATH = "/selection/kv_index"
+MEDIA_TYPE = "application/x-ndjson"
+CHUNK_BLOCKS = 20_000
+MAX_LINE_BYTES = 4 << 20
+MAX_DUMP_BYTES = 512 << 20
+RETRY_PAUSE_S = 0.5
+_I64_MIN = -(1 << 63)
+_U32_MAX = (1 << 32) - 1
+
+Entry = tuple[int, int, int | None, int]
+
+
+class PeerError(Exception):
+    """A peer that did not give a whole, well-formed dump; the text says why."""
+
+
+# -- the dump (served) -----------------------------------------------------------------------------
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return orjson.dumps(obj) + b"\n"
+
+
+async def dump_lines(host: KvIndexHost, ingest: ZmqIngest | None) -> AsyncIterator[bytes]:
+    """This instance's index as the NDJSON lines above; a rank's blocks and sequence number are
+    read together, between two lines nothing is held but the current rank's blocks."""
+    yield _line({"kind": "header", "format": FORMAT})
+    ranks_sent = blocks_sent = 0
+    partitions = host.kv_partitions()
+    for key in sorted(partitions):
+        part = partitions[key]
+        yield _line(
+            {"kind": "partition", "model_name": key[0], "routing_group": key[1],
+             "block_size": part.block_size}
+        )  # fmt: skip
+        ranks = {WorkerWithDpRank(w, r) for w, rs in part.ranks.items() for r in rs}
+        ranks.update(part.index.ranks())
+        for rank in sorted(ranks):
+            entries = part.index.rank_entries(rank)  # this rank and its seq in one step
+            seq = None if ingest is None else ingest.watermark((rank.worker_id, rank.dp_rank))
+            if not entries and seq is None:
+                continue
+            ranks_sent += 1
+            blocks_sent += len(entries)
+            for i in range(0, max(len(entries), 1), CHUNK_BLOCKS):
+                yield _line(
+                    {"kind": "rank", "worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
+                     "seq": seq, "blocks": entries[i : i + CHUNK_BLOCKS]}
+                )  # fmt: skip
+    yield _line({"kind": "end", "ranks": ranks_sent, "blocks": blocks_sent})
+
+
+# -- the loader ------------------------------------------------------------------------------------
+
+
+class _Header(msgspec.Struct, tag_field="kind", tag="header"):
+    format: int
+
+
+class _Partition(msgspec.Struct, tag_field="kind", tag="partition"):
+    model_name: str
+    routing_group: str
+    block_size: int
+
+
+class _Rank(msgspec.Struct, tag_field="kind", tag="rank"):
+    worker_id: int
+    dp_rank: int
+    seq: int | None
+    blocks: list[tuple[int, int, int | None, int]]
+
+
+class _End(msgspec.Struct, tag_field="kind", tag="end"):
+    ranks: int
+    blocks: int
+
+
+_decode = msgspec.json.Decoder(_Header | _Partition | _Rank | _End).decode
+
+
+@dataclass(slots=True)
+class RecoveryCounters:
+    """What peer recovery did (totals since start; read by the metrics and /selection/ready)."""
+
+    peer_failures: int = 0
+    """Attempts on a peer that gave no whole dump (unreachable, an error status, broken off)."""
+    partitions: int = 0
+    """Partitions loaded."""
+    partitions_skipped: int = 0
+    """Partitions of a dump unknown here, or of another block size."""
+    ranks: int = 0
+    """Ranks loaded."""
+    ranks_skipped: int = 0
+    """Ranks of a worker not schedulable here."""
+    blocks: int = 0
+    """Blocks loaded."""
+    blocks_refused: int = 0
+    """Blocks the index could not place (parent never given, repeated hash)."""
+    malformed: int = 0
+    """Lines that did not decode and entries out of range, skipped."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class _PartitionDump:
+    key: PartitionKey
+    block_size: int
+    ranks: dict[RankKey, tuple[int | None, list[Entry]]] = field(default_factory=dict)
+    tainted: bool = False
+
+
+class IndexPeers:
+    """This instance's side of index sharing: serves its index (``dump``), and at start loads
+    the index from the first of ``peers`` that gives it, then lets the listeners go (``run``)."""
+
+    def __init__(
+        self,
+        host: KvIndexHost,
+        ingest: ZmqIngest,
+        peers: list[str],
+        *,
+        api_key: str = "",
+        timeout_s: float = 10.0,
+        max_dump_bytes: int = MAX_DUMP_BYTES,
+    ) -> None:
+        self.host, self.ingest, self.peers = host, ingest, peers
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_dump_bytes = max_dump_bytes
+        self.counters = RecoveryCounters()
+        self.recovering = bool(peers)
+        """True until the start-up recovery is over (loaded, or no peer answered in time)."""
+        self.recovered_from: str | None = None
+
+    def dump(self) -> AsyncIterator[bytes]:
+        return dump_lines(self.host, self.ingest)
+
+    def status(self, silent_seconds: float) -> dict[str, Any]:
+        """For ``/selection/ready``: the recovery, and the publishers as the listeners see them."""
+        return {
+            "recovering": self.recovering,
+            "peers": list(self.peers),
+            "recovered_from": self.recovered_from,
+            "listening_ranks": len(self.ingest.listeners),
+            "disconnected_ranks": self.ingest.disconnected(),
+            "silent_ranks": self.ingest.silent(silent_seconds),
+        }
+
+    async def run(self, shared_state_ready: Callable[[], bool]) -> None:
+        """Recover (bounded by ``timeout_s`` in all), then start the ingest; never raises."""
+        try:
+            if self.peers:
+                await self._recover(shared_state_ready)
+        finally:
+            self.recovering = False
+        self.ingest.start()
+
+    async def _recover(self, shared_state_ready: Callable[[], bool]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while not shared_state_ready() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        while True:
+            for peer in self.peers:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(left):
+                        dump = await self._fetch(peer)
+                except (PeerError, OSError, EOFError, TimeoutError, ValueError) as e:
+                    self.counters.peer_failures += 1
+                    log.warning(
+                        "KV index recovery: peer %s gave no index (%s); trying the next",
+                        peer, str(e) or type(e).__name__,
+                    )  # fmt: skip
+                    continue
+                self._apply(dump, peer)
+                return
+            if loop.time() + RETRY_PAUSE_S >= deadline:
+                break
+            await asyncio.sleep(RETRY_PAUSE_S)
+        log.warning(
+            "KV index recovery: no peer of %s gave its index within %.1f s; starting from the "
+            "engines alone (a rank whose engine has a replay endpoint replays from sequence 0 at "
+            "its first batch, any other rank is cleared there and holds only what comes next)",
+            ", ".join(self.peers), self.timeout_s,
+        )  # fmt: skip
+
+    async def _fetch(self, peer: str) -> list[_PartitionDump]:
+        out: list[_PartitionDump] = []
+        header = ended = False
+        async for raw in _get_lines(peer + DUMP_PATH, self._headers(), self.max_dump_bytes):
+            if ended:
+                raise PeerError("lines after the end line")
+            try:
+                msg = _decode(raw)
+            except msgspec.DecodeError as e:
+                if not header:
+                    raise PeerError(f"not a KV index dump: {e}") from None
+                self._malformed(out, f"line skipped: {e}")
+                continue
+            if isinstance(msg, _Header):
+                if header or msg.format != FORMAT:
+                    raise PeerError(f"unexpected header (format {msg.format})")
+                header = True
+            elif not header:
+                raise PeerError("the dump does not start with its header")
+            elif isinstance(msg, _Partition):
+                if not 0 < msg.block_size <= _U32_MAX:
+                    self._malformed(out, f"block_size {msg.block_size} out of range")
+                    out.append(_PartitionDump((msg.model_name, msg.routing_group), 0, tainted=True))
+                    continue
+                out.append(_PartitionDump((msg.model_name, msg.routing_group), msg.block_size))
+            elif isinstance(msg, _Rank):
+                self._rank(out, msg)
+            else:
+                ended = True
+        if not ended:
+            raise PeerError("the dump broke off before its end line")
+        return out
+
+    def _rank(self, out: list[_PartitionDump], msg: _Rank) -> None:
+        if not out:
+            self.counters.malformed += 1
+            log.warning("KV index recovery: a rank before any partition skipped")
+            return
+        part = out[-1]
+        if not (0 <= msg.worker_id <= U64_MAX and 0 <= msg.dp_rank <= _U32_MAX) or not (
+            msg.seq is None or 0 <= msg.seq <= U64_MAX
+        ):
+            self._malformed(out, f"rank {msg.worker_id}:{msg.dp_rank} out of range")
+            return
+        good = [e for e in msg.blocks if _valid(e)]
+        if len(good) != len(msg.blocks):
+            self._malformed(
+                out, f"{len(msg.blocks) - len(good)} entries of {msg.worker_id}:{msg.dp_rank}"
+            )
+            self.counters.malformed += len(msg.blocks) - len(good) - 1
+        key = (msg.worker_id, msg.dp_rank)
+        have = part.ranks.get(key)
+        if have is None:
+            part.ranks[key] = (msg.seq, good)
+        else:
+            if have[0] != msg.seq:
+                self._malformed(out, f"rank {key} given with two sequence numbers")
+            have[1].extend(good)
+
+    def _malformed(self, out: list[_PartitionDump], why: str) -> None:
+        self.counters.malformed += 1
+        if out:
+            out[-1].tainted = True
+        if self.counters.malformed <= 10:
+            log.warning("KV index recovery: malformed dump part skipped: %s", why)
+
+    def _apply(self, dump: list[_PartitionDump], peer: str) -> None:
+        """Load ``dump`` into the partitions known here and seed the listeners (synchronous)."""
+        c = self.counters
+        here = self.host.kv_partitions()
+        seeds: dict[RankKey, int] = {}
+        for part in dump:
+            local = here.get(part.key)
+            if local is None or local.block_size != part.block_size:
+                c.partitions_skipped += 1
+                log.warning(
+                    "KV index recovery: partition model=%s routing_group=%s of %s skipped (%s)",
+                    *part.key, peer, "unknown here" if local is None else "another block size",
+                )  # fmt: skip
+                continue
+            c.partitions += 1
+            for (wid, r), (seq, entries) in part.ranks.items():
+                if wid not in local.ranks:
+                    c.ranks_skipped += 1
+                    continue
+                rank = WorkerWithDpRank(wid, r)
+                local.index.clear_rank(rank)
+                refused = local.index.load_rank(rank, entries)
+                c.ranks += 1
+                c.blocks += len(entries) - refused
+                c.blocks_refused += refused
+                if seq is not None and not refused and not part.tainted:
+                    seeds[wid, r] = seq
+        self.ingest.seed_watermarks(seeds)
+        self.recovered_from = peer
+        log.info(
+            "KV index recovered from %s: %d partitions, %d ranks, %d blocks (%d ranks continue "
+            "from the peer's sequence numbers; skipped: %d partitions, %d ranks, %d blocks, "
+            "%d malformed)",
+            peer, c.partitions, c.ranks, c.blocks, len(seeds), c.partitions_skipped,
+            c.ranks_skipped, c.blocks_refused, c.malformed,
+        )  # fmt: skip
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def _valid(e: Entry) -> bool:
+    tier, h, parent, local = e
+    return (
+        tier in TIERS
+        and _I64_MIN <= h <= U64_MAX
+        and (parent is None or _I64_MIN <= parent <= U64_MAX)
+        and 0 <= local <= U64_MAX
+    )
+
+
+# -- a minimal HTTP/1.1 GET (the service carries no HTTP client) -----------------------------------
+
+
+async def _get_lines(url: str, headers: dict[str, str], max_bytes: int) -> AsyncIterator[bytes]:
+    """The body of ``GET url`` line by line (200 only), at most ``max_bytes`` in all and
+    ``MAX_LINE_BYTES`` a line; ``PeerError`` otherwise."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PeerError(f"not an http(s) URL: {url!r}")
+    tls = ssl.create_default_context() if parts.scheme == "https" else None
+    port = parts.port or (443 if tls else 80)
+    reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=tls)
+    try:
+        target = parts.path or "/"
+        lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close",
+                 f"Accept: {MEDIA_TYPE}", *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        await writer.drain()
+        status, fields_ = await _read_head(reader)
+        if status != 200:
+            detail = (await reader.read(512)).decode("utf-8", "replace").strip()
+            raise PeerError(f"answered {status} {detail}".strip())
+        body = (
+            _chunked(reader)
+            if "chunked" in fields_.get("transfer-encoding", "").lower()
+            else _plain(reader, fields_.get("content-length"))
+        )
+        pieces: list[bytes] = []  # of the line not complete yet
+        held = total = 0
+        async for data in body:
+            total += len(data)
+            if total > max_bytes:
+                raise PeerError(f"the dump exceeds {max_bytes} bytes")
+            if b"\n" in data:
+                *complete, rest = b"".join((*pieces, data)).split(b"\n")
+                pieces, held = [rest], len(rest)
+                for line in complete:
+                    if len(line) > MAX_LINE_BYTES:
+                        raise PeerError(f"a line exceeds {MAX_LINE_BYTES} bytes")
+                    if line.strip():
+                        yield line
+            else:
+                pieces.append(data)
+                held += len(data)
+            if held > MAX_LINE_BYTES:
+                raise PeerError(f"a line exceeds {MAX_LINE_BYTES} bytes")
+        rest = b"".join(pieces)
+        if rest.strip():
+            yield rest
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    status_line = await reader.readline()
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise PeerError("not an HTTP/1.1 answer")
+    out: dict[str, str] = {}
+    for _ in range(100):
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            return int(parts[1]), out
+        name, _, value = line.decode("latin-1").partition(":")
+        out[name.strip().lower()] = value.strip()
+    raise PeerError("too many header lines")
+
+
+async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while True:
+        size_line = (await reader.readline()).split(b";", 1)[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise PeerError("bad chunk size") from None
+        if size == 0:
+            return
+        if size > MAX_LINE_BYTES * 4:
+            raise PeerError("chunk too large")
+        yield await reader.readexactly(size)
+        await reader.readline()
+
+
+async def _plain(reader: asyncio.StreamReader, length: str | None) -> AsyncIterator[bytes]:
+    left = int(length) if length is not None and length.isdigit() else None
+    while left is None or left > 0:
+        data = await reader.read(1 << 16 if left is None else min(1 << 16, left))
+        if not data:
+            if left:
+                raise PeerError("the answer broke off")
+            return
+        if left is not None:
+            left -= len(data)
+        yield data
