@@ -217,10 +217,8 @@ class IngestCollector(Collector):
 
     _RECOVERY_DOCS = {
         "peer_failures": "KV index recovery: attempts on a peer that gave no whole dump",
-        "partitions": "KV index recovery: partitions loaded from a peer",
-        "partitions_skipped": "KV index recovery: partitions of a dump unknown here (skipped)",
         "ranks": "KV index recovery: ranks loaded from a peer",
-        "ranks_skipped": "KV index recovery: ranks of a worker not schedulable here (skipped)",
+        "ranks_skipped": "KV index recovery: ranks whose worker is elsewhere here, or never came",
         "blocks": "KV index recovery: blocks loaded from a peer",
         "blocks_refused": "KV index recovery: blocks the index could not place (skipped)",
         "malformed": "KV index recovery: dump lines or entries that did not validate (skipped)",

@@ -18,11 +18,12 @@ a time so that neither side holds more than one rank's blocks at once to produce
 
 The loader (``IndexPeers.run``) waits for the shared state (the worker catalog says which
 partitions and workers exist here), then asks each peer in turn, again and again, until one gives
-its whole dump or ``indexer_peers_timeout_seconds`` have passed. A dump is applied in one
-synchronous step once its end line has arrived (a dump broken off is not applied at all). The
-listeners start only then, each rank from its ``seq``: the next batch continues the index, a later
-one is a gap (replayed, or the rank cleared) like any other. With no peer answering, the
-listeners start with no sequence number and it is logged.
+its whole dump or ``indexer_peers_timeout_seconds`` have passed. A dump is used only once its end
+line has arrived (a dump broken off is not used at all). Each worker's ranks are then loaded, in
+one synchronous step, as the worker's first listener is created here, and each listener starts
+from its rank's ``seq``: the next batch continues the index, a later one is a gap (replayed, or
+the rank cleared) like any other. With no peer answering, the listeners start with no sequence
+number and it is logged.
 
 A peer is a trust boundary. Bounded: ``MAX_DUMP_BYTES`` in all, ``MAX_LINE_BYTES`` a line. A line
 that does not decode, or an entry out of range, is counted and skipped, and its partition's
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
@@ -60,6 +62,7 @@ CHUNK_BLOCKS = 20_000
 MAX_LINE_BYTES = 4 << 20
 MAX_DUMP_BYTES = 512 << 20
 RETRY_PAUSE_S = 0.5
+PENDING_TTL_S = 60
 _I64_MIN = -(1 << 63)
 _U32_MAX = (1 << 32) - 1
 
@@ -140,14 +143,11 @@ class RecoveryCounters:
 
     peer_failures: int = 0
     """Attempts on a peer that gave no whole dump (unreachable, an error status, broken off)."""
-    partitions: int = 0
-    """Partitions loaded."""
-    partitions_skipped: int = 0
-    """Partitions of a dump unknown here, or of another block size."""
     ranks: int = 0
     """Ranks loaded."""
     ranks_skipped: int = 0
-    """Ranks of a worker not schedulable here."""
+    """Ranks not loaded: their worker is in another partition (or block size) here, or did not
+    become schedulable here within ``PENDING_TTL_S``."""
     blocks: int = 0
     """Blocks loaded."""
     blocks_refused: int = 0
@@ -167,9 +167,27 @@ class _PartitionDump:
     tainted: bool = False
 
 
+@dataclass(slots=True)
+class _WorkerDump:
+    """One worker's ranks of a dump, waiting for the worker's first listener here."""
+
+    key: PartitionKey
+    block_size: int
+    ranks: dict[int, tuple[int | None, list[Entry]]]
+    tainted: bool
+
+
 class IndexPeers:
     """This instance's side of index sharing: serves its index (``dump``), and at start loads
-    the index from the first of ``peers`` that gives it, then lets the listeners go (``run``)."""
+    the index from the first of ``peers`` that gives it (``run``).
+
+    A fetched dump is kept per worker and loaded into the index as the worker's first listener
+    is created here (``seed_for``, the ingest's ``seed``), in the same step that gives the
+    listener its starting sequence number. At start that is at once for every worker the shared
+    state lists (the listeners start before ``/selection/ready`` says ready); a worker registered
+    later (an instance without Redis learns its workers after start) gets its ranks then, within
+    ``PENDING_TTL_S``. A dump older than its engine's next batch is safe: the batch is a gap.
+    """
 
     def __init__(
         self,
@@ -180,15 +198,21 @@ class IndexPeers:
         api_key: str = "",
         timeout_s: float = 10.0,
         max_dump_bytes: int = MAX_DUMP_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.host, self.ingest, self.peers = host, ingest, peers
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.max_dump_bytes = max_dump_bytes
+        self.clock = clock
         self.counters = RecoveryCounters()
         self.recovering = bool(peers)
         """True until the start-up recovery is over (loaded, or no peer answered in time)."""
         self.recovered_from: str | None = None
+        self._pending: dict[int, _WorkerDump] = {}
+        self._seeds: dict[RankKey, int] = {}  # loaded ranks whose listener is not created yet
+        self._pending_until = 0.0
+        ingest.seed = self.seed_for
 
     def dump(self) -> AsyncIterator[bytes]:
         return dump_lines(self.host, self.ingest)
@@ -205,10 +229,13 @@ class IndexPeers:
         }
 
     async def run(self, shared_state_ready: Callable[[], bool]) -> None:
-        """Recover (bounded by ``timeout_s`` in all), then start the ingest; never raises."""
+        """Recover (bounded by ``timeout_s`` in all), then start the listeners; never raises."""
         try:
             if self.peers:
                 await self._recover(shared_state_ready)
+                await self.ingest.reconcile()  # the known workers' listeners, and their ranks
+        except Exception:  # a bug here must not keep the instance from its engines
+            log.exception("KV index recovery failed; starting from the engines alone")
         finally:
             self.recovering = False
         self.ingest.start()
@@ -233,7 +260,7 @@ class IndexPeers:
                         peer, str(e) or type(e).__name__,
                     )  # fmt: skip
                     continue
-                self._apply(dump, peer)
+                self._keep(dump, peer)
                 return
             if loop.time() + RETRY_PAUSE_S >= deadline:
                 break
@@ -311,42 +338,78 @@ class IndexPeers:
         if self.counters.malformed <= 10:
             log.warning("KV index recovery: malformed dump part skipped: %s", why)
 
-    def _apply(self, dump: list[_PartitionDump], peer: str) -> None:
-        """Load ``dump`` into the partitions known here and seed the listeners (synchronous)."""
-        c = self.counters
-        here = self.host.kv_partitions()
-        seeds: dict[RankKey, int] = {}
+    def _keep(self, dump: list[_PartitionDump], peer: str) -> None:
+        """Hold ``dump`` per worker until the worker's first listener here (``seed_for``)."""
+        pending: dict[int, _WorkerDump] = {}
+        blocks = 0
         for part in dump:
-            local = here.get(part.key)
-            if local is None or local.block_size != part.block_size:
-                c.partitions_skipped += 1
-                log.warning(
-                    "KV index recovery: partition model=%s routing_group=%s of %s skipped (%s)",
-                    *part.key, peer, "unknown here" if local is None else "another block size",
-                )  # fmt: skip
-                continue
-            c.partitions += 1
-            for (wid, r), (seq, entries) in part.ranks.items():
-                if wid not in local.ranks:
-                    c.ranks_skipped += 1
-                    continue
-                rank = WorkerWithDpRank(wid, r)
-                local.index.clear_rank(rank)
-                refused = local.index.load_rank(rank, entries)
-                c.ranks += 1
-                c.blocks += len(entries) - refused
-                c.blocks_refused += refused
-                if seq is not None and not refused and not part.tainted:
-                    seeds[wid, r] = seq
-        self.ingest.seed_watermarks(seeds)
+            for (wid, r), rank in part.ranks.items():
+                have = pending.get(wid)
+                if have is None or (have.key, have.block_size) != (part.key, part.block_size):
+                    have = pending[wid] = _WorkerDump(part.key, part.block_size, {}, part.tainted)
+                have.ranks[r] = rank
+                blocks += len(rank[1])
+        self._pending = pending
+        self._pending_until = self.clock() + PENDING_TTL_S
         self.recovered_from = peer
         log.info(
-            "KV index recovered from %s: %d partitions, %d ranks, %d blocks (%d ranks continue "
-            "from the peer's sequence numbers; skipped: %d partitions, %d ranks, %d blocks, "
-            "%d malformed)",
-            peer, c.partitions, c.ranks, c.blocks, len(seeds), c.partitions_skipped,
-            c.ranks_skipped, c.blocks_refused, c.malformed,
+            "KV index recovered from %s: %d workers, %d ranks, %d blocks (%d malformed parts "
+            "skipped); each worker's ranks are loaded as it is listened to here",
+            peer, len(pending), sum(len(w.ranks) for w in pending.values()), blocks,
+            self.counters.malformed,
         )  # fmt: skip
+
+    def seed_for(self, key: RankKey) -> int | None:
+        """The starting sequence number of ``key``'s new listener; first loads the recovered
+        ranks of its worker into its partition's index (once). Never raises."""
+        try:
+            return self._seed_for(key)
+        except Exception:
+            log.exception("KV index recovery: loading worker %d failed", key[0])
+            return None
+
+    def _seed_for(self, key: RankKey) -> int | None:
+        if not self._pending and not self._seeds:
+            return None
+        c = self.counters
+        if self.clock() > self._pending_until:  # too old: its sequence numbers could mislead
+            left = sum(len(w.ranks) for w in self._pending.values())
+            c.ranks_skipped += left
+            log.warning(
+                "KV index recovery: %d recovered ranks dropped: their workers did not become "
+                "schedulable here within %d s", left, PENDING_TTL_S,
+            )  # fmt: skip
+            self._pending.clear()
+            self._seeds.clear()
+            return None
+        if key in self._seeds:
+            return self._seeds.pop(key)
+        wid, r = key
+        worker = self._pending.pop(wid, None)
+        if worker is None:
+            return None
+        local = self.host.kv_partitions().get(worker.key)
+        if local is None or local.block_size != worker.block_size or wid not in local.ranks:
+            c.ranks_skipped += len(worker.ranks)
+            log.warning(
+                "KV index recovery: worker %d skipped: the peer had it in model=%s "
+                "routing_group=%s block_size=%d, not so here", wid, *worker.key, worker.block_size,
+            )  # fmt: skip
+            return None
+        seeds: dict[int, int] = {}
+        for dp_rank, (seq, entries) in worker.ranks.items():
+            rank = WorkerWithDpRank(wid, dp_rank)
+            local.index.clear_rank(rank)
+            refused = local.index.load_rank(rank, entries)
+            c.ranks += 1
+            c.blocks += len(entries) - refused
+            c.blocks_refused += refused
+            if seq is not None and not refused and not worker.tainted:
+                seeds[dp_rank] = seq
+        for dp_rank, seq in seeds.items():  # the worker's other ranks' listeners come next
+            if dp_rank != r:
+                self._seeds[wid, dp_rank] = seq
+        return seeds.get(r)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -21,8 +21,9 @@ A malformed message (framing, msgpack, event shape) is counted, logged (rate-lim
 it does not move the sequence watermark, so the next batch shows a gap.
 
 A listener may start from a watermark handed over by another instance together with the index
-it describes (``seed_watermarks``, peer recovery: ``kv_slot_tracker.ingest.peers``): its first
-batch then continues from there, or is a gap like any other.
+it describes (``seed``, peer recovery: ``kv_slot_tracker.ingest.peers``, asked as the listener is
+created, before it receives anything): its first batch then continues from there, or is a gap
+like any other.
 
 Whether each SUB socket is connected (a socket monitor's connect and disconnect events) and how
 long each rank has been silent are kept for the metrics and ``/selection/ready``; neither changes
@@ -39,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -264,7 +266,8 @@ class ZmqIngest:
         self.replay_timeout = replay_timeout
         self.ctx = zmq.asyncio.Context()
         self.listeners: dict[RankKey, tuple[Subscription, RankListener, asyncio.Task]] = {}
-        self._seeded: dict[RankKey, int] = {}
+        self.seed: Callable[[RankKey], int | None] | None = None
+        """Asked for a rank's starting watermark as its listener is created (peer recovery)."""
         self._version: int | None = None
         self._task: asyncio.Task | None = None
 
@@ -303,7 +306,8 @@ class ZmqIngest:
                     self.ctx, self.sink, self.counters, key, sub,
                     max_message_bytes=self.max_message_bytes, replay_timeout=self.replay_timeout,
                 )  # fmt: skip
-                listener.watermark = self._seeded.pop(key, None)
+                if self.seed is not None:
+                    listener.watermark = self.seed(key)
                 task = asyncio.create_task(self._guard(listener), name=f"kv-events-{key}")
                 self.listeners[key] = (sub, listener, task)
 
@@ -326,11 +330,6 @@ class ZmqIngest:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-    def seed_watermarks(self, watermarks: dict[RankKey, int]) -> None:
-        """Start the listeners of these ranks (when they start) from these sequence numbers:
-        the index already holds what their publishers sent up to there. Before ``start``."""
-        self._seeded.update(watermarks)
 
     def watermark(self, key: RankKey) -> int | None:
         """The last sequence number applied on ``key``'s socket (None: none, or no listener)."""
