@@ -174,7 +174,7 @@ SELECTION_ROUTES: tuple[Route, ...] = (
           response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
           extra={"responses": {503: {"model": ss.SelectionReady,
                                      "description": "No schedulable worker anywhere."}}},
-          description='200 while at least one worker of any partition is schedulable, else 503 with the same body. Lists the worker catalog.'),
+          description='200 while at least one worker of any partition is schedulable (and, with `indexer_peers`, once the KV index is loaded from a peer or none answered), else 503 with the same body. Lists the worker catalog and, with KV events on, the publishers this instance cannot reach or has not heard from (`kv_events`).'),
     Route(SEL + "/workers", "POST", "upsert_worker",
           "Register a worker or replace it (it may move partition)", ss.WorkerBody,
           ss.WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection",
