@@ -75,18 +75,18 @@ def create_app(
     ingest = index_peers = None
     if selection.config.use_kv_events:
         ingest = ZmqIngest(
-            selection,
+            selection.kv_events,
             max_message_bytes=settings.kv_events_max_message_bytes,
             replay_timeout=settings.kv_events_replay_timeout_seconds,
         )
         index_peers = IndexPeers(
-            selection,
+            selection.kv_events,
             ingest,
             peer_urls(settings.indexer_peers),
             api_key=settings.api_key.get_secret_value(),
             timeout_s=settings.indexer_peers_timeout_seconds,
         )
-        watch_ingest(registry, ingest, selection, index_peers)
+        watch_ingest(registry, ingest, selection.kv_events, index_peers)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -193,7 +193,7 @@ def build_selection(
         session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
     )
-    service.replica.bind_selection(selection)
+    service.replica.bind_selection(selection.replica)
     return selection
 
 

@@ -30,6 +30,7 @@ from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.consistency import ConsistencyCounters
 from kv_slot_tracker.service.replica import Replica
+from kv_slot_tracker.service.selection.kv_events import KvEvents
 from kv_slot_tracker.service.selection.service import SelectionService
 from kv_slot_tracker.service.selection.types import SELECTION_OUTCOMES
 
@@ -145,7 +146,7 @@ class SelectionCollector(Collector):
             "rank was removed; the id stays taken until a call on it answers 404)",
             labels=[*KEY_LABELS, "state"],
         )
-        held = svc.held
+        held = svc.reservations.held
         keys = sorted(svc.partitions.keys() | {key for key, _ in held})
         for model, group in keys:
             for state, lingering in (("active", False), ("lingering", True)):
@@ -188,9 +189,9 @@ class SelectionCollector(Collector):
              "Pending selections evicted unclaimed because the cache was full"),
             ("pending_expired", svc.pending.expired,
              "Pending selections dropped unclaimed after selection_cache_ttl_seconds"),
-            ("lingering_dropped", svc.lingering_dropped,
+            ("lingering_dropped", svc.reservations.lingering_dropped,
              "Lingering reservation ids dropped by the sweep after the request expiry"),
-            ("stale_dropped", svc.stale_dropped,
+            ("stale_dropped", svc.reservations.stale_dropped,
              "Reservation ids dropped because their request was freed elsewhere (slot-tracker "
              "routes, expiry)"),
         ):  # fmt: skip
@@ -225,9 +226,9 @@ class IngestCollector(Collector):
     }
 
     def __init__(
-        self, ingest: ZmqIngest, selection: SelectionService, peers: IndexPeers | None = None
+        self, ingest: ZmqIngest, kv_events: KvEvents, peers: IndexPeers | None = None
     ) -> None:
-        self.ingest, self.selection, self.peers = ingest, selection, peers
+        self.ingest, self.kv_events, self.peers = ingest, kv_events, peers
 
     def collect(self) -> Iterator:
         for name, value in self.ingest.counters.as_dict().items():
@@ -235,9 +236,9 @@ class IngestCollector(Collector):
             counter.add_metric([], value)
             yield counter
         for name, value, doc in (
-            ("stores_refused", self.selection.kv_stores_refused,
+            ("stores_refused", self.kv_events.stores_refused,
              "KV-event stores skipped: parent block unknown on the rank, or a hash repeated"),
-            ("unrouted", self.selection.kv_events_unrouted,
+            ("unrouted", self.kv_events.unrouted,
              "KV events for a worker or rank that is not schedulable here"),
         ):  # fmt: skip
             counter = CounterMetricFamily(f"kv_slot_tracker_kv_events_{name}", doc)
@@ -248,7 +249,7 @@ class IngestCollector(Collector):
             "Blocks (rank, tier, block) the KV-event index holds per partition",
             labels=KEY_LABELS,
         )
-        for (model, group), n in sorted(self.selection.kv_indexed_blocks().items()):
+        for (model, group), n in sorted(self.kv_events.kv_indexed_blocks().items()):
             blocks.add_metric([model, group], n)
         yield blocks
         silent = GaugeMetricFamily(
@@ -286,10 +287,10 @@ class IngestCollector(Collector):
 def watch_ingest(
     registry: CollectorRegistry,
     ingest: ZmqIngest,
-    selection: SelectionService,
+    kv_events: KvEvents,
     peers: IndexPeers | None = None,
 ) -> None:
-    registry.register(IngestCollector(ingest, selection, peers))
+    registry.register(IngestCollector(ingest, kv_events, peers))
 
 
 class ConsistencyCollector(Collector):

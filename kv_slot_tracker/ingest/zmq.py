@@ -148,10 +148,8 @@ class RankListener:
                     self._malformed(e)
                     continue
                 self._apply(batch)
-        finally:
+        finally:  # no await here: a second cancellation must not skip the closing
             watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
             self.connected = False
             sock.disable_monitor()
             monitor.close(0)
@@ -328,8 +326,10 @@ class ZmqIngest:
     async def _stop_listener(self, key: RankKey) -> None:
         _, _, task = self.listeners.pop(key)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # wait without swallowing a cancellation of the caller (the manager being stopped)
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV events: listener %s ended with %r", key, task.exception())
 
     def watermark(self, key: RankKey) -> int | None:
         """The last sequence number applied on ``key``'s socket (None: none, or no listener)."""

@@ -80,20 +80,6 @@ class Release:
     selection_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """Drop a reservation id that no longer holds a request (its worker went, or it expired)."""
-
-    selection_id: str
-
-
 Mutation = (
-    PutWorker
-    | RemoveWorker
-    | Book
-    | CacheSelection
-    | CompletePrefill
-    | AddOutputBlock
-    | Release
-    | Forget
+    PutWorker | RemoveWorker | Book | CacheSelection | CompletePrefill | AddOutputBlock | Release
 )
