@@ -23,12 +23,14 @@ from prometheus_client import CollectorRegistry
 from kv_slot_tracker import __version__
 from kv_slot_tracker.core.selection import RouterConfig
 from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery, require_client
 from kv_slot_tracker.http.app import build_http_app
 from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.ingest.zmq import ZmqIngest
 from kv_slot_tracker.observability import (
     build_registry,
     watch_consistency,
+    watch_discovery,
     watch_ingest,
     watch_selection,
     watch_service,
@@ -87,6 +89,11 @@ def create_app(
             timeout_s=settings.indexer_peers_timeout_seconds,
         )
         watch_ingest(registry, ingest, selection.kv_events, index_peers)
+    discovery = None
+    if settings.discovery_kubernetes_service:
+        require_client()  # a clear start-up error when the [kubernetes] extra is missing
+        discovery = KubernetesDiscovery.from_settings(settings, service, replication)
+        watch_discovery(registry, discovery)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -105,13 +112,17 @@ def create_app(
             sweepers.append(
                 asyncio.create_task(index_peers.run(replication.ready), name="kv-index-peers")
             )
+        if discovery is not None:
+            discovery.start()
         if wait_ready_s > 0:
             await _until_ready(replication, wait_ready_s)
         log.info("%s", startup_summary(settings, replication))
         try:
             yield
         finally:
-            for sweeper in sweepers:  # first: the peer recovery would start the ingest
+            if discovery is not None:
+                await discovery.stop()
+            for sweeper in sweepers:  # before the ingest: the peer recovery would start it
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
@@ -134,6 +145,7 @@ def create_app(
     app.state.selection = selection
     app.state.ingest = ingest
     app.state.index_peers = index_peers
+    app.state.discovery = discovery
     app.state.replication = replication
     app.state.registry = registry
     return app

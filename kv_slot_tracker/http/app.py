@@ -44,6 +44,7 @@ from kv_slot_tracker.http.routes import (
     call_endpoint,
     fastapi_route_args,
     query_endpoint,
+    response_examples,
 )
 from kv_slot_tracker.http.selection.operations import SelectionOperations, SelectionQueries
 from kv_slot_tracker.http.selection.replicated import ReplicatedSelectionOperations
@@ -256,6 +257,8 @@ def _openapi(app: FastAPI, open_without_key: frozenset[str] | None) -> dict[str,
         for name, sub in sch.pop("$defs", {}).items():
             comps.setdefault(name, sub)
         comps[model.__name__] = sch
+    for name, examples in response_examples().items():  # with their nulls
+        comps[name]["examples"] = examples
     if open_without_key is not None:  # a key is set
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key

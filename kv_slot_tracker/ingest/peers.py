@@ -5,15 +5,16 @@ instance that starts late, or again, has missed what the engines published befor
 replay socket (when it has one) may fill the gap, else the rank is cleared at its first batch.
 With ``indexer_peers`` it loads the index from another instance first.
 
-The dump (``dump_lines``, served as ``GET /selection/kv_index``) is NDJSON, streamed one rank at
-a time so that neither side holds more than one rank's blocks at once to produce it:
+The dump (``dump_lines``, served as ``GET /selection/kv_index``) is NDJSON, streamed one
+partition at a time (the server holds one partition's blocks as plain tuples while it sends
+them):
 
 * ``{"kind": "header", "format": 1}``;
 * per partition ``{"kind": "partition", "model_name", "routing_group", "block_size"}``, then its
   ranks ``{"kind": "rank", "worker_id", "dp_rank", "seq", "blocks": [[tier, block_hash,
   parent_hash or null, tokens_hash], ...]}``, a rank's blocks split over lines of at most
   ``CHUNK_BLOCKS`` (each line repeats the rank). ``seq`` is the last batch the rank's listener
-  applied (null: none); it is read in the same step as the rank's blocks, so the two agree;
+  applied (null: none); it is read in the same step as the partition's blocks, so they agree;
 * ``{"kind": "end", "ranks": n, "blocks": n}``.
 
 The loader (``IndexPeers.run``) waits for the shared state (the worker catalog says which
@@ -81,8 +82,8 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 async def dump_lines(host: KvIndexHost, ingest: ZmqIngest | None) -> AsyncIterator[bytes]:
-    """This instance's index as the NDJSON lines above; a rank's blocks and sequence number are
-    read together, between two lines nothing is held but the current rank's blocks."""
+    """This instance's index as the NDJSON lines above: each partition's blocks and its ranks'
+    sequence numbers are read together in one step, then sent line by line."""
     yield _line({"kind": "header", "format": FORMAT})
     ranks_sent = blocks_sent = 0
     partitions = host.kv_partitions()
@@ -92,11 +93,16 @@ async def dump_lines(host: KvIndexHost, ingest: ZmqIngest | None) -> AsyncIterat
             {"kind": "partition", "model_name": key[0], "routing_group": key[1],
              "block_size": part.block_size}
         )  # fmt: skip
-        ranks = {WorkerWithDpRank(w, r) for w, rs in part.ranks.items() for r in rs}
-        ranks.update(part.index.ranks())
-        for rank in sorted(ranks):
-            entries = part.index.rank_entries(rank)  # this rank and its seq in one step
-            seq = None if ingest is None else ingest.watermark((rank.worker_id, rank.dp_rank))
+        by_rank = part.index.entries_by_rank()  # this and the seqs below in one step
+        for w, rs in part.ranks.items():
+            for r in rs:
+                by_rank.setdefault(WorkerWithDpRank(w, r), [])
+        seqs = {
+            rank: None if ingest is None else ingest.watermark((rank.worker_id, rank.dp_rank))
+            for rank in by_rank
+        }
+        for rank in sorted(by_rank):
+            entries, seq = by_rank.pop(rank), seqs[rank]
             if not entries and seq is None:
                 continue
             ranks_sent += 1
