@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import h11
 import msgspec
 import orjson
 
@@ -62,6 +63,7 @@ MEDIA_TYPE = "application/x-ndjson"
 CHUNK_BLOCKS = 20_000
 MAX_LINE_BYTES = 4 << 20
 MAX_DUMP_BYTES = 512 << 20
+HEAD_MAX_BYTES = 64 << 10  # the status line and headers of a peer's answer
 RETRY_PAUSE_S = 0.5
 PENDING_TTL_S = 60
 _I64_MIN = -(1 << 63)
@@ -431,7 +433,7 @@ def _valid(e: Entry) -> bool:
     )
 
 
-# -- a minimal HTTP/1.1 GET (the service carries no HTTP client) -----------------------------------
+# -- GET over HTTP/1.1 (h11 parses; the service carries no HTTP client) ------------------------
 
 
 async def _get_lines(url: str, headers: dict[str, str], max_bytes: int) -> AsyncIterator[bytes]:
@@ -443,24 +445,33 @@ async def _get_lines(url: str, headers: dict[str, str], max_bytes: int) -> Async
     tls = ssl.create_default_context() if parts.scheme == "https" else None
     port = parts.port or (443 if tls else 80)
     reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=tls)
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_MAX_BYTES)
     try:
-        target = parts.path or "/"
-        lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close",
-                 f"Accept: {MEDIA_TYPE}", *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        request = h11.Request(
+            method="GET",
+            target=parts.path or "/",
+            headers=[("Host", parts.netloc), ("Connection", "close"), ("Accept", MEDIA_TYPE),
+                     *headers.items()],
+        )  # fmt: skip
+        writer.write(conn.send(request) + conn.send(h11.EndOfMessage()))
         await writer.drain()
-        status, fields_ = await _read_head(reader)
-        if status != 200:
-            detail = (await reader.read(512)).decode("utf-8", "replace").strip()
-            raise PeerError(f"answered {status} {detail}".strip())
-        body = (
-            _chunked(reader)
-            if "chunked" in fields_.get("transfer-encoding", "").lower()
-            else _plain(reader, fields_.get("content-length"))
-        )
+        events = _events(conn, reader)
+        head = await anext(events)
+        if not isinstance(head, h11.Response):
+            raise PeerError("not an HTTP/1.1 answer")
+        if head.status_code != 200:
+            detail = b""
+            async for event in events:
+                if isinstance(event, h11.Data) and len(detail) < 512:
+                    detail += event.data
+            text = detail[:512].decode("utf-8", "replace").strip()
+            raise PeerError(f"answered {head.status_code} {text}".strip())
         pieces: list[bytes] = []  # of the line not complete yet
         held = total = 0
-        async for data in body:
+        async for event in events:
+            if not isinstance(event, h11.Data):
+                continue
+            data = bytes(event.data)
             total += len(data)
             if total > max_bytes:
                 raise PeerError(f"the dump exceeds {max_bytes} bytes")
@@ -480,50 +491,21 @@ async def _get_lines(url: str, headers: dict[str, str], max_bytes: int) -> Async
         rest = b"".join(pieces)
         if rest.strip():
             yield rest
+    except h11.ProtocolError as exc:
+        raise PeerError(f"not a valid HTTP/1.1 answer: {exc}") from None
     finally:
         writer.close()
         with contextlib.suppress(Exception):
             await writer.wait_closed()
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    status_line = await reader.readline()
-    parts = status_line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise PeerError("not an HTTP/1.1 answer")
-    out: dict[str, str] = {}
-    for _ in range(100):
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            return int(parts[1]), out
-        name, _, value = line.decode("latin-1").partition(":")
-        out[name.strip().lower()] = value.strip()
-    raise PeerError("too many header lines")
-
-
-async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+async def _events(conn: h11.Connection, reader: asyncio.StreamReader) -> AsyncIterator[Any]:
+    """The answer's h11 events, up to its end (a connection closed early is a ProtocolError)."""
     while True:
-        size_line = (await reader.readline()).split(b";", 1)[0].strip()
-        try:
-            size = int(size_line, 16)
-        except ValueError:
-            raise PeerError("bad chunk size") from None
-        if size == 0:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(1 << 16))
+            continue
+        if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
             return
-        if size > MAX_LINE_BYTES * 4:
-            raise PeerError("chunk too large")
-        yield await reader.readexactly(size)
-        await reader.readline()
-
-
-async def _plain(reader: asyncio.StreamReader, length: str | None) -> AsyncIterator[bytes]:
-    left = int(length) if length is not None and length.isdigit() else None
-    while left is None or left > 0:
-        data = await reader.read(1 << 16 if left is None else min(1 << 16, left))
-        if not data:
-            if left:
-                raise PeerError("the answer broke off")
-            return
-        if left is not None:
-            left -= len(data)
-        yield data
+        yield event

@@ -245,6 +245,34 @@ async def test_a_peer_that_gives_no_whole_dump_is_passed_over() -> None:
         assert await device_blocks(app.state.test_client) == [(1, 4), (2, 2)]
 
 
+class RawPeer(Peer):
+    """Answers every connection with exactly ``raw``: not HTTP, or HTTP broken mid-way."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.requests.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(self.body)
+        await writer.drain()
+        writer.close()
+
+
+async def test_a_peer_that_breaks_http_is_passed_over() -> None:
+    async with serving_app() as (_, client):
+        dump = await dump_of(client)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with (
+        RawPeer(b"SSH-2.0-OpenSSH_9.2\r\n\r\n") as not_http,
+        RawPeer(chunked + b"zz\r\nhello\r\n") as bad_chunk_size,
+        RawPeer(chunked + b"%x\r\n" % len(dump) + dump[:100]) as cut_mid_chunk,
+        RawPeer(b"HTTP/1.1 200 OK\r\nX: " + b"y" * (100 << 10) + b"\r\n\r\n") as huge_head,
+        Peer(dump) as good,
+        loading_app(not_http.url, bad_chunk_size.url, cut_mid_chunk.url, huge_head.url,
+                    good.url) as app,
+    ):  # fmt: skip
+        assert app.state.index_peers.recovered_from == good.url
+        assert app.state.index_peers.counters.peer_failures == 4
+        assert await device_blocks(app.state.test_client) == [(1, 4), (2, 2)]
+
+
 async def test_bounds_and_no_peer_at_all() -> None:
     async with serving_app() as (_, client):
         dump = await dump_of(client)
