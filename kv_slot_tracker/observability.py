@@ -215,6 +215,7 @@ class IngestCollector(Collector):
         "replayed_batches": "KV-event batches received through replays",
         "gaps_lost": "Sequence gaps that could not be replayed (the rank's index was cleared)",
         "restarts": "KV-event publishers seen restarting at sequence 0 (the rank was cleared)",
+        "heap_trims": "Heap trims after a burst of KV events drained (free C-heap pages returned)",
     }
 
     _RECOVERY_DOCS = {

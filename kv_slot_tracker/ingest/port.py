@@ -93,6 +93,8 @@ class IngestCounters:
     """Gaps that could not be replayed: the rank's index was cleared."""
     restarts: int = 0
     """Publishers seen starting again at sequence 0: the rank's index was cleared."""
+    heap_trims: int = 0
+    """Free C-heap pages handed back after a burst of batches drained (``gc_tuning``)."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

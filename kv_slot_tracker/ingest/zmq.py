@@ -46,6 +46,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kv_slot_tracker.gc_tuning import release_free_memory
+
 from .port import IngestCounters, KvEventSink, RankKey, Subscription
 from .records import (
     END_OF_REPLAY,
@@ -61,6 +63,8 @@ log = logging.getLogger(__name__)
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5_000
 RCVHWM = 100_000  # messages queued per socket while the loop is busy (vLLM's PUB default)
+TRIM_AFTER_BATCHES = 10_000  # a burst this large is followed by a heap trim once it drained
+TRIM_QUIET_S = 1.0
 REPLAY_TIMEOUT_S = 2.0
 MAX_LOGGED_ERRORS = 10  # per listener, then one line per 1000
 
@@ -268,6 +272,7 @@ class ZmqIngest:
         """Asked for a rank's starting watermark as its listener is created (peer recovery)."""
         self._version: int | None = None
         self._task: asyncio.Task | None = None
+        self._trimmed_at = 0  # counters.batches at the last heap trim
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-events-ingest")
@@ -289,9 +294,23 @@ class ZmqIngest:
                 if version != self._version:
                     self._version = version
                     await self.reconcile()
+                self._trim_after_burst(time.monotonic())
             except Exception:  # never let the manager die
                 log.exception("KV events: reconciling listeners failed")
             await asyncio.sleep(self.poll_interval)
+
+    def _trim_after_burst(self, now: float) -> None:
+        """Once a burst of at least ``TRIM_AFTER_BATCHES`` batches has drained (no listener got
+        a message for ``TRIM_QUIET_S``), give the C heap's free pages back: the receive queues
+        that held the burst are empty, but glibc keeps their memory otherwise."""
+        if self.counters.batches - self._trimmed_at < TRIM_AFTER_BATCHES:
+            return
+        last = max((lst.last_message_at or 0.0 for _, lst, _ in self.listeners.values()),
+                   default=0.0)  # fmt: skip
+        if now - last >= TRIM_QUIET_S:
+            self._trimmed_at = self.counters.batches
+            if release_free_memory():
+                self.counters.heap_trims += 1
 
     async def reconcile(self) -> None:
         wanted = self.sink.kv_subscriptions()

@@ -290,3 +290,32 @@ async def test_a_publisher_away_or_silent_is_shown_and_its_worker_stays_schedula
         worker = (await client.get(PREFIX + "/workers")).json()[0]
         assert worker["lifecycle"] == "schedulable"
         assert await probe() == [(1, 0, 3, 0, 0)]  # its blocks stay, as on the reference
+
+
+async def test_a_drained_burst_gives_the_c_heap_back() -> None:
+    """After a burst of batches (libzmq queued them in C buffers while the loop caught up), the
+    heap's free pages are handed back once no listener has had a message for a second: once per
+    burst, never while messages still arrive."""
+    from kv_slot_tracker.gc_tuning import release_free_memory
+    from kv_slot_tracker.ingest.zmq import TRIM_AFTER_BATCHES, TRIM_QUIET_S, ZmqIngest
+
+    assert release_free_memory() is True  # glibc here: the call exists
+    ingest = ZmqIngest(sink=None)  # type: ignore[arg-type]  # the sink is not reached
+    busy = type("Listener", (), {"last_message_at": 100.0})()
+    ingest.listeners[(1, 0)] = (None, busy, None)  # type: ignore[assignment]
+    try:
+        ingest.counters.batches = TRIM_AFTER_BATCHES - 1
+        ingest._trim_after_burst(200.0)  # noqa: SLF001
+        assert ingest.counters.heap_trims == 0  # no burst yet
+        ingest.counters.batches = TRIM_AFTER_BATCHES
+        ingest._trim_after_burst(100.0 + TRIM_QUIET_S / 2)  # noqa: SLF001
+        assert ingest.counters.heap_trims == 0  # still receiving
+        ingest._trim_after_burst(100.0 + TRIM_QUIET_S)  # noqa: SLF001
+        assert ingest.counters.heap_trims == 1
+        ingest._trim_after_burst(500.0)  # noqa: SLF001
+        assert ingest.counters.heap_trims == 1  # once per burst
+        ingest.counters.batches = 2 * TRIM_AFTER_BATCHES
+        ingest._trim_after_burst(500.0)  # noqa: SLF001
+        assert ingest.counters.heap_trims == 2
+    finally:
+        ingest.ctx.destroy(linger=0)
