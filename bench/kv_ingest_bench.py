@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds after the last chunk before resident memory is read")  # fmt: skip
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     env = {k: v for k, v in os.environ.items() if k != "DYN_ROUTER_USE_KV_EVENTS"}
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         done[n] += secs
                 if failed:
                     break
-        time.sleep(0.5)
+        time.sleep(args.settle)  # memory held once ingest is over, not in the middle of it
         after = {n: rss_kib(s.pid) for n, s in servers.items() if s.pid}
         for n in servers:
             secs = done[n]

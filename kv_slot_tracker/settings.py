@@ -43,6 +43,14 @@ _config_files: ContextVar[tuple[Path, ...]] = ContextVar(
 )
 
 
+MAX_INDEXER_PEERS = 16
+
+
+def peer_urls(value: str) -> list[str]:
+    """The base URLs of ``indexer_peers`` (comma-separated), without a trailing slash."""
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+
+
 class ConfigFileError(ValueError):
     """A configuration file that is not valid TOML; the message names the file."""
 
@@ -161,6 +169,9 @@ class Settings(BaseSettings):
     session_affinity_ttl_seconds: float = Field(default=0.0, ge=0, le=86_400, allow_inf_nan=False)
     kv_events_max_message_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 30)
     kv_events_replay_timeout_seconds: float = Field(default=2.0, gt=0, le=60, allow_inf_nan=False)
+    kv_events_silent_seconds: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
+    indexer_peers: str = ""
+    indexer_peers_timeout_seconds: float = Field(default=10.0, gt=0, le=600, allow_inf_nan=False)
     discovery_kubernetes_service: str = Field(default="", max_length=1024)
     discovery_kubernetes_namespace: str = Field(default="", max_length=63)
     discovery_kubernetes_kubeconfig: str = ""
@@ -194,6 +205,19 @@ class Settings(BaseSettings):
         schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
         if value and not value.startswith(schemes):
             raise ValueError("must be empty or start with " + ", ".join(schemes))
+        return value
+
+    @field_validator("indexer_peers")
+    @classmethod
+    def _check_indexer_peers(cls, value: str) -> str:
+        peers = peer_urls(value)
+        if len(peers) > MAX_INDEXER_PEERS:
+            raise ValueError(f"at most {MAX_INDEXER_PEERS} peers")
+        for url in peers:
+            scheme, sep, rest = url.partition("://")
+            host = rest.split("/", 1)[0]
+            if not sep or scheme not in ("http", "https") or not host or "@" in host:
+                raise ValueError(f"expected http://HOST:PORT[,http://HOST:PORT...], got {url!r}")
         return value
 
     @field_validator("redis_sentinels")

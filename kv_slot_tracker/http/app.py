@@ -48,6 +48,7 @@ from kv_slot_tracker.http.routes import (
 )
 from kv_slot_tracker.http.selection.operations import SelectionOperations, SelectionQueries
 from kv_slot_tracker.http.selection.replicated import ReplicatedSelectionOperations
+from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.observability import HttpMetrics, access_logged
 from kv_slot_tracker.replication.port import Replication
 from kv_slot_tracker.service import SlotTrackerService
@@ -93,6 +94,7 @@ def build_http_app(
     registry: CollectorRegistry,
     lifespan: Any,
     consistency: Consistency | None = None,
+    index_peers: IndexPeers | None = None,
 ) -> SlotTrackerApp:
     """The app; ``consistency`` (replicated mode) makes lifecycle calls wait for unknown ids
     and answer 503 until the instance caught up (``kv_slot_tracker.http.replicated``)."""
@@ -124,7 +126,10 @@ def build_http_app(
             selection, gate, consistency, ack_timeout_ms
         )
     operations: dict[str, Any] = {"slot": slot_operations, "selection": selection_operations}
-    queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
+    queries = {
+        "slot": Queries(service, replication),
+        "selection": SelectionQueries(selection, index_peers, settings.kv_events_silent_seconds),
+    }
     lean_routes = []
     for route in ROUTES:
         if route.is_call:

@@ -827,3 +827,71 @@ class KvIndex:
     def __len__(self) -> int:
         """Indexed (rank, tier, block) entries (device: the blocks in the ranks' maps)."""
         return self._lower_size + sum(len(lk) for lk in self._lookup.values())
+
+    # -- dump and load (an index handed from one instance to another) ------------------------------
+
+    def entries_by_rank(self) -> dict[WorkerWithDpRank, list[tuple[int, int, int | None, int]]]:
+        """Every block as ``(tier, engine hash, parent engine hash or None, local hash)``, per
+        rank (from ``blocks``, parents first): what ``load_rank`` takes back."""
+        out: dict[WorkerWithDpRank, list[tuple[int, int, int | None, int]]] = {}
+        for b in self.blocks():
+            out.setdefault(b.worker, []).append(
+                (b.tier, b.block_hash, b.parent_hash, b.tokens_hash)
+            )
+        return out
+
+    def load_rank(
+        self, worker: WorkerWithDpRank, entries: Sequence[tuple[int, int, int | None, int]]
+    ) -> int:
+        """Store ``entries`` (as ``entries_by_rank`` gives them, in any order: a block waits for
+        its parent) on ``worker``; returns how many could not be stored (a device block whose
+        parent never came, or a store ``store`` refuses). Host and disk blocks whose parent never
+        came are kept under an orphan key, as ``store`` keeps them. Consecutive entries of one
+        chain are stored as one run."""
+        runs: list[tuple[int, int | None, list[tuple[int, int]]]] = []
+        last = None
+        for tier, h, parent, local in entries:
+            if runs and tier == runs[-1][0] and parent is not None and parent == last:
+                runs[-1][2].append((h, local))
+            else:
+                runs.append((tier, parent, [(h, local)]))
+            last = h
+        waiting: dict[int, list[tuple[int, int | None, list[tuple[int, int]]]]] = {}
+        runs.reverse()
+        refused = 0
+        while runs:
+            tier, parent, blocks = run = runs.pop()
+            if parent is not None and not self._holds_parent(worker, tier, parent & U64_MAX):
+                waiting.setdefault(parent & U64_MAX, []).append(run)
+                continue
+            if not self.store(worker, tier, parent, blocks):
+                refused += self._store_singly(worker, tier, parent, blocks)
+            if waiting:
+                for h, _ in blocks:
+                    runs.extend(reversed(waiting.pop(h & U64_MAX, ())))
+        for left in waiting.values():
+            for tier, parent, blocks in left:
+                if tier == DEVICE:
+                    refused += len(blocks)
+                elif not self.store(worker, tier, parent, blocks):
+                    refused += self._store_singly(worker, tier, parent, blocks)
+        return refused
+
+    def _store_singly(
+        self, worker: WorkerWithDpRank, tier: int, parent: int | None, blocks: list[tuple[int, int]]
+    ) -> int:
+        """A run ``store`` refused, block by block (each under the previous); how many failed."""
+        refused = 0
+        for h, local in blocks:
+            if not self.store(worker, tier, parent, ((h, local),)):
+                refused += 1
+            parent = h
+        return refused
+
+    def _holds_parent(self, worker: WorkerWithDpRank, tier: int, parent: int) -> bool:
+        """Whether ``store`` would find ``parent`` for a block of ``tier`` (device: in the
+        device tier; host and disk: in any tier)."""
+        if tier != DEVICE:
+            return self._parent_key(worker, tier, parent) is not None
+        lk = self._lookup.get(worker)
+        return lk is not None and parent in lk

@@ -302,6 +302,22 @@ class WorkerRecord(BaseModel):
     )
 
 
+class KvEventsReady(BaseModel):
+    recovering: bool = Field(
+        description="Still loading the KV index from `indexer_peers` at start (not ready)."
+    )
+    peers: list[str] = Field(description="The `indexer_peers`.")
+    recovered_from: str | None = Field(description="The peer the index was loaded from.")
+    listening_ranks: int = Field(description="Ranks subscribed to their engine's publisher.")
+    disconnected_ranks: list[tuple[int, int]] = Field(
+        description="`[worker_id, dp_rank]` of the ranks with no connection to their publisher."
+    )
+    silent_ranks: list[tuple[int, int]] = Field(
+        description="`[worker_id, dp_rank]` of the ranks that sent nothing for "
+        "`kv_events_silent_seconds` (their blocks stay indexed, the worker schedulable)."
+    )
+
+
 class SelectionReady(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -342,6 +358,9 @@ class SelectionReady(BaseModel):
     schedulable_workers: int
     workers: list[WorkerRecord] | None = Field(
         None, description="Absent when a key is set and the caller did not send it."
+    )
+    kv_events: KvEventsReady | None = Field(
+        None, description="With KV events on: the engines' publishers as this instance sees them."
     )
 
 

@@ -645,6 +645,7 @@ class SelectionService:
                     expected_output_tokens=cmd.expected_output_tokens,
                     lora_name=cmd.lora_name,
                     consumes_pending=False,
+                    session_id=session,
                 )
             )
         elif sid is not None:

@@ -420,3 +420,37 @@ def test_long_runs_and_hashes_equal_to_other_fields() -> None:
     assert ix.remove(A, DEVICE, [KEYS[1]]) == 1
     assert ix.remove(A, DEVICE, [LOCAL[0]]) == 1
     assert facts(ix) == [(1, 111, None)]
+
+
+def test_a_rank_dumped_and_loaded_elsewhere_answers_the_same() -> None:
+    import random
+
+    rng = random.Random(7)
+    src = KvIndex()
+    assert src.store(A, DEVICE, None, blocks([11, 12, 13, 14]))
+    assert src.store(A, HOST_PINNED, 14, blocks([15, 16], 4))
+    assert src.store(A, DISK, 999, blocks([17], 5))  # parent unknown: an orphan, kept
+    assert src.store(B, DEVICE, None, blocks([21, 22]))
+    assert src.store(A, DEVICE, 11, blocks([31], 1))  # a second child of block 0
+    prompts = [KEYS, KEYS[:3], sequence_hashes_for_tokens(TOKENS[:4] + TOKENS[8:12], BS)]
+    want = [src.overlaps(p) for p in prompts]
+    for order in range(4):  # in dump order, then shuffled: each block waits for its parent
+        dst = KvIndex()
+        by_rank = src.entries_by_rank()
+        assert set(by_rank) == {A, B}
+        for w in (A, B):
+            entries = by_rank[w]
+            if order:
+                rng.shuffle(entries)
+            assert dst.load_rank(w, entries) == 0
+        assert [dst.overlaps(p) for p in prompts] == want
+        assert sorted(dst.blocks(), key=repr) == sorted(src.blocks(), key=repr)
+
+
+def test_loading_refuses_device_blocks_whose_parent_never_comes() -> None:
+    ix = KvIndex()
+    entries = [(DEVICE, 12, 11, LOCAL[1]), (DEVICE, 11, None, LOCAL[0]), (DEVICE, 40, 41, 5),
+               (HOST_PINNED, 50, 51, 6), (DEVICE, 60, 61, 7), (DEVICE, 61, 60, 8)]  # fmt: skip
+    assert ix.load_rank(A, entries) == 3  # 40 (no parent), 60 and 61 (a cycle)
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
+    assert ix.rank_size(A) == 3  # 11, 12 and the host orphan 50
