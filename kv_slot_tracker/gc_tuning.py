@@ -13,6 +13,8 @@ generation less often, so fewer short-lived request objects survive into older g
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 
 # allocations (net of deallocations) between young collections; CPython's default is 700
@@ -26,3 +28,27 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD)
+
+
+def _malloc_trim() -> object | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``).
+
+    A burst that queued in C buffers (libzmq's receive queues hold up to a socket's high-water
+    mark of messages while the loop catches up) leaves the heap large and mostly free once it
+    drained; glibc keeps those pages mapped unless asked. Returns whether anything could be
+    asked (False where the C library has no such call)."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)  # type: ignore[operator]
+    return True

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Protocol
+
+from kv_slot_tracker.core.selection.kv_index import KvIndex
 
 from .records import KvBatch
 
@@ -46,6 +49,28 @@ class KvEventSink(Protocol):
         ...
 
 
+PartitionKey = tuple[str, str]
+"""``(model_name, routing_group)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedPartition:
+    """One partition's KV-event index, as peer recovery reads and fills it."""
+
+    block_size: int
+    index: KvIndex
+    ranks: Mapping[int, range]
+    """The ranks of each worker schedulable in the partition (worker id -> ranks)."""
+
+
+class KvIndexHost(Protocol):
+    """What peer recovery (``kv_slot_tracker.ingest.peers``) needs of the selection service."""
+
+    def kv_partitions(self) -> dict[PartitionKey, IndexedPartition]:
+        """Every partition's index (built afresh on each call, O(partitions + workers))."""
+        ...
+
+
 @dataclass(slots=True)
 class IngestCounters:
     """Totals since start (read by the metrics at scrape time)."""
@@ -68,6 +93,8 @@ class IngestCounters:
     """Gaps that could not be replayed: the rank's index was cleared."""
     restarts: int = 0
     """Publishers seen starting again at sequence 0: the rank's index was cleared."""
+    heap_trims: int = 0
+    """Free C-heap pages handed back after a burst of batches drained (``gc_tuning``)."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,5 +1,6 @@
 """KV events into the selection service's partition indexes: the ingest's sink
-(``kv_slot_tracker.ingest.port.KvEventSink``).
+(``kv_slot_tracker.ingest.port.KvEventSink``), and the indexes as peer recovery reads and fills
+them (``KvIndexHost``).
 
 ``KvEvents`` knows the placed workers only through the service's public reads
 (``PlacedWorkers``); the service tells it when a worker is placed or leaves, which changes the
@@ -14,7 +15,7 @@ from typing import Protocol
 from kv_slot_tracker.core.selection.catalog import WorkerSpec
 from kv_slot_tracker.core.selection.kv_index import local_hashes
 from kv_slot_tracker.core.types import WorkerWithDpRank
-from kv_slot_tracker.ingest.port import RankKey, Subscription
+from kv_slot_tracker.ingest.port import IndexedPartition, RankKey, Subscription
 from kv_slot_tracker.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.selection.types import Partition
@@ -108,6 +109,17 @@ class KvEvents:
 
     def kv_indexed_blocks(self) -> dict[Key, int]:
         return {key: len(part.index) for key, part in self._workers.partitions.items()}
+
+    def kv_partitions(self) -> dict[Key, IndexedPartition]:
+        """Every partition's index and schedulable ranks (peer recovery: ``KvIndexHost``)."""
+        return {
+            key: IndexedPartition(
+                part.block_size,
+                part.index,
+                {w: range(s.dp_start, s.dp_start + s.dp_size) for w, s in part.workers.items()},
+            )
+            for key, part in self._workers.partitions.items()
+        }
 
 
 def kv_endpoints(spec: WorkerSpec) -> dict[int, str]:

@@ -50,6 +50,9 @@ class Book:
     consumes_pending: bool = True
     """Drop the partition's pending selection of this id (a replay or an explicit booking; a
     select_and_reserve leaves it, as the reference does)."""
+    session_id: str | None = None
+    """A select_and_reserve's session (session affinity on): every instance binds it to the
+    booked worker."""
 
     @property
     def key(self) -> tuple[str, str]:

@@ -14,7 +14,8 @@ the reservation only when the request it names is active here on that rank: when
 was booked on two instances at once, the request's first add in the stream won on every
 instance (``kv_slot_tracker.service.replica``), and the booking that names the winner's rank is the one
 kept everywhere. Its approximate-cache write is applied in any case, since every booking wrote
-the cache of the instance that made it.
+the cache of the instance that made it, and so is its session binding (session affinity on): a
+session booked on one instance stays on that worker on every instance.
 
 Snapshots: ``export_selection`` / ``restore_selection`` carry the catalog, the partitions with
 their approximate caches, the reservations and the pending selections (instants as wall time);
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from kv_slot_tracker.core.selection import ApproximateCache, RouterConfig
 from kv_slot_tracker.core.selection.catalog import SCHEDULABLE, WorkerRecord
 from kv_slot_tracker.core.selection.pending import PendingSelections
+from kv_slot_tracker.core.selection.sessions import SessionAffinity
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import mutations as m
@@ -51,6 +53,7 @@ class SharedState(Protocol):
     clock: Callable[[], int]
     pending: PendingSelections
     reservations: Reservations
+    sessions: SessionAffinity | None
 
     @property
     def catalog(self) -> dict[int, WorkerRecord]: ...
@@ -104,6 +107,15 @@ class SelectionReplica:
             part.cache.record(b.worker, b.block_hashes, instant, chain=b.cache_chain)
         if b.consumes_pending:
             state.pending.discard((*key, sid))
+        sessions, session = state.sessions, b.session_id
+        # bound as on the booking instance, when the worker is a candidate here too
+        if (
+            session is not None
+            and sessions is not None
+            and part is not None
+            and b.worker.worker_id in part.workers
+        ):
+            sessions.bind(session, b.worker.worker_id, instant)
         t = state.registry.find(key)
         if t is None or t.worker_for(sid) != b.worker:
             return False  # its request is not here (cancelled, or another booking won)

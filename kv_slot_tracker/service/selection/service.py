@@ -415,9 +415,11 @@ class SelectionService:
         lora_name: str | None,
         cache_chain: tuple[int, ...] | None = None,
         consumes_pending: bool = True,
+        session_id: str | None = None,
     ) -> None:
         """Book ``prompt`` on ``worker`` as ``sid`` (through ``commit``); ``cache_chain``: its
-        approximate-cache keys when known (a token prompt's are its sequence hashes)."""
+        approximate-cache keys when known (a token prompt's are its sequence hashes);
+        ``session_id``: a select_and_reserve's session, bound on every instance."""
         if cache_chain is None and prompt.from_tokens:
             cache_chain = prompt.sequence_hashes
         self.commit(
@@ -434,6 +436,7 @@ class SelectionService:
                 expected_output_tokens=expected_output_tokens,
                 lora_name=lora_name,
                 consumes_pending=consumes_pending,
+                session_id=session_id,
             )
         )
 
@@ -666,6 +669,7 @@ class SelectionService:
                 lora_name=cmd.lora_name,
                 cache_chain=chain,
                 consumes_pending=False,
+                session_id=session,
             )
         elif sid is not None:
             self.commit(
