@@ -13,14 +13,19 @@ adds, without sockets. With
 which do not depend on what else the machine is doing: the figure to compare two commits on a
 busy machine (``--repo`` points at a checkout of the other commit). With ``--opcodes`` it counts
 the Python opcodes each function executes per call instead (a tracing run, exact and
-repeatable): where the interpreted part of a call goes.
+repeatable): where the interpreted part of a call goes. ``--replicated`` runs the operations
+of a Redis-mode instance instead (``ReplicatedOperations``: the readiness gate open, the
+records queued in the outbox, which is never started, so no Redis is needed); ``direct`` is
+skipped then.
 
-    .venv/bin/python bench/edge_cost.py [--instructions | --opcodes] [--repo PATH] [--only ...]
+    .venv/bin/python bench/edge_cost.py [--instructions | --opcodes] [--replicated] [--repo PATH]
+        [--only ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import gc
 import json
@@ -35,14 +40,31 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def build(repo: Path):
+def build(repo: Path, replicated: bool = False):
     sys.path.insert(0, str(repo))
     from kv_slot_tracker.http.operations import Operations
     from kv_slot_tracker.main import create_app
     from kv_slot_tracker.settings import load_settings
 
-    app = create_app(load_settings(api_key="", redis_url=""))
-    ops = Operations(app.state.service, 1_000_000)
+    if not replicated:
+        app = create_app(load_settings(api_key="", redis_url=""))
+        ops = Operations(app.state.service, 1_000_000)
+    else:
+        from kv_slot_tracker.http.gate import ReadinessGate
+        from kv_slot_tracker.http.replicated import ReplicatedOperations
+        from kv_slot_tracker.service.consistency import Consistency
+
+        # Redis mode, never started: nothing connects, the records stay in the outbox
+        settings = load_settings(
+            api_key="", redis_url="redis://127.0.0.1:1/0", outbox_capacity=10_000_000
+        )
+        app = create_app(settings)
+        service, replication = app.state.service, app.state.replication
+        gate = ReadinessGate(replication)
+        gate.closed = False  # caught up
+        # no wait for an unknown id
+        consistency = Consistency(service, replication, wait_ms=0)
+        ops = ReplicatedOperations(service, 1_000_000, gate, consistency)
     return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads", "batch")}
 
 
@@ -78,7 +100,6 @@ def build_direct(repo: Path):
     """A direct HTTP protocol connection (``kv_slot_tracker.http.direct``) on a fake transport: requests
     go in as bytes through ``data_received``, the answers are written at once. None for a
     checkout without the direct path."""
-    import asyncio
 
     sys.path.insert(0, str(repo))
     import uvicorn
@@ -208,13 +229,26 @@ def _tracing(counts: Tracer):
     return trace
 
 
-def run(repo: Path, what: str, n: int, counts: Tracer | None = None) -> float:
+def run(
+    repo: Path, what: str, n: int, counts: Tracer | None = None, replicated: bool = False
+) -> float:
     """CPU seconds of ``n`` calls of ``what``; ``base:WHAT`` does only the set-up of ``WHAT``."""
     base = what.startswith("base:")
     what = what.removeprefix("base:")
     if what == "direct":
         return run_direct(repo, n, base, counts)
-    ops = build(repo)
+    ops = build(repo, replicated)
+    if replicated:
+        # a batch naming an id unknown here (the set-up batches' frees, batch_mix's repeated
+        # free) answers a coroutine: run at once, no wait (``wait_ms=0``)
+        loop = asyncio.new_event_loop()
+        waiting = ops["batch"]
+
+        def batch_now(raw: bytes):
+            result = waiting(raw)
+            return result if type(result) is tuple else loop.run_until_complete(result)
+
+        ops["batch"] = batch_now
     b = bodies(max(n, 1))
     for raw in b["register"]:
         assert ops["register"](raw)[0] == 201
@@ -246,7 +280,6 @@ def run(repo: Path, what: str, n: int, counts: Tracer | None = None) -> float:
 
 def run_direct(repo: Path, n: int, base: bool, counts: Tracer | None = None) -> float:
     """CPU seconds of ``n`` /add + /free pairs fed through the direct protocol as bytes."""
-    import asyncio
 
     made = build_direct(repo)
     if made is None:
@@ -279,10 +312,12 @@ def run_direct(repo: Path, n: int, base: bool, counts: Tracer | None = None) -> 
     return time.process_time() - start
 
 
-def instructions(repo: Path, what: str, n: int) -> int:
+def instructions(repo: Path, what: str, n: int, replicated: bool = False) -> int:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"edge_cost.{os.getpid()}.{what}.cg"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
            __file__, "--inner", what, "--n", str(n), "--repo", str(repo)]  # fmt: skip
+    if replicated:
+        cmd.append("--replicated")
     res = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}
     )
@@ -301,6 +336,11 @@ def main() -> None:
     ap.add_argument("--instructions", action="store_true", help="count instructions (callgrind)")
     ap.add_argument("--opcodes", action="store_true", help="count Python opcodes per function")
     ap.add_argument(
+        "--replicated",
+        action="store_true",
+        help="a Redis-mode instance's operations (not connected; direct is skipped)",
+    )
+    ap.add_argument(
         "--only",
         default="lifecycle,direct,potential,batch,batch_mix,batch_signed",
         help="workloads, comma-separated",
@@ -308,7 +348,7 @@ def main() -> None:
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
-        run(args.repo, args.inner, args.n)
+        run(args.repo, args.inner, args.n, replicated=args.replicated)
         return
     work = (
         ("lifecycle", 2),
@@ -319,21 +359,23 @@ def main() -> None:
         ("batch_signed", 1),
     )
     for what, per in work:
-        if what not in args.only.split(","):
+        if what not in args.only.split(",") or (args.replicated and what == "direct"):
             continue
         if args.opcodes:
             counts: Tracer = collections.Counter()
-            run(args.repo, what, args.n, counts)
+            run(args.repo, what, args.n, counts, args.replicated)
             calls = args.n * per
             print(f"{what}: {sum(counts.values()) / calls:,.1f} opcodes per {unit(what)}")
             for (file, name), c in counts.most_common(12):
                 print(f"  {c / calls:8.1f}  {file}:{name}")
         elif args.instructions:
-            base = instructions(args.repo, f"base:{what}", args.n)
-            total = instructions(args.repo, what, args.n)
+            base = instructions(args.repo, f"base:{what}", args.n, args.replicated)
+            total = instructions(args.repo, what, args.n, args.replicated)
             print(f"{what}: {(total - base) / (args.n * per):,.0f} instructions per {unit(what)}")
         else:
-            seconds = min(run(args.repo, what, args.n) for _ in range(3))
+            seconds = min(
+                run(args.repo, what, args.n, replicated=args.replicated) for _ in range(3)
+            )
             print(f"{what}: {seconds / (args.n * per) * 1e6:.2f} us CPU per {unit(what)}")
 
 

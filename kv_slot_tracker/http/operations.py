@@ -242,6 +242,10 @@ class Operations:
         if ops is None:  # not plain: the validating path, with its messages
             return self._run_batch(self._batch_ops(raw))
         self._check_size(len(ops))
+        return self._run_commands(ops)
+
+    def _run_commands(self, ops: list[c.BatchOperation]) -> Result:
+        """A plain batch's commands (``kv_slot_tracker.http.plain.batch_operations``), in order."""
         service = self.service
         add, free = service.add, service.free
         results: list[Any] = []

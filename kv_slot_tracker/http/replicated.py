@@ -13,7 +13,9 @@
   (``kv_slot_tracker.service.consistency``). Only they take this slow path: the operation returns a
   coroutine instead of a result, which the dispatchers (``kv_slot_tracker.http.lean``, the FastAPI
   endpoints) await. A call whose ids are all known runs synchronously, exactly as in embedded
-  mode. A batch is scanned first; an id added earlier in the same batch counts as known.
+  mode. A batch is scanned first; an id added earlier in the same batch counts as known. Plain
+  bodies (``kv_slot_tracker.http.plain``), a batch's included, decode straight into their commands
+  as in embedded mode; only other bodies take the models.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from kv_slot_tracker.http.body import parse_json
 from kv_slot_tracker.http.errors import EXPECTED, error_result
 from kv_slot_tracker.http.gate import ReadinessGate
 from kv_slot_tracker.http.operations import (
+    _CREATED,
+    _DONE,
     OK,
     Operations,
     Result,
     _batch_error,
+    add_command,
     free_command,
     output_block_command,
     prefill_command,
@@ -40,10 +45,16 @@ from kv_slot_tracker.service import commands as c
 from kv_slot_tracker.service.consistency import Consistency
 from kv_slot_tracker.service.errors import NotAcknowledged, WritesRefused
 
-_DONE = b'{"status":200}'
-
 Lifecycle = c.PrefillComplete | c.Free | c.OutputBlock
 Deferred = Result | Awaitable[Result]
+
+# a validated batch operation's command, by its ``op``
+_COMMAND_OF: dict[str, Callable[[Any], c.BatchOperation]] = {
+    "add": add_command,
+    "prefill_complete": prefill_command,
+    "free": free_command,
+    "output_block": output_block_command,
+}
 
 # operations that may queue replica records: with durable acknowledgements they wait for them
 MUTATING = frozenset({"register", "upsert", "unregister", "heartbeat", "reconcile", "add",
@@ -192,7 +203,14 @@ class ReplicatedOperations(Operations):
     # -- batch ----------------------------------------------------------------------------
 
     def batch(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        ops = self._batch_ops(raw)
+        commands = p.batch_operations(raw)  # plain bodies decode straight into the commands
+        if commands is not None:
+            self._check_size(len(commands))
+            unknown = self._unknown_ids(commands)
+            if not unknown:
+                return self._run_commands(commands)
+            return self._batch_after_wait(commands, unknown)
+        ops = self._batch_ops(raw)  # not plain: the validating path, with its messages
         unknown = self._unknown_ids(ops)
         if not unknown:
             return self._run_batch(ops)
@@ -200,15 +218,17 @@ class ReplicatedOperations(Operations):
 
     def _unknown_ids(self, ops: list[Any]) -> list[tuple[c.Key, str]]:
         """Ids of the batch's lifecycle calls that neither this instance nor an earlier add of
-        the batch knows."""
+        the batch knows (``ops``: commands, or models and error results)."""
         known = self.consistency.known
         added: set[tuple[c.Key, str]] = set()
         unknown = []
+        add, add_model = c.Add, s.BatchAdd
         for b in ops:
-            if type(b) is bytes:
+            kind = type(b)
+            if kind is bytes:
                 continue
             rid = (b.model_name, b.routing_group), b.request_id
-            if b.op == "add":
+            if kind is add or kind is add_model:
                 added.add(rid)
             elif rid not in added and not known(*rid):
                 unknown.append(rid)
@@ -217,17 +237,14 @@ class ReplicatedOperations(Operations):
     async def _batch_after_wait(self, ops: list[Any], unknown: list[tuple[c.Key, str]]) -> Result:
         consistency = self.consistency
         certain = await consistency.settle(unknown)
+        add = self.service.add
 
         def apply(b: Any) -> bytes:
-            if b.op == "add":
-                return self._apply(b)
-            if b.op == "free":
-                cmd: Lifecycle = free_command(b)
-            elif b.op == "prefill_complete":
-                cmd = prefill_command(b)
-            else:
-                cmd = output_block_command(b)
             try:
+                cmd: Any = b if isinstance(b, c.Keyed) else _COMMAND_OF[b.op](b)
+                if type(cmd) is c.Add:
+                    add(cmd)
+                    return _CREATED
                 consistency.run(cmd, certain)
             except EXPECTED as e:
                 return _batch_error(e)

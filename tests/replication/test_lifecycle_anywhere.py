@@ -208,3 +208,55 @@ async def test_plain_lifecycle_bodies_skip_the_models_in_redis_mode_too(
             "error": "Failed to deserialize the JSON body into the target type: "
             "missing field `request_id`"
         }
+
+
+async def test_plain_batches_skip_the_models_in_redis_mode_too(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain ``/batch`` body decodes straight into its commands on a replicated instance as
+    on an embedded one, also when one of its ids is not known yet and the batch waits for its
+    add; another body still gets the models' messages, operation by operation."""
+    from kv_slot_tracker.http.operations import Operations
+
+    def op(name: str, rid: str, **extra) -> dict:
+        return {"op": name, "model_name": "m", "request_id": rid, **extra}
+
+    # a's records reach the stream 300 ms after its calls; b waits up to 5 s for unknown ids
+    async with running_apps(
+        settings(redis_url, namespace, replication_batch_ms=300),
+        settings(redis_url, namespace, consistency_wait_ms=5000),
+    ) as (a, b):
+        await register(a, [b])
+        models = Operations._batch_ops
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a plain batch went through the models")
+
+        monkeypatch.setattr(Operations, "_batch_ops", refuse)
+        known = await a.post("/batch", {"operations": [
+            op("add", "x", worker_id=1, dp_rank=0, sequence_hashes=[1, 2], new_isl_tokens=40),
+            op("prefill_complete", "x"),
+            op("output_block", "x", decay_fraction=0.5),
+            op("add", "y", worker_id=1, dp_rank=1, sequence_hashes=[-1], new_isl_tokens=16),
+            op("free", "x"),
+        ]})  # fmt: skip
+        assert known.json() == {"results": [
+            {"status": 201}, {"status": 200}, {"status": 200}, {"status": 201}, {"status": 200},
+        ]}  # fmt: skip
+        assert a.metric("consistency_barrier_waits_total") == 0  # every id known: no wait
+        assert await a.add("z") == 201
+        waited = await b.post("/batch", {"operations": [op("free", "z"), op("free", "y")]})
+        assert waited.json() == {"results": [{"status": 200}, {"status": 200}]}
+        assert b.metric("consistency_barrier_waits_total") == 1
+        await until(lambda: converged([a, b]), what="convergence after the frees")
+        assert [r["active_requests"] for r in await same_loads([a, b])] == [0, 0]
+
+        monkeypatch.setattr(Operations, "_batch_ops", models)
+        mixed = await b.post("/batch", {"operations": [
+            op("add", "v", worker_id=1, dp_rank=0, sequence_hashes=[3], new_isl_tokens=16),
+            op("free", "v", extra=1),  # a field the command does not take: not plain
+            {"op": "free", "model_name": "m"},
+        ]})  # fmt: skip
+        assert mixed.json() == {"results": [{"status": 201}, {"status": 200}, {"status": 422,
+            "error": "Failed to deserialize the JSON body into the target type: "
+            "missing field `request_id`"}]}  # fmt: skip

@@ -390,22 +390,59 @@ class SelectionService:
         if spec is None:
             raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
         self.reservations.check_free(sid, key)
+        self._book(
+            sid,
+            key,
+            worker,
+            entry,
+            prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
+            expected_output_tokens=entry.expected_output_tokens,
+            lora_name=entry.lora_name,
+        )
+        return self._booked(sid, key, worker, spec, "replay")
+
+    def _book(
+        self,
+        sid: str,
+        key: Key,
+        worker: WorkerWithDpRank,
+        prompt: Prompt | PendingSelection,
+        *,
+        prefill_tokens: int,
+        expected_output_tokens: int | None,
+        lora_name: str | None,
+        cache_chain: tuple[int, ...] | None = None,
+        consumes_pending: bool = True,
+        session_id: str | None = None,
+    ) -> None:
+        """Book ``prompt`` on ``worker`` as ``sid`` (through ``commit``); ``cache_chain``: its
+        approximate-cache keys when known (a token prompt's are its sequence hashes);
+        ``session_id``: a select_and_reserve's session, bound on every instance."""
+        if cache_chain is None and prompt.from_tokens:
+            cache_chain = prompt.sequence_hashes
         self.commit(
             m.Book(
                 selection_id=sid,
                 model_name=key[0],
                 routing_group=key[1],
                 worker=worker,
-                sequence_hashes=entry.sequence_hashes,
-                block_hashes=entry.block_hashes,
-                cache_chain=entry.sequence_hashes if entry.from_tokens else None,
-                isl_tokens=entry.isl_tokens,
-                prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
-                expected_output_tokens=entry.expected_output_tokens,
-                lora_name=entry.lora_name,
+                sequence_hashes=prompt.sequence_hashes,
+                block_hashes=prompt.block_hashes,
+                cache_chain=cache_chain,
+                isl_tokens=prompt.isl_tokens,
+                prefill_tokens=prefill_tokens,
+                expected_output_tokens=expected_output_tokens,
+                lora_name=lora_name,
+                consumes_pending=consumes_pending,
+                session_id=session_id,
             )
         )
-        self.counters.count(key, "replay")
+
+    def _booked(
+        self, sid: str, key: Key, worker: WorkerWithDpRank, spec: WorkerSpec, outcome: str
+    ) -> Booked:
+        """A booking's answer, counted as ``outcome``."""
+        self.counters.count(key, outcome)
         return Booked(
             selection_id=sid,
             model_name=key[0],
@@ -451,47 +488,36 @@ class SelectionService:
         # the booking's own flag decides, whatever the router's: only an explicit false stops
         # the given prefill tokens from counting (as in the reference)
         track = cmd.track_prefill_tokens is not False
-        self.commit(
-            m.Book(
-                selection_id=sid,
-                model_name=key[0],
-                routing_group=key[1],
-                worker=worker,
-                sequence_hashes=prompt.sequence_hashes,
-                block_hashes=prompt.block_hashes,
-                cache_chain=prompt.sequence_hashes if prompt.from_tokens else None,
-                isl_tokens=prompt.isl_tokens,
-                prefill_tokens=ept if ept is not None and track else 0,
-                expected_output_tokens=cmd.expected_output_tokens,
-                lora_name=cmd.lora_name,
-            )
+        self._book(
+            sid,
+            key,
+            worker,
+            prompt,
+            prefill_tokens=ept if ept is not None and track else 0,
+            expected_output_tokens=cmd.expected_output_tokens,
+            lora_name=cmd.lora_name,
         )
-        self.counters.count(key, "explicit")
-        return Booked(
-            selection_id=sid,
-            model_name=key[0],
-            routing_group=key[1],
-            worker=worker,
-            endpoint=spec.endpoint or "",
-        )
+        return self._booked(sid, key, worker, spec, "explicit")
 
     def prefill_complete(self, cmd: sc.ReservationCall) -> None:
-        if self.reservations.live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
+        self._check_live(cmd.selection_id)
         self.commit(m.CompletePrefill(cmd.selection_id))
 
     def output_block(self, cmd: sc.ReservationOutputBlock) -> None:
         f = cmd.decay_fraction
         if f is not None and not 0.0 <= f <= 1.0:
             raise InvalidDecayFraction()
-        if self.reservations.live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
+        self._check_live(cmd.selection_id)
         self.commit(m.AddOutputBlock(cmd.selection_id, f))
 
     def release(self, cmd: sc.ReservationCall) -> None:
-        if self.reservations.live(cmd.selection_id) is None:
-            raise ReservationNotFound(cmd.selection_id)
+        self._check_live(cmd.selection_id)
         self.commit(m.Release(cmd.selection_id))
+
+    def _check_live(self, sid: str) -> None:
+        """404 unless ``sid`` still holds its request (a dead id is dropped on the way)."""
+        if self.reservations.live(sid) is None:
+            raise ReservationNotFound(sid)
 
     # -- prompts and candidates ------------------------------------------------------------
 
@@ -631,22 +657,17 @@ class SelectionService:
         ept = chosen.effective_prefill_tokens
         if cmd.reserve:
             assert sid is not None
-            self.commit(
-                m.Book(
-                    selection_id=sid,
-                    model_name=key[0],
-                    routing_group=key[1],
-                    worker=worker,
-                    sequence_hashes=prompt.sequence_hashes,
-                    block_hashes=prompt.block_hashes,
-                    cache_chain=chain,
-                    isl_tokens=prompt.isl_tokens,
-                    prefill_tokens=ept if track else 0,
-                    expected_output_tokens=cmd.expected_output_tokens,
-                    lora_name=cmd.lora_name,
-                    consumes_pending=False,
-                    session_id=session,
-                )
+            self._book(
+                sid,
+                key,
+                worker,
+                prompt,
+                prefill_tokens=ept if track else 0,
+                expected_output_tokens=cmd.expected_output_tokens,
+                lora_name=cmd.lora_name,
+                cache_chain=chain,
+                consumes_pending=False,
+                session_id=session,
             )
         elif sid is not None:
             self.commit(
