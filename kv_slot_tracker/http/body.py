@@ -160,6 +160,41 @@ def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
     return None
 
 
+class _Fields(dict):
+    """A decoded JSON object that remembers the first key it was given twice."""
+
+    __slots__ = ("repeated",)
+
+
+def _fields(items: list[tuple[str, Any]]) -> _Fields:
+    obj = _Fields(items)
+    obj.repeated = None
+    if len(obj) != len(items):
+        seen: set[str] = set()
+        for k, _ in items:
+            if k in seen:
+                obj.repeated = k
+                break
+            seen.add(k)
+    return obj
+
+
+def repeated_fields(raw: bytes, items: str) -> dict[int, str]:
+    """Per index of the list ``items`` of the body's top-level object, the first key that
+    object gives twice (serde rejects it, as it rejects a top-level key given twice): only
+    the objects with one. Trailing bytes after the body's JSON value are ignored, as
+    ``parse_json`` ignores them."""
+    try:
+        text = raw.decode("utf-8").lstrip()
+        top, _ = json.JSONDecoder(object_pairs_hook=_fields).raw_decode(text)
+    except ValueError:
+        return {}
+    listed = top.get(items) if isinstance(top, dict) else None
+    if not isinstance(listed, list):
+        return {}
+    return {i: o.repeated for i, o in enumerate(listed) if type(o) is _Fields and o.repeated}
+
+
 def parse_json(raw: bytes, model: type[M]) -> M:
     """Validate JSON bytes; 400 for syntax errors, 422 for shape errors."""
     try:
