@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
+from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import NS_PER_S, U64_MAX
 
@@ -148,6 +149,7 @@ class Settings(BaseSettings):
     # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.
     selection_cache_ttl_seconds: int = Field(default=120, gt=0)
     selection_cache_max_entries: int = Field(default=100_000, gt=0)
+    selection_cache_max_bytes: int = Field(default=PENDING_MAX_BYTES, gt=0)
     selection_seed: int = Field(default=-1, ge=-1)
     router_overlap_score_credit: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     router_overlap_score_credit_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
