@@ -136,7 +136,9 @@ def make_consistency(
     """Replicated mode: lifecycle calls for ids not known yet wait for their add, and those
     still unknown are kept as early calls (tombstones, pending marks) for every instance."""
     service.replica.use_early_calls(
-        settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
+        settings.tombstone_capacity,
+        settings.tombstone_ttl_seconds * NS_PER_S,
+        settings.tombstone_max_bytes,
     )
     consistency = Consistency(
         service,

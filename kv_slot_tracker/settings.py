@@ -144,6 +144,7 @@ class Settings(BaseSettings):
     replication_ack_replicas: int = Field(default=0, ge=0)
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+    tombstone_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
     # Selection API (/selection/*): pending selections, randomness and the router knobs. A
     # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.

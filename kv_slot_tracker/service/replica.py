@@ -128,8 +128,8 @@ class Replica:
         self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
         self.selection: SharedSelection | None = None
 
-    def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
-        self.early = e.EarlyCalls(capacity, ttl_ns)
+    def use_early_calls(self, capacity: int, ttl_ns: int, max_bytes: int) -> e.EarlyCalls:
+        self.early = e.EarlyCalls(capacity, ttl_ns, max_bytes)
         return self.early
 
     def bind(self, registry: TrackerRegistry) -> None:
