@@ -131,6 +131,7 @@ class Settings(BaseSettings):
     namespace: str = Field(default="kv-slot-tracker", min_length=1, pattern=r"^[^\s{}]+$")
     instance_id: int = Field(default=0, ge=0, le=U64_MAX)
     outbox_capacity: int = Field(default=100_000, gt=0)
+    outbox_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     stream_retention_seconds: int = Field(default=3600, gt=0)
     stream_max_entries: int = Field(default=1_000_000, ge=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
