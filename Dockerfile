@@ -21,9 +21,10 @@ WORKDIR /src
 # .dockerignore lets only these into the build context.
 COPY pyproject.toml README.md ./
 COPY kv_slot_tracker ./kv_slot_tracker
-# A regular (not editable) install without the dev extras; bytecode is compiled here, as the
-# final image's virtualenv is read-only to the service user.
-RUN pip install --no-cache-dir . \
+# A regular (not editable) install without the dev extras, with the Kubernetes client of
+# worker discovery (off unless configured; deploy/kubernetes/discovery); bytecode is compiled
+# here, as the final image's virtualenv is read-only to the service user.
+RUN pip install --no-cache-dir "./[kubernetes]" \
     && python -m compileall -q /opt/venv/lib
 
 # --- final: the virtualenv on a clean base, run as an unprivileged user ---------------------

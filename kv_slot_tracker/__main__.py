@@ -24,6 +24,7 @@ from uvicorn.logging import TRACE_LOG_LEVEL
 
 from kv_slot_tracker import cli
 from kv_slot_tracker.core.types import U64_MAX
+from kv_slot_tracker.discovery.kubernetes import DiscoveryUnavailable, require_client
 from kv_slot_tracker.gc_tuning import tune_gc
 from kv_slot_tracker.http.connection import ConnectionLimits, limited_protocol
 from kv_slot_tracker.http.direct import direct_protocol
@@ -81,6 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_config:
         print(cli.describe(settings))
         return 0
+    if settings.discovery_kubernetes_service:
+        try:
+            require_client()
+        except DiscoveryUnavailable as exc:
+            print(f"cannot start: {exc}", file=sys.stderr)
+            return 2
 
     if args.listen_fd is not None:
         return serve_worker(settings, args.listen_fd, args.control_socket)

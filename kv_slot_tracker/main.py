@@ -23,11 +23,14 @@ from prometheus_client import CollectorRegistry
 from kv_slot_tracker import __version__
 from kv_slot_tracker.core.selection import RouterConfig
 from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery, require_client
 from kv_slot_tracker.http.app import build_http_app
+from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.ingest.zmq import ZmqIngest
 from kv_slot_tracker.observability import (
     build_registry,
     watch_consistency,
+    watch_discovery,
     watch_ingest,
     watch_selection,
     watch_service,
@@ -36,7 +39,7 @@ from kv_slot_tracker.replication import Replication, make_replication
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.consistency import Consistency
 from kv_slot_tracker.service.selection.service import SelectionService
-from kv_slot_tracker.settings import Settings, load_settings
+from kv_slot_tracker.settings import Settings, load_settings, peer_urls
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +74,26 @@ def create_app(
     selection = build_selection(settings, service)
     watch_service(registry, service)
     watch_selection(registry, selection)
-    ingest = None
+    ingest = index_peers = None
     if selection.config.use_kv_events:
         ingest = ZmqIngest(
-            selection,
+            selection.kv_events,
             max_message_bytes=settings.kv_events_max_message_bytes,
             replay_timeout=settings.kv_events_replay_timeout_seconds,
         )
-        watch_ingest(registry, ingest, selection)
+        index_peers = IndexPeers(
+            selection.kv_events,
+            ingest,
+            peer_urls(settings.indexer_peers),
+            api_key=settings.api_key.get_secret_value(),
+            timeout_s=settings.indexer_peers_timeout_seconds,
+        )
+        watch_ingest(registry, ingest, selection.kv_events, index_peers)
+    discovery = None
+    if settings.discovery_kubernetes_service:
+        require_client()  # a clear start-up error when the [kubernetes] extra is missing
+        discovery = KubernetesDiscovery.from_settings(settings, service, replication)
+        watch_discovery(registry, discovery)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
@@ -93,20 +108,26 @@ def create_app(
                 asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
             )
         await replication.start(service)
-        if ingest is not None:
-            ingest.start()
+        if index_peers is not None:  # loads the index from a peer (if any), then starts the ingest
+            sweepers.append(
+                asyncio.create_task(index_peers.run(replication.ready), name="kv-index-peers")
+            )
+        if discovery is not None:
+            discovery.start()
         if wait_ready_s > 0:
             await _until_ready(replication, wait_ready_s)
         log.info("%s", startup_summary(settings, replication))
         try:
             yield
         finally:
-            if ingest is not None:
-                await ingest.stop()
-            for sweeper in sweepers:
+            if discovery is not None:
+                await discovery.stop()
+            for sweeper in sweepers:  # before the ingest: the peer recovery would start it
                 sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
+            if ingest is not None:
+                await ingest.stop()
             await replication.stop()
 
     app = build_http_app(
@@ -117,11 +138,14 @@ def create_app(
         registry=registry,
         lifespan=lifespan,
         consistency=consistency,
+        index_peers=index_peers,
     )
     app.state.settings = settings
     app.state.service = service
     app.state.selection = selection
     app.state.ingest = ingest
+    app.state.index_peers = index_peers
+    app.state.discovery = discovery
     app.state.replication = replication
     app.state.registry = registry
     return app
@@ -183,7 +207,7 @@ def build_selection(
         session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
     )
-    service.replica.bind_selection(selection)
+    service.replica.bind_selection(selection.replica)
     return selection
 
 

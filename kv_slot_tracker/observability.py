@@ -24,11 +24,14 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from kv_slot_tracker.core.selection.catalog import INCOMPLETE, SCHEDULABLE, UNSCHEDULABLE
+from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery
+from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.ingest.zmq import ZmqIngest
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.consistency import ConsistencyCounters
 from kv_slot_tracker.service.replica import Replica
+from kv_slot_tracker.service.selection.kv_events import KvEvents
 from kv_slot_tracker.service.selection.service import SelectionService
 from kv_slot_tracker.service.selection.types import SELECTION_OUTCOMES
 
@@ -144,7 +147,7 @@ class SelectionCollector(Collector):
             "rank was removed; the id stays taken until a call on it answers 404)",
             labels=[*KEY_LABELS, "state"],
         )
-        held = svc.held
+        held = svc.reservations.held
         keys = sorted(svc.partitions.keys() | {key for key, _ in held})
         for model, group in keys:
             for state, lingering in (("active", False), ("lingering", True)):
@@ -187,9 +190,9 @@ class SelectionCollector(Collector):
              "Pending selections evicted unclaimed because the cache was full"),
             ("pending_expired", svc.pending.expired,
              "Pending selections dropped unclaimed after selection_cache_ttl_seconds"),
-            ("lingering_dropped", svc.lingering_dropped,
+            ("lingering_dropped", svc.reservations.lingering_dropped,
              "Lingering reservation ids dropped by the sweep after the request expiry"),
-            ("stale_dropped", svc.stale_dropped,
+            ("stale_dropped", svc.reservations.stale_dropped,
              "Reservation ids dropped because their request was freed elsewhere (slot-tracker "
              "routes, expiry)"),
         ):  # fmt: skip
@@ -214,8 +217,19 @@ class IngestCollector(Collector):
         "restarts": "KV-event publishers seen restarting at sequence 0 (the rank was cleared)",
     }
 
-    def __init__(self, ingest: ZmqIngest, selection: SelectionService) -> None:
-        self.ingest, self.selection = ingest, selection
+    _RECOVERY_DOCS = {
+        "peer_failures": "KV index recovery: attempts on a peer that gave no whole dump",
+        "ranks": "KV index recovery: ranks loaded from a peer",
+        "ranks_skipped": "KV index recovery: ranks whose worker is elsewhere here, or never came",
+        "blocks": "KV index recovery: blocks loaded from a peer",
+        "blocks_refused": "KV index recovery: blocks the index could not place (skipped)",
+        "malformed": "KV index recovery: dump lines or entries that did not validate (skipped)",
+    }
+
+    def __init__(
+        self, ingest: ZmqIngest, kv_events: KvEvents, peers: IndexPeers | None = None
+    ) -> None:
+        self.ingest, self.kv_events, self.peers = ingest, kv_events, peers
 
     def collect(self) -> Iterator:
         for name, value in self.ingest.counters.as_dict().items():
@@ -223,9 +237,9 @@ class IngestCollector(Collector):
             counter.add_metric([], value)
             yield counter
         for name, value, doc in (
-            ("stores_refused", self.selection.kv_stores_refused,
+            ("stores_refused", self.kv_events.stores_refused,
              "KV-event stores skipped: parent block unknown on the rank, or a hash repeated"),
-            ("unrouted", self.selection.kv_events_unrouted,
+            ("unrouted", self.kv_events.unrouted,
              "KV events for a worker or rank that is not schedulable here"),
         ):  # fmt: skip
             counter = CounterMetricFamily(f"kv_slot_tracker_kv_events_{name}", doc)
@@ -236,7 +250,7 @@ class IngestCollector(Collector):
             "Blocks (rank, tier, block) the KV-event index holds per partition",
             labels=KEY_LABELS,
         )
-        for (model, group), n in sorted(self.selection.kv_indexed_blocks().items()):
+        for (model, group), n in sorted(self.kv_events.kv_indexed_blocks().items()):
             blocks.add_metric([model, group], n)
         yield blocks
         silent = GaugeMetricFamily(
@@ -247,12 +261,77 @@ class IngestCollector(Collector):
         for (wid, rank), secs in sorted(self.ingest.silent_for().items()):
             silent.add_metric([str(wid), str(rank)], -1.0 if secs is None else secs)
         yield silent
+        connected = GaugeMetricFamily(
+            "kv_slot_tracker_kv_events_connected",
+            "1 while a subscribed rank's SUB socket holds a connection to its publisher, else 0",
+            labels=["worker_id", "dp_rank"],
+        )
+        for (wid, rank), (_, listener, _) in sorted(self.ingest.listeners.items()):
+            connected.add_metric([str(wid), str(rank)], 1.0 if listener.connected else 0.0)
+        yield connected
+        if self.peers is None:
+            return
+        recovering = GaugeMetricFamily(
+            "kv_slot_tracker_kv_index_recovering",
+            "1 while the KV index is being loaded from indexer_peers at start, else 0",
+        )
+        recovering.add_metric([], 1.0 if self.peers.recovering else 0.0)
+        yield recovering
+        for name, value in self.peers.counters.as_dict().items():
+            counter = CounterMetricFamily(
+                f"kv_slot_tracker_kv_index_recovery_{name}", self._RECOVERY_DOCS[name]
+            )
+            counter.add_metric([], value)
+            yield counter
 
 
 def watch_ingest(
-    registry: CollectorRegistry, ingest: ZmqIngest, selection: SelectionService
+    registry: CollectorRegistry,
+    ingest: ZmqIngest,
+    kv_events: KvEvents,
+    peers: IndexPeers | None = None,
 ) -> None:
-    registry.register(IngestCollector(ingest, selection))
+    registry.register(IngestCollector(ingest, kv_events, peers))
+
+
+class DiscoveryCollector(Collector):
+    """Kubernetes discovery: the workers it holds, its lists, watches and what it skipped."""
+
+    def __init__(self, discovery: KubernetesDiscovery) -> None:
+        self.discovery = discovery
+
+    def collect(self) -> Iterator:
+        d = self.discovery
+        c, a = d.counters, d.applier.counters
+        for name, value, doc in (
+            ("workers", len(d.applier.applied), "Workers registered by discovery and held now"),
+            ("synced", int(d.synced), "1 while the last list or watch of the API server succeeded"),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(f"kv_slot_tracker_discovery_{name}", doc)
+            gauge.add_metric([], value)
+            yield gauge
+        for name, value, doc in (
+            ("lists", c.lists, "Full lists of the EndpointSlices (the first one and each start-over)"),
+            ("watches", c.watches, "Watches of the EndpointSlices opened (again after each end)"),
+            ("events", c.events, "EndpointSlice changes received by the watch"),
+            ("errors", c.errors, "List or watch calls that failed (retried after a backoff)"),
+            ("invalid_slices", c.invalid_slices,
+             "Slices without a name and watch lines that are no event, skipped"),
+            ("invalid_endpoints", c.invalid_endpoints,
+             "Endpoints skipped: bad kv-slot-tracker/ labels or settings, no pod name or ordinal"),
+            ("over_cap", d.discovered.over_cap,
+             "Workers skipped because discovery_kubernetes_max_workers were held"),
+            ("upserts", a.upserts, "Workers registered or given new ranks by discovery"),
+            ("removals", a.removals, "Workers unregistered because their endpoint went or was not ready"),
+            ("rejected", a.rejected, "Discovered workers the service refused (block size, capacity)"),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(f"kv_slot_tracker_discovery_{name}", doc)
+            counter.add_metric([], value)
+            yield counter
+
+
+def watch_discovery(registry: CollectorRegistry, discovery: KubernetesDiscovery) -> None:
+    registry.register(DiscoveryCollector(discovery))
 
 
 class ConsistencyCollector(Collector):

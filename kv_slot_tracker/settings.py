@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -26,10 +27,10 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
+from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS, MAX_DP_SIZE, MAX_NAME_LENGTH
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
-from kv_slot_tracker.core.types import NS_PER_S, U64_MAX
+from kv_slot_tracker.core.types import NS_PER_S, U32_MAX, U64_MAX
 
 ENV_PREFIX = "SLOT_TRACKER_"
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
@@ -41,6 +42,14 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 _config_files: ContextVar[tuple[Path, ...]] = ContextVar(
     "_config_files", default=(DEFAULT_CONFIG_FILE,)
 )
+
+
+MAX_INDEXER_PEERS = 16
+
+
+def peer_urls(value: str) -> list[str]:
+    """The base URLs of ``indexer_peers`` (comma-separated), without a trailing slash."""
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
 
 
 class ConfigFileError(ValueError):
@@ -164,6 +173,20 @@ class Settings(BaseSettings):
     session_affinity_ttl_seconds: float = Field(default=0.0, ge=0, le=86_400, allow_inf_nan=False)
     kv_events_max_message_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 30)
     kv_events_replay_timeout_seconds: float = Field(default=2.0, gt=0, le=60, allow_inf_nan=False)
+    kv_events_silent_seconds: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
+    indexer_peers: str = ""
+    indexer_peers_timeout_seconds: float = Field(default=10.0, gt=0, le=600, allow_inf_nan=False)
+    discovery_kubernetes_service: str = Field(default="", max_length=1024)
+    discovery_kubernetes_namespace: str = Field(default="", max_length=63)
+    discovery_kubernetes_kubeconfig: str = ""
+    discovery_kubernetes_worker_id: Literal["ordinal", "hash"] = "ordinal"
+    discovery_kubernetes_model_name: str = Field(default="", max_length=MAX_NAME_LENGTH)
+    discovery_kubernetes_routing_group: str = Field(
+        default="default", min_length=1, max_length=MAX_NAME_LENGTH
+    )
+    discovery_kubernetes_block_size: int = Field(default=0, ge=0, le=U32_MAX)
+    discovery_kubernetes_dp_size: int = Field(default=1, ge=1, le=MAX_DP_SIZE)
+    discovery_kubernetes_max_workers: int = Field(default=1024, ge=1, le=65_536)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -188,6 +211,19 @@ class Settings(BaseSettings):
             raise ValueError("must be empty or start with " + ", ".join(schemes))
         return value
 
+    @field_validator("indexer_peers")
+    @classmethod
+    def _check_indexer_peers(cls, value: str) -> str:
+        peers = peer_urls(value)
+        if len(peers) > MAX_INDEXER_PEERS:
+            raise ValueError(f"at most {MAX_INDEXER_PEERS} peers")
+        for url in peers:
+            scheme, sep, rest = url.partition("://")
+            host = rest.split("/", 1)[0]
+            if not sep or scheme not in ("http", "https") or not host or "@" in host:
+                raise ValueError(f"expected http://HOST:PORT[,http://HOST:PORT...], got {url!r}")
+        return value
+
     @field_validator("redis_sentinels")
     @classmethod
     def _check_sentinels(cls, value: str) -> str:
@@ -195,6 +231,25 @@ class Settings(BaseSettings):
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"expected host:port[,host:port...], got {address!r}")
+        return value
+
+    @field_validator("discovery_kubernetes_service")
+    @classmethod
+    def _check_discovery_service(cls, value: str) -> str:
+        value = value.strip()
+        service_name = re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", value)
+        if value and not service_name and not re.search(r"=|!|\s(not)?in\s*\(", value):
+            raise ValueError(
+                "must be a Service name (lowercase letters, digits and '-', at most 63) "
+                "or a label selector such as app=vllm"
+            )
+        return value
+
+    @field_validator("discovery_kubernetes_kubeconfig")
+    @classmethod
+    def _check_kubeconfig(cls, value: str) -> str:
+        if value and not Path(value).is_file():
+            raise ValueError(f"no such file: {value}")
         return value
 
     @model_validator(mode="after")

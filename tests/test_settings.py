@@ -11,6 +11,7 @@ from kv_slot_tracker.settings import (
     DEFAULT_CONFIG_FILE,
     Settings,
     load_settings,
+    peer_urls,
     read_toml,
     unknown_environment,
 )
@@ -86,11 +87,21 @@ def test_api_key_is_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "override",
-    [{"port": 70000}, {"port": -1}, {"expiry_seconds": 0}, {"redis_url": "http://x"}],
-)
+    [{"port": 70000}, {"port": -1}, {"expiry_seconds": 0}, {"redis_url": "http://x"},
+     {"indexer_peers": "ftp://a:1"}, {"indexer_peers": "http://"},
+     {"indexer_peers": "http://user:pw@a:1"}, {"indexer_peers": "a:8091"},
+     {"indexer_peers": ",".join(f"http://h{i}:1" for i in range(17))},
+     {"indexer_peers_timeout_seconds": 0}, {"kv_events_silent_seconds": 0}],
+)  # fmt: skip
 def test_invalid_values_are_rejected(override: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         load_settings(**override)
+
+
+def test_indexer_peers_are_comma_separated_base_urls() -> None:
+    s = load_settings(indexer_peers=" http://a:8091/ ,https://b.example:443,, ")
+    assert peer_urls(s.indexer_peers) == ["http://a:8091", "https://b.example:443"]
+    assert peer_urls(load_settings().indexer_peers) == []
 
 
 def test_unknown_key_in_config_file_is_rejected(tmp_path: Path) -> None:

@@ -44,9 +44,11 @@ from kv_slot_tracker.http.routes import (
     call_endpoint,
     fastapi_route_args,
     query_endpoint,
+    response_examples,
 )
 from kv_slot_tracker.http.selection.operations import SelectionOperations, SelectionQueries
 from kv_slot_tracker.http.selection.replicated import ReplicatedSelectionOperations
+from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.observability import HttpMetrics, access_logged
 from kv_slot_tracker.replication.port import Replication
 from kv_slot_tracker.service import SlotTrackerService
@@ -92,6 +94,7 @@ def build_http_app(
     registry: CollectorRegistry,
     lifespan: Any,
     consistency: Consistency | None = None,
+    index_peers: IndexPeers | None = None,
 ) -> SlotTrackerApp:
     """The app; ``consistency`` (replicated mode) makes lifecycle calls wait for unknown ids
     and answer 503 until the instance caught up (``kv_slot_tracker.http.replicated``)."""
@@ -123,7 +126,10 @@ def build_http_app(
             selection, gate, consistency, ack_timeout_ms
         )
     operations = {"slot": slot_operations, "selection": selection_operations}
-    queries = {"slot": Queries(service, replication), "selection": SelectionQueries(selection)}
+    queries = {
+        "slot": Queries(service, replication),
+        "selection": SelectionQueries(selection, index_peers, settings.kv_events_silent_seconds),
+    }
     lean_routes = []
     for route in ROUTES:
         if route.is_call:
@@ -251,6 +257,8 @@ def _openapi(app: FastAPI, open_without_key: frozenset[str] | None) -> dict[str,
         for name, sub in sch.pop("$defs", {}).items():
             comps.setdefault(name, sub)
         comps[model.__name__] = sch
+    for name, examples in response_examples().items():  # with their nulls
+        comps[name]["examples"] = examples
     if open_without_key is not None:  # a key is set
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]  # so "Try it out" in /docs sends the key

@@ -15,10 +15,10 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from fastapi import Path, Query, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from starlette.datastructures import QueryParams
 
 from kv_slot_tracker.core.types import U64_MAX
@@ -174,7 +174,7 @@ SELECTION_ROUTES: tuple[Route, ...] = (
           response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
           extra={"responses": {503: {"model": ss.SelectionReady,
                                      "description": "No schedulable worker anywhere."}}},
-          description='200 while at least one worker of any partition is schedulable, else 503 with the same body. Lists the worker catalog.'),
+          description='200 while at least one worker of any partition is schedulable (and, with `indexer_peers`, once the KV index is loaded from a peer or none answered), else 503 with the same body. Lists the worker catalog and, with KV events on, the publishers this instance cannot reach or has not heard from (`kv_events`).'),
     Route(SEL + "/workers", "POST", "upsert_worker",
           "Register a worker or replace it (it may move partition)", ss.WorkerBody,
           ss.WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection",
@@ -230,6 +230,13 @@ SELECTION_ROUTES: tuple[Route, ...] = (
     Route(SEL + "/dump", "GET", "dump", "The approximate caches as stored events",
           response=dict[str, ss.PartitionDump], errors=(401,), api="selection",
           description="Each partition's cache contents as the stored-block events that would rebuild them."),
+    Route(SEL + "/kv_index", "GET", "kv_index",
+          "This instance's KV-event index, for another instance to start from", errors=(401, 404),
+          api="selection",
+          extra={"response_class": Response, "responses": {
+              200: {"description": "NDJSON, one partition at a time (see the README's KV events section).",
+                    "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}}},
+          description="What `indexer_peers` loads at start: per partition and rank, every block (tier, engine hash, parent hash, tokens hash) and the sequence number of the rank's last applied batch, so that the loader's listener continues from there. Streamed, one partition read at a time. 404 when KV events are off."),
 )  # fmt: skip
 
 ROUTES: tuple[Route, ...] = (
@@ -307,6 +314,22 @@ def body_models() -> list[type[BaseModel]]:
         if r.body is not None and r.body not in seen:
             seen.append(r.body)
     return seen
+
+
+def response_examples() -> dict[str, list[Any]]:
+    """The examples of every success model (a list's or a dict's items too), by schema name,
+    as the models give them: FastAPI's document drops their null values, this keeps them."""
+    out: dict[str, list[Any]] = {}
+    for r in ROUTES:
+        model = r.response
+        if get_origin(model) in (list, dict):
+            model = get_args(model)[-1]
+        if model is None or model is Response:
+            continue
+        examples = TypeAdapter(model).json_schema().get("examples")
+        if examples:
+            out[model.__name__] = examples
+    return out
 
 
 def _single(params: QueryParams, name: str) -> str | None:

@@ -5,5 +5,7 @@ selection service and the counters it keeps), decoded records validated before t
 core (``records.py``: the vLLM/SGLang ZMQ wire format), and the transport with its connection
 policy (``zmq.py``: one SUB socket per schedulable worker rank, gap replay over the engine's
 ROUTER socket). The service applies a decoded batch in one synchronous call; nothing here knows
-the index.
+the index's insides. ``peers.py`` hands the index from one instance to another (Dynamo's
+``--indexer-peers``): it serves this instance's index with each rank's sequence watermark, and at
+start loads another's and seeds the listeners with those watermarks.
 """

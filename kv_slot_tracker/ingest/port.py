@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Protocol
+
+from kv_slot_tracker.core.selection.kv_index import KvIndex
 
 from .records import KvBatch
 
@@ -43,6 +46,28 @@ class KvEventSink(Protocol):
 
     def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
         """Forget what the rank holds (its events were lost)."""
+        ...
+
+
+PartitionKey = tuple[str, str]
+"""``(model_name, routing_group)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedPartition:
+    """One partition's KV-event index, as peer recovery reads and fills it."""
+
+    block_size: int
+    index: KvIndex
+    ranks: Mapping[int, range]
+    """The ranks of each worker schedulable in the partition (worker id -> ranks)."""
+
+
+class KvIndexHost(Protocol):
+    """What peer recovery (``kv_slot_tracker.ingest.peers``) needs of the selection service."""
+
+    def kv_partitions(self) -> dict[PartitionKey, IndexedPartition]:
+        """Every partition's index (built afresh on each call, O(partitions + workers))."""
         ...
 
 

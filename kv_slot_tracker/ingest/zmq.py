@@ -20,6 +20,15 @@ rank; the reference would skip its batches until their numbers passed the old on
 A malformed message (framing, msgpack, event shape) is counted, logged (rate-limited) and skipped;
 it does not move the sequence watermark, so the next batch shows a gap.
 
+A listener may start from a watermark handed over by another instance together with the index
+it describes (``seed``, peer recovery: ``kv_slot_tracker.ingest.peers``, asked as the listener is
+created, before it receives anything): its first batch then continues from there, or is a gap
+like any other.
+
+Whether each SUB socket is connected (a socket monitor's connect and disconnect events) and how
+long each rank has been silent are kept for the metrics and ``/selection/ready``; neither changes
+the worker's lifecycle (the reference keeps such a worker schedulable and its blocks indexed).
+
 The manager polls the service's subscriptions (an O(1) version check every ``poll_interval``)
 and starts or stops listeners to match; each listener applies a batch to the service in one
 synchronous call on the event loop.
@@ -31,9 +40,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from .port import IngestCounters, KvEventSink, RankKey, Subscription
 from .records import (
@@ -75,6 +86,9 @@ class RankListener:
         self.replay_timeout = replay_timeout
         self.watermark: int | None = None
         self.last_message_at: float | None = None
+        self.started_at = time.monotonic()
+        self.connected = False
+        """The SUB socket holds a connection to the publisher (socket monitor events)."""
         self.errors = 0
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -90,6 +104,8 @@ class RankListener:
         sock = self._socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         replay: zmq.asyncio.Socket | None = None
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        watcher = asyncio.create_task(self._watch(monitor))
         try:
             sock.connect(self.sub.endpoint)
             log.info(
@@ -132,10 +148,31 @@ class RankListener:
                     self._malformed(e)
                     continue
                 self._apply(batch)
-        finally:
+        finally:  # no await here: a second cancellation must not skip the closing
+            watcher.cancel()
+            self.connected = False
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
             if replay is not None:
                 replay.close(0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Follow the SUB socket's connection (monitor events; anything else is ignored)."""
+        while True:
+            frames = await monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # a monitor message libzmq did not document: not ours to judge
+                continue
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                log.info(
+                    "KV events: publisher of worker_id=%d dp_rank=%d disconnected; reconnecting",
+                    self.worker_id, self.dp_rank,
+                )  # fmt: skip
 
     def _gap_start(self, seq: int) -> int | None:
         if self.watermark is None:
@@ -227,6 +264,8 @@ class ZmqIngest:
         self.replay_timeout = replay_timeout
         self.ctx = zmq.asyncio.Context()
         self.listeners: dict[RankKey, tuple[Subscription, RankListener, asyncio.Task]] = {}
+        self.seed: Callable[[RankKey], int | None] | None = None
+        """Asked for a rank's starting watermark as its listener is created (peer recovery)."""
         self._version: int | None = None
         self._task: asyncio.Task | None = None
 
@@ -265,6 +304,8 @@ class ZmqIngest:
                     self.ctx, self.sink, self.counters, key, sub,
                     max_message_bytes=self.max_message_bytes, replay_timeout=self.replay_timeout,
                 )  # fmt: skip
+                if self.seed is not None:
+                    listener.watermark = self.seed(key)
                 task = asyncio.create_task(self._guard(listener), name=f"kv-events-{key}")
                 self.listeners[key] = (sub, listener, task)
 
@@ -285,8 +326,29 @@ class ZmqIngest:
     async def _stop_listener(self, key: RankKey) -> None:
         _, _, task = self.listeners.pop(key)
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        # wait without swallowing a cancellation of the caller (the manager being stopped)
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV events: listener %s ended with %r", key, task.exception())
+
+    def watermark(self, key: RankKey) -> int | None:
+        """The last sequence number applied on ``key``'s socket (None: none, or no listener)."""
+        have = self.listeners.get(key)
+        return None if have is None else have[1].watermark
+
+    def disconnected(self) -> list[RankKey]:
+        """The listening ranks whose SUB socket holds no connection to the publisher now."""
+        return sorted(key for key, (_, lst, _) in self.listeners.items() if not lst.connected)
+
+    def silent(self, seconds: float, now: float | None = None) -> list[RankKey]:
+        """The listening ranks that received nothing for ``seconds`` (since they started
+        listening, when they never received anything)."""
+        now = time.monotonic() if now is None else now
+        return sorted(
+            key
+            for key, (_, lst, _) in self.listeners.items()
+            if now - (lst.last_message_at or lst.started_at) >= seconds
+        )
 
     def silent_for(self, now: float | None = None) -> dict[RankKey, float | None]:
         """Seconds since each listener's last message (``None``: nothing received yet)."""

@@ -76,7 +76,8 @@ class Replicator(Protocol):
 
 
 class SharedSelection(Protocol):
-    """The selection service's side of replication (``kv_slot_tracker.service.selection.replica``)."""
+    """The selection service's side of replication (``SelectionService.replica``, a
+    ``kv_slot_tracker.service.selection.replica.SelectionReplica``)."""
 
     publish: Callable[[dict[str, Any]], None] | None
 

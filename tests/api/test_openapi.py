@@ -377,7 +377,7 @@ def test_operations_are_grouped_named_and_described(document: dict[str, Any]) ->
         assert (op["tags"][0] == "selection") == path.startswith("/selection/"), (method, path)
         assert len(op.get("description", "")) > 40, f"{method} {path} has no description"
         ids.append(op["operationId"])
-    assert len(set(ids)) == len(ids) == 35
+    assert len(set(ids)) == len(ids) == 36
     assert all(i.replace("_", "").isalnum() and i.islower() and len(i) <= 40 for i in ids), ids
     paths = document["paths"]
     assert paths["/add"]["post"]["operationId"] == "add"

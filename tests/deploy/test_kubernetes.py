@@ -364,7 +364,7 @@ def test_redis_is_bounded_and_never_evicts_the_stream() -> None:
     """maxmemory below the container's limit, noeviction: a full Redis refuses appends (which
     the instances report) instead of dropping stream entries without a word."""
     seen = 0
-    variant = load_yaml_docs(KUBE_DIR / "sentinel" / "redis-sentinel.yaml")
+    variant = load_yaml_docs(KUBE_DIR.parent / "kubernetes-sentinel" / "redis-sentinel.yaml")
     for obj in [doc for _, doc in all_objects()] + list(variant):
         for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             words = " ".join([*c.get("command", []), *c.get("args", [])]).split()

@@ -1,4 +1,4 @@
-"""``deploy/kubernetes/sentinel/``: the base's Deployment on a Redis primary with two replicas
+"""``deploy/kubernetes-sentinel/``: the base's Deployment on a Redis primary with two replicas
 and three Sentinels, checked offline.
 
 * ``redis-sentinel.yaml`` is valid Kubernetes (oldest supported and latest schemas), locked
@@ -29,7 +29,7 @@ from kv_slot_tracker.replication.redis.endpoint import RedisEndpoint
 from tests.deploy.support import KUBE_DIR, load_yaml_docs, settings_from_env
 from tests.deploy.test_kubernetes import OLDEST_KUBERNETES, one
 
-DIR = KUBE_DIR / "sentinel"
+DIR = KUBE_DIR.parent / "kubernetes-sentinel"
 KUSTOMIZATION = yaml.safe_load((DIR / "kustomization.yaml").read_text())
 OBJECTS = load_yaml_docs(DIR / "redis-sentinel.yaml")
 
@@ -47,7 +47,7 @@ def test_redis_sentinel_manifest_is_valid_kubernetes(version: str) -> None:
 
 
 def test_kustomization_replaces_the_single_redis() -> None:
-    assert KUSTOMIZATION["resources"] == ["..", "redis-sentinel.yaml"]
+    assert KUSTOMIZATION["resources"] == ["../kubernetes", "redis-sentinel.yaml"]
     deleted, patched = set(), []
     for patch in KUSTOMIZATION["patches"]:
         if "path" in patch:
@@ -139,3 +139,19 @@ def test_locked_down_like_the_base() -> None:
         assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}, c["name"]
         assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
+
+
+def test_kubectl_kustomize_renders_the_sentinel_variant() -> None:
+    """``kubectl apply -k deploy/kubernetes-sentinel`` works: the overlay is not inside the base
+    directory, which kustomize refuses as a cycle."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(DIR)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(result.stdout) if d}
+    assert ("StatefulSet", "kv-slot-tracker-redis") not in rendered
+    assert ("Deployment", "kv-slot-tracker") in rendered
+    assert {(o["kind"], o["metadata"]["name"]) for o in OBJECTS} <= rendered

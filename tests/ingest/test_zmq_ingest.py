@@ -14,12 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
+import zmq
 from fastapi import FastAPI
 
 from bench.kv_publisher import CLEARED, PublisherProcess, removed, stored
-from kv_slot_tracker.ingest.records import seq_frame
+from kv_slot_tracker.ingest.records import encode_batch, seq_frame
 from tests.api.conftest import running_app
 from tests.fakes import FakeClock
+from tests.replication.helpers import free_port
 
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks
@@ -238,3 +240,53 @@ async def test_selection_follows_the_engines_cache(
     r = await client.post(PREFIX + "/select_and_reserve", json={"token_ids": TOKENS[:8]})
     assert r.status_code == 200
     assert await probe() == [(1, 0, 0, 0, 0), (2, 0, 4, 0, 0)]
+
+
+async def test_a_publisher_away_or_silent_is_shown_and_its_worker_stays_schedulable() -> None:
+    """As on the reference, a worker whose publisher has nothing listening, or goes away, stays
+    schedulable and keeps its blocks; here ``/selection/ready`` and the metrics show it."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    settings = {"router_use_kv_events": True, "kv_events_silent_seconds": 0.3}
+    async with running_app(FakeClock(), **settings) as (_, client):
+        body = {"worker_id": 1, "endpoint": "http://w1", "block_size": BS,
+                "kv_events_endpoint": endpoint}  # fmt: skip
+        assert (await client.post(PREFIX + "/workers", json=body)).json()["lifecycle"] == (
+            "schedulable"
+        )
+
+        async def kv(field: str) -> Any:
+            r = await client.get(PREFIX + "/ready")
+            assert r.status_code == 200  # a schedulable worker: ready, whatever its publisher
+            return r.json()["kv_events"][field]
+
+        async def connected() -> float:
+            return await metric(
+                client, 'kv_slot_tracker_kv_events_connected{dp_rank="0",worker_id="1"}'
+            )
+
+        await eventually(lambda: kv("listening_ranks"), 1)
+        assert await kv("disconnected_ranks") == [[1, 0]]  # nothing listens there
+        assert await connected() == 0
+        await eventually(lambda: kv("silent_ranks"), [[1, 0]])
+
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+        try:
+            await eventually(lambda: kv("disconnected_ranks"), [])
+            assert await connected() == 1
+            probe = overlap(client)
+            while await probe() != [(1, 0, 3, 0, 0)]:  # until the subscription has reached it
+                pub.send_multipart([b"", seq_frame(0), encode_batch(0.0, [
+                    stored([11, 12, 13], TOKENS[:12], BS)])])  # fmt: skip
+                await asyncio.sleep(0.05)
+            assert await kv("silent_ranks") == []
+        finally:
+            pub.close(0)
+            ctx.term()
+        await eventually(lambda: kv("disconnected_ranks"), [[1, 0]])
+        await eventually(lambda: kv("silent_ranks"), [[1, 0]])
+        worker = (await client.get(PREFIX + "/workers")).json()[0]
+        assert worker["lifecycle"] == "schedulable"
+        assert await probe() == [(1, 0, 3, 0, 0)]  # its blocks stay, as on the reference

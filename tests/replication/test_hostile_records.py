@@ -112,6 +112,38 @@ BAD: list[tuple[str, Any]] = [
         ),
     ),  # fmt: skip
     ("selection", selection({"op": "book", "id": "s"})),
+    (
+        "selection",
+        selection(
+            {
+                "op": "book",
+                "id": "s",
+                "m": "m",
+                "g": "default",
+                "w": [1, 0],
+                "bh": None,
+                "ch": None,
+                "cp": False,
+                "s": 7,
+            }
+        ),
+    ),  # session: a string
+    (
+        "selection",
+        selection(
+            {
+                "op": "book",
+                "id": "s",
+                "m": "m",
+                "g": "default",
+                "w": [1, 0],
+                "bh": None,
+                "ch": None,
+                "cp": False,
+                "s": "s" * 4097,
+            }
+        ),
+    ),
     ("selection", selection({"op": "teleport"})),
     ("conflict", upsert(2, block_size=32)),  # the tracker of m/default has block size 16
 ]

@@ -188,3 +188,35 @@ async def test_a_reservation_released_before_its_records_arrive_is_cancelled_eve
         for app in (a, b):
             assert all(row["active_requests"] == 0 for row in await app.loads())
         assert (await a.client.delete(SEL + "/reservations/gone")).status_code == 404
+
+
+async def test_a_session_booked_on_one_instance_stays_on_its_worker_on_another(
+    redis_url: str, namespace: str
+) -> None:
+    """As the reference with replica sync (observed on 1.6.1: a session bound on one selector
+    refuses another worker on its peer), a session's binding travels with its booking."""
+    s = settings(redis_url, namespace, session_affinity_ttl_seconds=60, router_use_kv_events=False)
+    async with running_apps(s, s) as (a, b):
+        for wid in (1, 2):
+            await upsert(a, wid)
+        await until(lambda: converged([a, b]), what="b knows both workers")
+        r = await a.post(SEL + "/select_and_reserve", prompt([1, 2], session_id="s1"))
+        bound = r.json()["worker_id"]
+        other = 3 - bound
+        await until(lambda: converged([a, b]), what="b has the booking")
+        r = await b.post(SEL + "/select_and_reserve",
+                         prompt([9], session_id="s1", allowed_worker_ids=[other]))  # fmt: skip
+        assert (r.status_code, r.json()) == (
+            400, {"error": f"session s1 is bound to worker {bound}, not {other}"},
+        )  # fmt: skip
+        for i in range(4):  # whatever the costs, the session stays on its worker
+            r = await b.post(SEL + "/select", prompt([20 + i], session_id="s1"))
+            assert r.json()["worker_id"] == bound
+        # a session without a booking is bound nowhere
+        r = await b.post(SEL + "/select_and_reserve",
+                         prompt([30], session_id="s2", allowed_worker_ids=[other]))  # fmt: skip
+        assert r.json()["worker_id"] == other
+        await until(lambda: converged([a, b]), what="a has b's booking")
+        r = await a.post(SEL + "/select_and_reserve",
+                         prompt([31], session_id="s2", allowed_worker_ids=[bound]))  # fmt: skip
+        assert r.json() == {"error": f"session s2 is bound to worker {other}, not {bound}"}

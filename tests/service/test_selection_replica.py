@@ -63,7 +63,7 @@ class Node:
             clock=clock.now,
             rng=random.Random(origin),
         )
-        self.service.replica.bind_selection(self.selection)
+        self.service.replica.bind_selection(self.selection.replica)
         stream.read[origin] = 0
 
     def deliver(self) -> None:
@@ -79,9 +79,9 @@ class Node:
         """Everything a client can read of the selection state."""
         sel = self.selection
         tally: dict[Any, int] = {}
-        for r in sel.reservations.values():
+        for _, r in sel.reservations.items():
             tally[(r.key, r.lingering)] = tally.get((r.key, r.lingering), 0) + 1
-        assert sel.held == tally  # the per-partition tally kept as reservations change
+        assert sel.reservations.held == tally  # the per-partition tally kept as reservations change
         return {
             "workers": [(r.spec, r.lifecycle, r.reasons) for r in sel.workers(None, None)],
             "loads": sel.loads(None, None),

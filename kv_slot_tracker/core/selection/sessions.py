@@ -8,9 +8,10 @@ bound worker is not a candidate any more (deleted, moved to another partition), 
 made as without a session and the next booking binds anew. When ``allowed_worker_ids`` excludes
 the bound worker, a booking is refused: ``session S is bound to worker B, not W``.
 
-Kept per instance, in memory, bounded: at most ``max_entries`` sessions (the least recently used
-goes first); expired entries are dropped as they are met and from the old end on every bind, so a
-call costs O(1) amortised. Time is integer nanoseconds passed in.
+Kept in memory (with Redis, every instance binds the session a booking record names), bounded:
+at most ``max_entries`` sessions (the least recently used goes first); expired entries are
+dropped as they are met and from the old end on every bind, so a call costs O(1) amortised. Time
+is integer nanoseconds passed in.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 from fastapi import Response
+from fastapi.responses import StreamingResponse
 from starlette.datastructures import QueryParams
 
 from kv_slot_tracker.core.selection import RouterConfigOverride, to_i64
@@ -30,6 +31,7 @@ from kv_slot_tracker.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpEr
 from kv_slot_tracker.http.responses import json_response, load_rows_json
 from kv_slot_tracker.http.routes import _single
 from kv_slot_tracker.http.selection import schemas as ss
+from kv_slot_tracker.ingest.peers import MEDIA_TYPE, IndexPeers
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import OverlapScores, SelectionService, SelectOutcome
 
@@ -352,8 +354,16 @@ class SelectionOperations:
 class SelectionQueries:
     """The selection API's GET routes: query parameters in, ``Response`` out."""
 
-    def __init__(self, service: SelectionService) -> None:
+    def __init__(
+        self,
+        service: SelectionService,
+        peers: IndexPeers | None = None,
+        silent_seconds: float = 60.0,
+    ) -> None:
         self.service = service
+        self.peers = peers
+        """KV events on: the listeners' state and the index shared with other instances."""
+        self.silent_seconds = silent_seconds
 
     def health(self, params: QueryParams) -> Response:
         return json_response({"status": "ok"})
@@ -361,12 +371,23 @@ class SelectionQueries:
     def ready(self, params: QueryParams) -> Response:
         records = self.service.workers(None, None)
         count = sum(1 for r in records if r.schedulable)
-        body = {
-            "ready": count > 0,
+        ready = count > 0
+        body: dict[str, Any] = {
+            "ready": ready,
             "schedulable_workers": count,
             "workers": [worker_json(r) for r in records],
         }
-        return json_response(body, 200 if count else 503)
+        if self.peers is not None:
+            body["kv_events"] = kv = self.peers.status(self.silent_seconds)
+            body["ready"] = ready = ready and not kv["recovering"]
+        return json_response(body, 200 if ready else 503)
+
+    def kv_index(self, params: QueryParams) -> Response:
+        if self.peers is None:
+            return json_response({"error": "KV events are off on this instance"}, 404)
+        if self.peers.recovering:
+            return json_response({"error": "this instance is still loading its KV index"}, 503)
+        return StreamingResponse(self.peers.dump(), media_type=MEDIA_TYPE)
 
     def workers(self, params: QueryParams) -> Response:
         m, g = _single(params, "model_name"), _single(params, "routing_group")

@@ -50,6 +50,9 @@ class Book:
     consumes_pending: bool = True
     """Drop the partition's pending selection of this id (a replay or an explicit booking; a
     select_and_reserve leaves it, as the reference does)."""
+    session_id: str | None = None
+    """A select_and_reserve's session (session affinity on): every instance binds it to the
+    booked worker."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -80,20 +83,6 @@ class Release:
     selection_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """Drop a reservation id that no longer holds a request (its worker went, or it expired)."""
-
-    selection_id: str
-
-
 Mutation = (
-    PutWorker
-    | RemoveWorker
-    | Book
-    | CacheSelection
-    | CompletePrefill
-    | AddOutputBlock
-    | Release
-    | Forget
+    PutWorker | RemoveWorker | Book | CacheSelection | CompletePrefill | AddOutputBlock | Release
 )

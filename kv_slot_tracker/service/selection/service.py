@@ -1,7 +1,7 @@
 """The selection service: Dynamo's worker selection on top of the slot trackers.
 
-``SelectionService`` owns the worker catalog, the reservation ids, one approximate cache per
-partition ``(model_name, routing_group)`` and the pending-selection cache; the load of every rank
+``SelectionService`` owns the worker catalog, one approximate cache per partition
+``(model_name, routing_group)`` and the pending-selection cache; the load of every rank
 (prefill tokens, active blocks, active requests) lives in the SAME ``TrackerRegistry`` the
 slot-tracker routes use. A schedulable worker's ranks are registered in its partition's tracker
 and a reservation is a request of that tracker (its id is the selection id), so ``/loads``,
@@ -10,9 +10,15 @@ and a reservation is a request of that tracker (its id is the selection id), so 
 Every public method first decides (checks in the reference's order, the random pick, a generated
 id) and raises domain errors (``kv_slot_tracker.core.selection.errors``, ``kv_slot_tracker.service.errors``) without
 changing anything; then it changes state only through ``commit`` with one record of
-``kv_slot_tracker.service.selection.mutations``. ``commit`` is also the one place selection state is
-published to the other instances from (``kv_slot_tracker.service.selection.replica``): the catalog,
-reservations, approximate caches and pending selections are shared like the trackers.
+``kv_slot_tracker.service.selection.mutations`` (a reservation id found holding no request any more
+is dropped by ``reservations`` on the way: derived state, shared by no record). ``commit`` is also the one place selection state is
+published to the other instances from: the catalog, reservations, approximate caches and pending
+selections are shared like the trackers.
+
+Its collaborators, each holding a part and working on the service through its public API:
+``reservations`` (``Reservations``: the reservation ids), ``replica`` (``SelectionReplica``: the
+records shared with the other instances and the snapshots) and ``kv_events`` (``KvEvents``: the
+KV-event ingest's sink, into the partitions' indexes).
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
 with its block size, after its last worker goes, while the tracker itself is dropped as the
@@ -52,26 +58,33 @@ from kv_slot_tracker.core.selection.catalog import (
 )
 from kv_slot_tracker.core.selection.errors import (
     CatalogWorkerNotFound,
+    InvalidDecayFraction,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
+    PendingSelectionNotFound,
+    PendingWorkerGone,
+    PrefillExceedsIsl,
+    RankNotFound,
+    ReservationNotFound,
+    SchedulableWorkerNotFound,
     SessionBoundElsewhere,
 )
-from kv_slot_tracker.core.selection.kv_index import TIER_NAMES, local_hashes
+from kv_slot_tracker.core.selection.kv_index import TIER_NAMES
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
 from kv_slot_tracker.core.selection.selector import select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
-from kv_slot_tracker.core.types import WorkerWithDpRank
-from kv_slot_tracker.ingest.port import RankKey, Subscription
-from kv_slot_tracker.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
+from kv_slot_tracker.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
 from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection import mutations as m
-from kv_slot_tracker.service.selection.replica import SelectionReplicaMixin
-from kv_slot_tracker.service.selection.reservations import ReservationsMixin
+from kv_slot_tracker.service.selection.kv_events import KvEvents, kv_endpoints
+from kv_slot_tracker.service.selection.replica import SelectionReplica
+from kv_slot_tracker.service.selection.reservations import Reservations
 from kv_slot_tracker.service.selection.types import (
     SELECTION_OUTCOMES,
+    Booked,
     Candidates,
     LoadRow,
     OverlapScores,
@@ -91,7 +104,7 @@ DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
 MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
 
 
-class SelectionService(ReservationsMixin, SelectionReplicaMixin):
+class SelectionService:
     def __init__(
         self,
         registry: TrackerRegistry,
@@ -113,15 +126,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         self.pending = PendingSelections(pending_max_entries, pending_ttl_ns)
         self.partitions: dict[Key, Partition] = {}
         self.catalog: dict[int, WorkerRecord] = {}
-        self.reservations: dict[str, Reservation] = {}
-        self.held: dict[tuple[Key, bool], int] = {}
-        """Reservation ids per ``(partition, lingering)``, kept as they change (for metrics)."""
-        self._reservations_of: dict[int, set[str]] = {}
+        self.reservations = Reservations(registry)
         self._schedulable = 0  # schedulable workers in the catalog
-        self.lingering_dropped = 0
-        """Lingering reservation ids dropped by the sweep after the request expiry (counted)."""
-        self.stale_dropped = 0
-        """Reservation ids whose request was freed elsewhere (slot routes, expiry), dropped."""
         self._evictions_logged = 0
         self.counters = SelectionCounters()
         self.sessions = (
@@ -130,18 +136,19 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             else None
         )
         """Sessions bound to workers (off when the TTL is 0); kept per instance."""
-        self._kv_version = 0  # bumped whenever the wanted KV-event subscriptions may change
-        self._kv_epochs: dict[int, int] = {}  # worker id -> times it left its partition
-        self.kv_stores_refused = 0
-        """KV-event stores skipped: parent unknown on the rank, or a hash repeated."""
-        self.kv_events_unrouted = 0
-        """KV events for a worker or rank that is not (or no longer) schedulable here."""
+        self.replica = SelectionReplica(self)
+        self.kv_events = KvEvents(self, enabled=self.config.use_kv_events)
 
     # -- the one mutation entry point ------------------------------------------------------
 
     def commit(self, mutation: m.Mutation) -> None:
         """Apply one change to the selection state, then publish it to the other instances."""
-        now = self.clock()
+        self.apply(mutation, self.clock())
+        self.replica.send(mutation)
+
+    def apply(self, mutation: m.Mutation, now: int) -> None:
+        """Apply one change at ``now``, publishing nothing (``commit`` publishes it; the
+        replica applies a peer's change through here)."""
         if isinstance(mutation, m.Book):
             self._apply_book(mutation, now)
         elif isinstance(mutation, m.Release):
@@ -149,22 +156,60 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         elif isinstance(mutation, m.CacheSelection):
             self.pending.put(mutation.selection_id, mutation.entry, now)
         elif isinstance(mutation, m.CompletePrefill):
-            res = self.reservations[mutation.selection_id]
+            res = self._reserved(mutation.selection_id)
             self.registry.get(res.key).mark_prefill_completed(mutation.selection_id, now)
         elif isinstance(mutation, m.AddOutputBlock):
-            res = self.reservations[mutation.selection_id]
+            res = self._reserved(mutation.selection_id)
             self.registry.get(res.key).add_output_block(
                 mutation.selection_id, mutation.decay_fraction
             )
-        elif isinstance(mutation, m.Forget):
-            self._forget(mutation.selection_id)
         elif isinstance(mutation, m.PutWorker):
             self._apply_put_worker(mutation.spec)
         elif isinstance(mutation, m.RemoveWorker):
             self._apply_remove_worker(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
-        self._publish(mutation)
+
+    def _reserved(self, sid: str) -> Reservation:
+        res = self.reservations.get(sid)
+        assert res is not None, sid
+        return res
+
+    def _apply_book(self, b: m.Book, now: int) -> None:
+        key = b.key
+        t = self.registry.get(key)
+        prefill = b.prefill_tokens
+        t.add_request_if_registered(
+            SequenceRequest(
+                b.selection_id,
+                b.worker,
+                list(b.sequence_hashes),
+                prefill > 0,
+                b.expected_output_tokens,
+                PrefillLoadHint(prefill) if prefill > 0 else None,
+                b.lora_name,
+            ),
+            now,
+        )
+        self.registry.counters_of(key).added += 1
+        self.reservations.hold(b.selection_id, Reservation(key, b.worker, now))
+        if b.block_hashes and not self.config.use_kv_events:
+            self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
+        if b.consumes_pending:
+            self.pending.discard((*key, b.selection_id))
+
+    def _apply_release(self, r: m.Release, now: int) -> None:
+        res = self._reserved(r.selection_id)
+        if self.registry.get(res.key).free(r.selection_id, now):
+            self.registry.counters_of(res.key).freed += 1
+        self.reservations.forget(r.selection_id)
+
+    def replace_catalog(
+        self, catalog: dict[int, WorkerRecord], partitions: dict[Key, Partition]
+    ) -> None:
+        """Replace the catalog and the partitions (a snapshot's, restored by the replica)."""
+        self.catalog, self.partitions = catalog, partitions
+        self._schedulable = sum(r.schedulable for r in catalog.values())
 
     # -- the worker catalog ----------------------------------------------------------------
 
@@ -276,7 +321,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         partition stays listed, as the reference lists it after its last worker goes, until
         its place is needed (``_room_for_partition``)."""
         named = {r.spec.key for r in self.catalog.values()}
-        held = {key for key, _ in self.held}
+        held = self.reservations.partitions_held()
         for key, part in self.partitions.items():  # oldest first
             if not part.workers and key not in named and key not in held:
                 return key
@@ -299,7 +344,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
 
     def _place(self, spec: WorkerSpec) -> None:
         """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""
-        self._kv_version += 1
+        self.kv_events.worker_placed()
         key = spec.key
         assert spec.block_size is not None
         t = self.registry.find(key)
@@ -316,7 +361,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if change.removed:
             for w in change.removed:
                 part.index.clear_rank(w)
-            self._orphan(spec.worker_id, {w.dp_rank for w in change.removed})
+            self.reservations.orphan(spec.worker_id, {w.dp_rank for w in change.removed})
 
     def _unplace(self, spec: WorkerSpec) -> None:
         """Take a worker off its partition: ranks, their requests and its cached blocks."""
@@ -330,24 +375,125 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             part.workers.pop(spec.worker_id, None)
             part.cache.remove_worker(spec.worker_id)
             part.index.remove_worker(spec.worker_id)
-        self._kv_version += 1
-        self._kv_epochs[spec.worker_id] = self._kv_epochs.get(spec.worker_id, 0) + 1
-        self._orphan(spec.worker_id, None)
+        self.kv_events.worker_left(spec.worker_id)
+        self.reservations.orphan(spec.worker_id, None)
 
-    def _orphan(self, worker_id: int, ranks: set[int] | None) -> None:
-        """Mark the reservations of ``worker_id`` (on ``ranks``, or all) as lingering."""
-        ids = self._reservations_of.get(worker_id)
-        if not ids:
-            return
-        for sid in list(ids):
-            res = self.reservations[sid]
-            if ranks is None or res.worker.dp_rank in ranks:
-                self._count(res, -1)
-                res.lingering = True
-                self._count(res, 1)
-                ids.discard(sid)
-        if not ids:
-            del self._reservations_of[worker_id]
+    # -- reservations (SELECTION.md §6) -----------------------------------------------------
+
+    def replay(self, cmd: sc.ReplaySelection) -> Booked:
+        """Book a pending selection exactly where it pointed (single use)."""
+        key, sid = cmd.key, cmd.selection_id
+        entry = self.pending.get((*key, sid), self.clock())
+        if entry is None:
+            raise PendingSelectionNotFound(sid, *key)
+        self._partition(key)
+        worker = entry.worker
+        spec = self._placed_spec(key, worker)
+        if spec is None:
+            raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
+        self.reservations.check_free(sid, key)
+        self.commit(
+            m.Book(
+                selection_id=sid,
+                model_name=key[0],
+                routing_group=key[1],
+                worker=worker,
+                sequence_hashes=entry.sequence_hashes,
+                block_hashes=entry.block_hashes,
+                cache_chain=entry.sequence_hashes if entry.from_tokens else None,
+                isl_tokens=entry.isl_tokens,
+                prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
+                expected_output_tokens=entry.expected_output_tokens,
+                lora_name=entry.lora_name,
+            )
+        )
+        self.counters.count(key, "replay")
+        return Booked(
+            selection_id=sid,
+            model_name=key[0],
+            routing_group=key[1],
+            worker=worker,
+            endpoint=spec.endpoint or "",
+        )
+
+    def _placed_spec(self, key: Key, worker: WorkerWithDpRank) -> WorkerSpec | None:
+        """The spec of ``worker``'s worker when that rank is schedulable in ``key``."""
+        part = self.partitions.get(key)
+        spec = part.workers.get(worker.worker_id) if part is not None else None
+        if spec is None or not spec.has_rank(worker.dp_rank):
+            return None
+        t = self.registry.find(key)
+        placed = t.worker_range(worker.worker_id) if t is not None else None
+        if (
+            placed is None
+            or not placed.dp_start <= worker.dp_rank < placed.dp_start + placed.dp_size
+        ):
+            return None
+        return spec
+
+    def book(self, cmd: sc.BookExplicit) -> Booked:
+        """An explicit booking of a prompt on a given rank."""
+        key, sid = cmd.key, cmd.selection_id
+        part = self._partition(key)
+        # the reference checks the block hashes (isl > 0, equal lengths) only after the worker
+        with_blocks = cmd.token_ids is None and cmd.block_hashes is not None
+        prompt = self._prompt(cmd, part.block_size, for_booking=True, block_hashes=False)
+        ept = cmd.effective_prefill_tokens
+        if ept is not None and ept > prompt.isl_tokens:
+            raise PrefillExceedsIsl(ept, prompt.isl_tokens)
+        if cmd.worker_id not in part.workers:
+            raise SchedulableWorkerNotFound(cmd.worker_id, *key)
+        if with_blocks:
+            prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        self.reservations.check_free(sid, key)
+        worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
+        spec = self._placed_spec(key, worker)
+        if spec is None:
+            raise RankNotFound(cmd.worker_id, cmd.dp_rank)
+        # the booking's own flag decides, whatever the router's: only an explicit false stops
+        # the given prefill tokens from counting (as in the reference)
+        track = cmd.track_prefill_tokens is not False
+        self.commit(
+            m.Book(
+                selection_id=sid,
+                model_name=key[0],
+                routing_group=key[1],
+                worker=worker,
+                sequence_hashes=prompt.sequence_hashes,
+                block_hashes=prompt.block_hashes,
+                cache_chain=prompt.sequence_hashes if prompt.from_tokens else None,
+                isl_tokens=prompt.isl_tokens,
+                prefill_tokens=ept if ept is not None and track else 0,
+                expected_output_tokens=cmd.expected_output_tokens,
+                lora_name=cmd.lora_name,
+            )
+        )
+        self.counters.count(key, "explicit")
+        return Booked(
+            selection_id=sid,
+            model_name=key[0],
+            routing_group=key[1],
+            worker=worker,
+            endpoint=spec.endpoint or "",
+        )
+
+    def prefill_complete(self, cmd: sc.ReservationCall) -> None:
+        if self.reservations.live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.CompletePrefill(cmd.selection_id))
+
+    def output_block(self, cmd: sc.ReservationOutputBlock) -> None:
+        f = cmd.decay_fraction
+        if f is not None and not 0.0 <= f <= 1.0:
+            raise InvalidDecayFraction()
+        if self.reservations.live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.AddOutputBlock(cmd.selection_id, f))
+
+    def release(self, cmd: sc.ReservationCall) -> None:
+        if self.reservations.live(cmd.selection_id) is None:
+            raise ReservationNotFound(cmd.selection_id)
+        self.commit(m.Release(cmd.selection_id))
 
     # -- prompts and candidates ------------------------------------------------------------
 
@@ -448,7 +594,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if cmd.reserve:
             if sid is None:
                 sid = self.new_selection_id()
-            self._check_free(sid, key)
+            self.reservations.check_free(sid, key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
         config = self._config_for(cmd)
         track = config.track_prefill_tokens
@@ -501,6 +647,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
                     expected_output_tokens=cmd.expected_output_tokens,
                     lora_name=cmd.lora_name,
                     consumes_pending=False,
+                    session_id=session,
                 )
             )
         elif sid is not None:
@@ -661,28 +808,8 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
             for key, part in sorted(self.partitions.items())
         ]
 
-    # -- KV events (the ingest's sink, kv_slot_tracker.ingest.port.KvEventSink) -------------------------
-
-    @property
-    def kv_subscriptions_version(self) -> int:
-        return self._kv_version
-
-    def kv_subscriptions(self) -> dict[RankKey, Subscription]:
-        """Every rank of every schedulable worker and its engine's publisher (KV events on)."""
-        if not self.config.use_kv_events:
-            return {}
-        out: dict[RankKey, Subscription] = {}
-        for part in self.partitions.values():
-            for wid, spec in part.workers.items():
-                endpoints = kv_endpoints(spec)
-                epoch = self._kv_epochs.get(wid, 0)
-                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size):
-                    endpoint = endpoints.get(rank)
-                    if endpoint:
-                        out[wid, rank] = Subscription(endpoint, spec.replay_endpoint or None, epoch)
-        return out
-
-    def _kv_partition(self, worker_id: int) -> Partition | None:
+    def placed_partition(self, worker_id: int) -> Partition | None:
+        """The partition ``worker_id`` is a schedulable worker of, if any."""
         record = self.catalog.get(worker_id)
         if record is None or not record.schedulable:
             return None
@@ -690,41 +817,6 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         if part is None or worker_id not in part.workers:
             return None
         return part
-
-    def apply_kv_batch(self, worker_id: int, dp_rank: int, batch: KvBatch) -> None:
-        """One engine batch into the worker's partition index, in one synchronous call. The
-        batch's own ``data_parallel_rank`` wins over the socket's rank (as the reference)."""
-        part = self._kv_partition(worker_id)
-        if part is None:
-            self.kv_events_unrouted += len(batch.events)
-            return
-        # the batch's rank is indexed even when the worker did not declare it (as the
-        # reference); it is listed by /overlap_scores but is no candidate
-        rank = WorkerWithDpRank(worker_id, dp_rank if batch.dp_rank is None else batch.dp_rank)
-        index, bs = part.index, part.block_size
-        for ev in batch.events:
-            if isinstance(ev, BlocksStored):
-                if ev.tier is None:
-                    continue
-                locals_ = local_hashes(
-                    ev.token_ids, ev.block_size, len(ev.block_hashes), bs, ev.lora_name
-                )
-                blocks = list(zip(ev.block_hashes, locals_, strict=False))
-                if not index.store(rank, ev.tier, ev.parent_hash, blocks):
-                    self.kv_stores_refused += 1
-            elif isinstance(ev, BlocksRemoved):
-                if ev.tier is not None:
-                    index.remove(rank, ev.tier, ev.block_hashes)
-            elif isinstance(ev, AllCleared):
-                index.clear_rank(rank)
-
-    def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
-        part = self._kv_partition(worker_id)
-        if part is not None:
-            part.index.clear_rank(WorkerWithDpRank(worker_id, dp_rank))
-
-    def kv_indexed_blocks(self) -> dict[Key, int]:
-        return {key: len(part.index) for key, part in self.partitions.items()}
 
     # -- background ------------------------------------------------------------------------
 
@@ -735,15 +827,7 @@ class SelectionService(ReservationsMixin, SelectionReplicaMixin):
         n = self.pending.expire(now)
         for part in self.partitions.values():
             n += part.cache.expire(now)
-        horizon = now - (self.registry.expiry_ns or 0)
-        for sid, res in list(self.reservations.items()):
-            if res.lingering:
-                if self.registry.expiry_ns and res.created_at < horizon:
-                    self.lingering_dropped += 1
-                    self.commit(m.Forget(sid))
-                    n += 1
-            elif self._live(sid) is None:
-                n += 1
+        n += self.reservations.sweep(now)
         evicted = self.pending.evicted
         if evicted > self._evictions_logged:
             log.warning(
@@ -765,22 +849,6 @@ def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
     if prompt.from_tokens:
         return prompt.sequence_hashes
     return tuple(chain_keys(prompt.block_hashes))
-
-
-def kv_endpoints(spec: WorkerSpec) -> dict[int, str]:
-    """The rank -> publisher map of a worker, as the reference reads it: ``kv_events_endpoints``
-    when non-empty (keys are ranks), else ``kv_events_endpoint`` for a worker of one rank."""
-    if spec.kv_events_endpoints:
-        out = {}
-        for rank, endpoint in spec.kv_events_endpoints.items():
-            try:
-                out[int(rank)] = endpoint
-            except ValueError:
-                continue
-        return out
-    if spec.dp_size == 1 and spec.kv_events_endpoint is not None:
-        return {spec.dp_start: spec.kv_events_endpoint}
-    return {}
 
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:

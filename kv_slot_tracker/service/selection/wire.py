@@ -206,7 +206,7 @@ Replicated = m.PutWorker | m.RemoveWorker | m.Book | m.CacheSelection | m.Releas
 
 def mutation_to_wire(mutation: Replicated) -> dict[str, Any]:
     if isinstance(mutation, m.Book):
-        return {
+        book = {
             "op": "book",
             "id": mutation.selection_id,
             "m": mutation.model_name,
@@ -216,6 +216,9 @@ def mutation_to_wire(mutation: Replicated) -> dict[str, Any]:
             "ch": _u64s(mutation.cache_chain),
             "cp": mutation.consumes_pending,
         }
+        if mutation.session_id is not None:  # absent from older records: no session
+            book["s"] = mutation.session_id
+        return book
     if isinstance(mutation, m.Release):
         return {"op": "release", "id": mutation.selection_id}
     if isinstance(mutation, m.CacheSelection):
@@ -255,6 +258,7 @@ def mutation_from_wire(v: Any) -> Replicated:
                 isl_tokens=0,
                 prefill_tokens=0,
                 consumes_pending=consumes,
+                session_id=_opt_str(v.get("s"), "session_id"),
             )
         if op == "release":
             return m.Release(as_str(v["id"], "id"))

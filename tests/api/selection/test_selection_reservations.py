@@ -266,7 +266,7 @@ async def test_lingering_ids_are_dropped_by_the_sweep_after_the_expiry(app, clie
     clock.advance(2)
     selection.sweep()
     assert "s" not in selection.reservations
-    assert selection.lingering_dropped == 1
+    assert selection.reservations.lingering_dropped == 1
 
 
 # -- the approximate cache ----------------------------------------------------------------------

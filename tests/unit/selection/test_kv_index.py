@@ -58,20 +58,120 @@ def test_store_and_prefix_overlap() -> None:
     assert ix.overlaps(sequence_hashes_for_tokens(list(range(8)), BS)) == {}
 
 
-def test_removing_a_middle_block_removes_what_the_rank_stored_under_it() -> None:
-    # reference: store [1,2,3], remove 2 -> /dump lists 1 only; store 2 again -> overlap 2;
-    # a store under 3 is then refused (its parent is gone)
+def alt(i: int) -> int:
+    """The local hash of a block off the test prompt: tokens ``900 + 4 i ...`` (the probes'
+    block ``-i``)."""
+    return local_hashes(list(range(900 + 4 * i, 904 + 4 * i)), BS, 1, BS)[0]
+
+
+def facts(ix: KvIndex) -> list[tuple[int, int, int | None]]:
+    """``(worker, block, parent)`` of the device blocks, as the harness reads ``/dump``."""
+    return sorted(
+        (
+            (b.worker.worker_id, b.block_hash, b.parent_hash)
+            for b in ix.blocks()
+            if b.tier == DEVICE
+        ),
+        key=lambda f: (f[0], f[1]),
+    )
+
+
+def device(ix: KvIndex, locals_: list[int]) -> dict[int, int]:
+    return {
+        w.worker_id: o.device for w, o in ix.overlaps(compute_seq_hash_for_block(locals_)).items()
+    }
+
+
+def test_removing_a_middle_block_removes_the_rest_of_its_run() -> None:
+    # reference: store [1,2,3] (one run), remove 2 -> /dump lists 1 only; store 2 under 1
+    # again -> overlap 2; a store under 3 is refused (the rank no longer holds 3)
     ix = KvIndex()
     ix.store(A, DEVICE, None, blocks([1, 2, 3]))
-    ix.store(A, DEVICE, 2, [(7, LOCAL[4])])  # a branch under 2
-    assert ix.remove(A, DEVICE, [2]) == 3
+    assert ix.remove(A, DEVICE, [2]) == 2
+    assert facts(ix) == [(1, 1, None)]
     assert ix.overlaps(KEYS) == {A: TierOverlap(1)}
-    assert [(b.block_hash, b.parent_hash) for b in ix.blocks()] == [(1, None)]
     assert ix.store(A, DEVICE, 1, blocks([2], 1))
-    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
     assert not ix.store(A, DEVICE, 3, blocks([4], 3))
+    assert facts(ix) == [(1, 1, None), (1, 2, 1)]
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
     assert ix.remove(A, DEVICE, [3, 999]) == 0  # unknown hashes are skipped
     assert len(ix) == 2
+
+
+def test_a_removal_keeps_the_runs_below_while_another_rank_holds_the_run() -> None:
+    # reference (select_service 1.6.1), ranks 100 = A and 101 = B:
+    #   A: BlockStored [1,2,3] (blocks 0,1,2)          -> one run [1,2,3]
+    #   B: BlockStored [1,2];  B: BlockStored [9] (block -3) under 2  -> runs [1,2] | [3], [9]
+    #   A: BlockRemoved [2];   A: BlockStored [4] (block 3) under 3
+    # /dump: A 1, 3<-2, 4<-3; B 1, 2<-1, 9<-2.  Overlap of blocks 0-3: A 1, B 4 (the reference
+    # credits B with A's run [3,4]: the run has as many full holders as there are ranks still
+    # matching, so it compares nothing); of blocks 0-1: A 1, B 2.
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2, 3]))
+    ix.store(B, DEVICE, None, blocks([1, 2]))
+    assert ix.store(B, DEVICE, 2, [(9, alt(3))])
+    assert ix.remove(A, DEVICE, [2]) == 1
+    assert ix.store(A, DEVICE, 3, blocks([4], 3))
+    assert facts(ix) == [(1, 1, None), (1, 3, 2), (1, 4, 3), (2, 1, None), (2, 2, 1), (2, 9, 2)]
+    assert device(ix, LOCAL[:4]) == {1: 1, 2: 4}
+    assert device(ix, LOCAL[:2]) == {1: 1, 2: 2}
+    # and before A's store under 3: blocks 0-2 -> A 1, B 3; blocks 0,1,-3 -> A 1, B 3
+    ix2 = KvIndex()
+    ix2.store(A, DEVICE, None, blocks([1, 2, 3]))
+    ix2.store(B, DEVICE, None, blocks([1, 2]))
+    ix2.store(B, DEVICE, 2, [(9, alt(3))])
+    ix2.remove(A, DEVICE, [2])
+    assert device(ix2, LOCAL[:3]) == {1: 1, 2: 3}
+    assert device(ix2, [*LOCAL[:2], alt(3)]) == {1: 1, 2: 3}
+
+
+def test_a_rank_can_be_credited_with_a_run_it_does_not_hold() -> None:
+    # reference: A [1,2]; B [1,2]; B [9] (block -3) under 2; A [3] (block 2) under 2;
+    # A removes 1 -> /dump: A 3<-2; B 1, 2<-1, 9<-2; overlap of blocks 0-2: A 0, B 3
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2]))
+    ix.store(B, DEVICE, None, blocks([1, 2]))
+    ix.store(B, DEVICE, 2, [(9, alt(3))])
+    ix.store(A, DEVICE, 2, blocks([3], 2))
+    ix.remove(A, DEVICE, [1])
+    assert facts(ix) == [(1, 3, 2), (2, 1, None), (2, 2, 1), (2, 9, 2)]
+    assert device(ix, LOCAL[:3]) == {2: 3}
+    assert device(ix, [*LOCAL[:2], alt(3)]) == {2: 3}
+
+
+def test_extending_a_shared_leaf_run_leaves_the_other_holders_their_part() -> None:
+    # reference: A [1,2]; B [1,2]; B [3] under 2; B removes 2 -> /dump: A 1, 2<-1; B 1;
+    # overlap of blocks 0-2: A 2, B 1
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2]))
+    ix.store(B, DEVICE, None, blocks([1, 2]))
+    ix.store(B, DEVICE, 2, blocks([3], 2))
+    assert ix.remove(B, DEVICE, [2]) == 2
+    assert facts(ix) == [(1, 1, None), (1, 2, 1), (2, 1, None)]
+    assert device(ix, LOCAL[:3]) == {1: 2, 2: 1}
+
+
+def test_a_run_nobody_holds_whole_loses_its_children() -> None:
+    # reference: A [1,2,3]; A [7] (block -3) under 2; A removes 1 -> nothing listed;
+    # A [4] under 3 (kept out of reach); A [1,2] again -> /dump: A 1, 2<-1; overlap 0-3: 2
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2, 3]))
+    ix.store(A, DEVICE, 2, [(7, alt(3))])
+    assert ix.remove(A, DEVICE, [1]) == 2
+    assert facts(ix) == []
+    ix.store(A, DEVICE, 3, blocks([4], 3))
+    ix.store(A, DEVICE, None, blocks([1, 2]))
+    assert facts(ix) == [(1, 1, None), (1, 2, 1)]
+    assert device(ix, LOCAL[:4]) == {1: 2}
+    # the same with 2 removed and then stored again under 1
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, blocks([1, 2, 3]))
+    ix.store(A, DEVICE, 2, [(7, alt(3))])
+    assert ix.remove(A, DEVICE, [2]) == 1
+    ix.store(A, DEVICE, 1, blocks([2], 1))
+    ix.store(A, DEVICE, 3, blocks([4], 3))
+    assert facts(ix) == [(1, 1, None), (1, 2, 1)]
+    assert device(ix, LOCAL[:4]) == {1: 2}
 
 
 def test_parent_unknown_or_repeated_hash_stores_nothing() -> None:
@@ -88,7 +188,7 @@ def test_signed_and_unsigned_engine_hashes_are_one_block() -> None:
     ix = KvIndex()
     ix.store(A, DEVICE, None, blocks([-5, 2**64 - 3]))
     assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
-    assert ix.remove(A, DEVICE, [2**64 - 5]) == 2  # -5 as u64, and its child
+    assert ix.remove(A, DEVICE, [2**64 - 5]) == 2  # -5 as u64, and the rest of its run
     assert ix.overlaps(KEYS) == {}
 
 
@@ -117,7 +217,7 @@ def test_tiers_extend_the_device_prefix() -> None:
     # a rank holding only host blocks
     ix.store(B, HOST_PINNED, None, blocks([7, 8]))
     assert ix.overlaps(KEYS)[B] == TierOverlap(0, 2, 0)
-    assert ix.remove(A, DEVICE, [1]) == 2  # and 2, stored under it
+    assert ix.remove(A, DEVICE, [1]) == 2  # and 2, stored with it
     assert ix.overlaps(KEYS)[A] == TierOverlap(0, 4, 1)
 
 
@@ -140,7 +240,7 @@ def test_lookup_cost_does_not_grow_with_unrelated_ranks() -> None:
     ix.store(B, DEVICE, None, blocks([21, 22]))
     before = ix.lookup_probes
     assert ix.overlaps(KEYS) == {A: TierOverlap(6), B: TierOverlap(2)}
-    assert ix.lookup_probes - before == 6 + 2 + 1
+    assert ix.lookup_probes - before == 6 + 1  # B holds a prefix of A's run: no extra step
 
 
 def test_a_removed_middle_block_credits_no_other_rank() -> None:
@@ -179,7 +279,8 @@ def test_tier_rules_for_parents_removals_and_clears() -> None:
 
 class NaiveIndex:
     """The same rules, written as plainly as possible: per rank and tier, engine hash -> (chain
-    key, parent); every read scans everything."""
+    key, parent); every read scans everything. (Device removals, whose effect depends on how
+    the reference's tree groups blocks into runs, are left to the tests above.)"""
 
     def __init__(self) -> None:
         self.maps: dict[W, list[dict[int, tuple[int, int | None]]]] = {}
@@ -199,25 +300,24 @@ class NaiveIndex:
         maps = self.maps.setdefault(w, [{}, {}, {}])
         prev = parent
         for h, local in blks:
-            pkey = compute_seq_hash_for_block([local])[0] if pkey is None else (
+            key = compute_seq_hash_for_block([local])[0] if pkey is None else (
                 compute_seq_hash_for_block([pkey, local])[1]
             )  # fmt: skip
-            maps[tier][h] = (pkey, prev)
-            prev = h
+            if tier != DEVICE and h in maps[tier]:
+                if maps[tier][h][1] != prev:
+                    break  # a host or disk block stays where it was first stored
+                key = maps[tier][h][0]
+            maps[tier][h] = (key, prev)
+            pkey, prev = key, h
         return True
 
     def remove(self, w: W, tier: int, hashes: list[int]) -> None:
         maps = self.maps.get(w)
         if maps is None:
             return
+        assert tier != DEVICE
         for h in hashes:
-            if h not in maps[tier]:
-                continue
-            gone = [h]
-            while gone:
-                b = gone.pop()
-                if maps[tier].pop(b, None) is not None and tier == DEVICE:
-                    gone += [c for c, (_, p) in maps[tier].items() if p == b]
+            maps[tier].pop(h, None)
 
     def overlaps(self, keys: list[int]) -> dict[W, TierOverlap]:
         out = {}
@@ -263,6 +363,7 @@ def test_random_operations_agree_with_a_naive_model() -> None:
                 parent = engine(p, start - 1) if start else None
                 assert fast.store(w, tier, parent, blks) == slow.store(w, tier, parent, blks)
             elif roll < 0.9:
+                tier = rng.choice([HOST_PINNED, DISK])
                 hashes = [engine(rng.randrange(2), rng.randrange(6)) for _ in range(2)]
                 fast.remove(w, tier, hashes)
                 slow.remove(w, tier, hashes)
@@ -273,3 +374,83 @@ def test_random_operations_agree_with_a_naive_model() -> None:
                 keys = compute_seq_hash_for_block(local[p])
                 assert fast.overlaps(keys) == slow.overlaps(keys), seed
         assert len(fast) == sum(len(m) for maps in slow.maps.values() for m in maps)
+
+
+def test_a_host_block_stays_where_it_was_first_stored() -> None:
+    # reference: CPU [5] (block 2) under 999, held nowhere; then CPU [1,2,5,6] (blocks 0-3) from
+    # block 0 -> /dump: 1, 2<-1, 5<-999 (5 keeps its parent, and the walk stops: 6 is not kept);
+    # a store repeating blocks in their places adds the new ones (CPU [1,2], then [1,2,3])
+    ix = KvIndex()
+    ix.store(A, HOST_PINNED, 999, blocks([5], 2))
+    ix.store(A, HOST_PINNED, None, blocks([1, 2, 5, 6]))
+    assert sorted((b.block_hash, b.parent_hash) for b in ix.blocks()) == [
+        (1, None), (2, 1), (5, 999),
+    ]  # fmt: skip
+    assert ix.overlaps(KEYS) == {A: TierOverlap(0, 2, 0)}
+    ix = KvIndex()
+    ix.store(A, HOST_PINNED, None, blocks([1, 2]))
+    ix.store(A, HOST_PINNED, None, blocks([1, 2, 3]))
+    assert sorted((b.block_hash, b.parent_hash) for b in ix.blocks()) == [
+        (1, None), (2, 1), (3, 2),
+    ]  # fmt: skip
+    assert len(ix) == 3
+
+
+def test_long_runs_and_hashes_equal_to_other_fields() -> None:
+    # a run longer than the searched length keeps an index; it must agree with the search
+    toks = list(range(1000, 1000 + 4 * 100))
+    loc = local_hashes(toks, BS, 100, BS)
+    keys = compute_seq_hash_for_block(loc)
+    ix = KvIndex()
+    ix.store(A, DEVICE, None, [(5000 + i, loc[i]) for i in range(100)])
+    ix.store(B, DEVICE, None, [(5000 + i, loc[i]) for i in range(70)])
+    assert ix.store(A, DEVICE, 5069, [(9000, alt(1))])  # splits the run after block 69
+    assert ix.remove(A, DEVICE, [5080]) == 20  # the rest of its run: blocks 80-99
+    assert device(ix, loc) == {1: 80, 2: 70}
+    # blocks 30-69; B still holds 0-69 whole, so 70-79 and 9000 stay listed below them
+    assert ix.remove(A, DEVICE, [5030]) == 40
+    assert device(ix, loc) == {1: 30, 2: 70}
+    assert ix.overlaps(keys[:30]) == {A: TierOverlap(30), B: TierOverlap(30)}
+    assert (1, 9000, 5069) in facts(ix) and (1, 5075, 5074) in facts(ix)
+    assert len(ix) == 30 + 10 + 1 + 70
+    # an engine hash equal to another block's local hash or chain key is found as the hash
+    ix = KvIndex()
+    # (block 1's engine hash is block 0's local hash, block 2's is block 1's chain key)
+    assert ix.store(A, DEVICE, None, [(111, LOCAL[0]), (LOCAL[0], LOCAL[1]), (KEYS[1], LOCAL[2])])
+    assert ix.remove(A, DEVICE, [KEYS[1]]) == 1
+    assert ix.remove(A, DEVICE, [LOCAL[0]]) == 1
+    assert facts(ix) == [(1, 111, None)]
+
+
+def test_a_rank_dumped_and_loaded_elsewhere_answers_the_same() -> None:
+    import random
+
+    rng = random.Random(7)
+    src = KvIndex()
+    assert src.store(A, DEVICE, None, blocks([11, 12, 13, 14]))
+    assert src.store(A, HOST_PINNED, 14, blocks([15, 16], 4))
+    assert src.store(A, DISK, 999, blocks([17], 5))  # parent unknown: an orphan, kept
+    assert src.store(B, DEVICE, None, blocks([21, 22]))
+    assert src.store(A, DEVICE, 11, blocks([31], 1))  # a second child of block 0
+    prompts = [KEYS, KEYS[:3], sequence_hashes_for_tokens(TOKENS[:4] + TOKENS[8:12], BS)]
+    want = [src.overlaps(p) for p in prompts]
+    for order in range(4):  # in dump order, then shuffled: each block waits for its parent
+        dst = KvIndex()
+        by_rank = src.entries_by_rank()
+        assert set(by_rank) == {A, B}
+        for w in (A, B):
+            entries = by_rank[w]
+            if order:
+                rng.shuffle(entries)
+            assert dst.load_rank(w, entries) == 0
+        assert [dst.overlaps(p) for p in prompts] == want
+        assert sorted(dst.blocks(), key=repr) == sorted(src.blocks(), key=repr)
+
+
+def test_loading_refuses_device_blocks_whose_parent_never_comes() -> None:
+    ix = KvIndex()
+    entries = [(DEVICE, 12, 11, LOCAL[1]), (DEVICE, 11, None, LOCAL[0]), (DEVICE, 40, 41, 5),
+               (HOST_PINNED, 50, 51, 6), (DEVICE, 60, 61, 7), (DEVICE, 61, 60, 8)]  # fmt: skip
+    assert ix.load_rank(A, entries) == 3  # 40 (no parent), 60 and 61 (a cycle)
+    assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
+    assert ix.rank_size(A) == 3  # 11, 12 and the host orphan 50
