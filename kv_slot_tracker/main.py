@@ -160,7 +160,9 @@ def make_consistency(
     """Replicated mode: lifecycle calls for ids not known yet wait for their add, and those
     still unknown are kept as early calls (tombstones, pending marks) for every instance."""
     service.replica.use_early_calls(
-        settings.tombstone_capacity, settings.tombstone_ttl_seconds * NS_PER_S
+        settings.tombstone_capacity,
+        settings.tombstone_ttl_seconds * NS_PER_S,
+        settings.tombstone_max_bytes,
     )
     consistency = Consistency(
         service,
@@ -202,6 +204,7 @@ def build_selection(
         rng=rng,
         pending_max_entries=settings.selection_cache_max_entries,
         pending_ttl_ns=settings.selection_cache_ttl_seconds * NS_PER_S,
+        pending_max_bytes=settings.selection_cache_max_bytes,
         session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
     )

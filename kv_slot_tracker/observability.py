@@ -187,7 +187,7 @@ class SelectionCollector(Collector):
         yield pending
         for name, value, doc in (
             ("pending_evicted", svc.pending.evicted,
-             "Pending selections evicted unclaimed because the cache was full"),
+             "Pending selections evicted unclaimed because the cache was full (entries or bytes)"),
             ("pending_expired", svc.pending.expired,
              "Pending selections dropped unclaimed after selection_cache_ttl_seconds"),
             ("lingering_dropped", svc.reservations.lingering_dropped,

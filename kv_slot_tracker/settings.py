@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS, MAX_DP_SIZE, MAX_NAME_LENGTH
+from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import NS_PER_S, U32_MAX, U64_MAX
 
@@ -139,6 +140,7 @@ class Settings(BaseSettings):
     namespace: str = Field(default="kv-slot-tracker", min_length=1, pattern=r"^[^\s{}]+$")
     instance_id: int = Field(default=0, ge=0, le=U64_MAX)
     outbox_capacity: int = Field(default=100_000, gt=0)
+    outbox_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     stream_retention_seconds: int = Field(default=3600, gt=0)
     stream_max_entries: int = Field(default=1_000_000, ge=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
@@ -152,11 +154,13 @@ class Settings(BaseSettings):
     replication_ack_replicas: int = Field(default=0, ge=0)
     tombstone_capacity: int = Field(default=100_000, gt=0)
     tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+    tombstone_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
     # Selection API (/selection/*): pending selections, randomness and the router knobs. A
     # DYN_ROUTER_* environment variable (the reference's name) wins over the router_* setting.
     selection_cache_ttl_seconds: int = Field(default=120, gt=0)
     selection_cache_max_entries: int = Field(default=100_000, gt=0)
+    selection_cache_max_bytes: int = Field(default=PENDING_MAX_BYTES, gt=0)
     selection_seed: int = Field(default=-1, ge=-1)
     router_overlap_score_credit: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     router_overlap_score_credit_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)

@@ -267,7 +267,6 @@ class ActiveSequencesMultiWorker:
 
     def add_on_rank(
         self,
-        *,
         request_id: str,
         worker_id: int,
         dp_rank: int,
@@ -280,9 +279,10 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         hint: PrefillLoadHint | None = None,
     ) -> None:
-        """Add a request on an existing rank (WorkerNotFound otherwise), from its fields by
-        keyword (the lifecycle calls: no request object). The prefill hint is ``prefill_tokens`` with its duration, none when
-        ``prefill_tokens`` is 0; ``hint``, when given, is the same hint as sent (it replicates)."""
+        """``add_request_if_registered`` from the request's fields (the lifecycle hot path: no
+        request object; the service passes them by position, which costs less). The prefill
+        hint is ``prefill_tokens`` with its duration, none when ``prefill_tokens`` is 0;
+        ``hint``, when given, is the same hint as sent (it replicates)."""
         worker = self._rank_keys.get((worker_id, dp_rank))
         if worker is None:
             raise WorkerNotFound(WorkerWithDpRank(worker_id, dp_rank))

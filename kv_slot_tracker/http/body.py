@@ -7,6 +7,7 @@ message prefixes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Mapping
@@ -161,8 +162,45 @@ def _duplicate_key(raw: bytes, model: type[BaseModel]) -> str | None:
     return None
 
 
-def parse_json(raw: bytes, model: type[M]) -> M:
-    """Validate JSON bytes; 400 for syntax errors, 422 for shape errors."""
+class _Fields(dict[str, Any]):
+    """A decoded JSON object that remembers the first key it was given twice."""
+
+    __slots__ = ("repeated",)
+    repeated: str | None
+
+
+def _fields(items: list[tuple[str, Any]]) -> _Fields:
+    obj = _Fields(items)
+    obj.repeated = None
+    if len(obj) != len(items):
+        seen: set[str] = set()
+        for k, _ in items:
+            if k in seen:
+                obj.repeated = k
+                break
+            seen.add(k)
+    return obj
+
+
+def repeated_fields(raw: bytes, items: str) -> dict[int, str]:
+    """Per index of the list ``items`` of the body's top-level object, the first key that
+    object gives twice (serde rejects it, as it rejects a top-level key given twice): only
+    the objects with one. Trailing bytes after the body's JSON value are ignored, as
+    ``parse_json`` ignores them."""
+    try:
+        text = raw.decode("utf-8").lstrip()
+        top, _ = json.JSONDecoder(object_pairs_hook=_fields).raw_decode(text)
+    except ValueError:
+        return {}
+    listed = top.get(items) if isinstance(top, dict) else None
+    if not isinstance(listed, list):
+        return {}
+    return {i: o.repeated for i, o in enumerate(listed) if type(o) is _Fields and o.repeated}
+
+
+def parse_json(raw: bytes, model: type[M], dialect: SerdeDialect | None = None) -> M:
+    """Validate JSON bytes; 400 for syntax errors, 422 for shape errors (with ``dialect``:
+    worded as serde words them, position included, ``serde_shape_error``)."""
     try:
         value = model.model_validate_json(raw)
     except ValidationError as exc:
@@ -172,8 +210,12 @@ def parse_json(raw: bytes, model: type[M]) -> M:
             end = _first_value_end(raw, first.get("msg", ""))
             if end is not None:
                 # like the reference, ignore what follows a complete JSON value
-                return parse_json(raw[:end], model)
+                return parse_json(raw[:end], model, dialect)
             raise HttpError(400, JSON_PARSE + _syntax_message(raw)) from None
+        if dialect is not None:
+            serde = serde_shape_error(raw, exc, model, dialect)
+            if serde is not None:
+                raise serde from None
         if first["type"] == "model_type":
             raise HttpError(
                 422,
@@ -186,7 +228,8 @@ def parse_json(raw: bytes, model: type[M]) -> M:
         raise HttpError(400, JSON_PARSE + _syntax_message(raw))
     dup = _duplicate_key(raw, model)
     if dup is not None:
-        raise HttpError(422, JSON_SHAPE + f"duplicate field `{dup}`")
+        serde = serde_shape_error(raw, None, model, dialect) if dialect is not None else None
+        raise serde or HttpError(422, JSON_SHAPE + f"duplicate field `{dup}`")
     return value
 
 
@@ -239,3 +282,173 @@ def _syntax_message(raw: bytes) -> str:
     except Exception as e:  # pragma: no cover - orjson raises JSONDecodeError only
         return str(e)
     return "invalid JSON"
+
+
+# -- serde's texts with positions (the selection routes) ---------------------------------------
+# The reference's selection service answers a body of the wrong shape with serde_json's own
+# text and where it stopped: ``invalid type: string "4", expected usize at line 1 column 61``.
+# serde reads the body once, in order: a value of the wrong type ends the read at the end of that
+# value (its path in front, ``allowed_worker_ids[1]: ...``), a key given twice at the end of that
+# key; the fields of a flattened struct (the prompt) are only checked once the whole object is
+# read, so their errors and a missing field point at its end and carry no path.
+
+
+class SerdeDialect:
+    """How one family of routes words a shape error: each field's Rust type (``u64``, ``a
+    string``, ...), the element type of its lists, which fields are flattened, and the Rust
+    name of each model's struct."""
+
+    def __init__(
+        self,
+        types: dict[str, str],
+        items: dict[str, str],
+        flattened: frozenset[str],
+        structs: dict[str, str],
+    ) -> None:
+        self.types, self.items, self.flattened, self.structs = types, items, flattened, structs
+
+
+_UNSIGNED = {"u32": 2**32 - 1, "u64": 2**64 - 1, "usize": 2**64 - 1}
+_INTEGERS = {**_UNSIGNED, "i64": 2**63 - 1}
+
+
+def _serde_value(value: Any, rust: str) -> str:
+    """serde's ``invalid type`` / ``invalid value`` for ``value`` where ``rust`` was expected."""
+    if rust in _INTEGERS and type(value) is int:
+        if value >= 2**64 or value < -(2**63):  # serde_json reads it as a float
+            return f"invalid type: floating point `{float(value)!r}`, expected {rust}"
+        return f"invalid value: integer `{value}`, expected {rust}"
+    return f"invalid type: {unexpected(value)}, expected {rust}"
+
+
+class _Positions:
+    """Where each value and each repeated key of a JSON object ends (offsets past them), and
+    where the object itself ends: a small scanner over the text, run only for an error."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.decoder = json.JSONDecoder()
+        self.ends: dict[tuple[Any, ...], int] = {}  # each path's last occurrence (the one kept)
+        self.repeated: tuple[str, int] | None = None  # first top-level key given twice
+        self.end = len(text)
+        with contextlib.suppress(ValueError, IndexError):
+            self.end = self._value(self._ws(0), ())
+
+    def _ws(self, i: int) -> int:
+        text = self.text
+        while i < len(text) and text[i] in " \t\n\r":
+            i += 1
+        return i
+
+    def _value(self, i: int, path: tuple[Any, ...]) -> int:
+        text = self.text
+        if text[i] == "{":
+            i = self._ws(i + 1)
+            seen: set[str] = set()
+            if text[i] == "}":
+                end = i + 1
+            else:
+                while True:
+                    key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+                    if key in seen and not path and self.repeated is None:
+                        self.repeated = (key, i)
+                    seen.add(key)
+                    i = self._ws(self._ws(i) + 1)  # past the colon
+                    i = self._ws(self._value(i, (*path, key)))
+                    if text[i] == "}":
+                        end = i + 1
+                        break
+                    i = self._ws(i + 1)  # past the comma
+        elif text[i] == "[":
+            i = self._ws(i + 1)
+            n = 0
+            if text[i] == "]":
+                end = i + 1
+            else:
+                while True:
+                    i = self._ws(self._value(i, (*path, n)))
+                    n += 1
+                    if text[i] == "]":
+                        end = i + 1
+                        break
+                    i = self._ws(i + 1)
+        else:
+            _, end = self.decoder.raw_decode(text, i)
+        self.ends[path] = end
+        return end
+
+    def at(self, offset: int) -> str:
+        """`` at line L column C``: serde's position of ``offset`` (columns count bytes)."""
+        text = self.text[:offset]
+        line = text.count("\n") + 1
+        column = len(text[text.rfind("\n") + 1 :].encode())
+        return f" at line {line} column {column}"
+
+
+def _json_path(loc: tuple[Any, ...], value: Any) -> tuple[tuple[Any, ...], Any]:
+    """The part of a pydantic ``loc`` that names JSON values (union tags such as ``float``
+    dropped), and the value there."""
+    path: list[Any] = []
+    for part in loc:
+        in_map = type(value) is dict and type(part) is str and part in value
+        if not in_map and not (
+            type(value) is list and type(part) is int and 0 <= part < len(value)
+        ):
+            break
+        value = value[part]
+        path.append(part)
+    return tuple(path), value
+
+
+def _serde_text(path: tuple[Any, ...], value: Any, typ: str, d: SerdeDialect) -> str | None:
+    """serde's text for a value of the wrong shape at ``path`` (None: not a case it words)."""
+    if not path:
+        return None
+    field = path[0]
+    rust = d.items.get(field) if len(path) == 2 and type(path[1]) is int else None
+    if len(path) == 1:
+        rust = d.types.get(field)
+    elif len(path) == 2 and type(path[1]) is str:  # a nested struct's field
+        rust = d.types.get(path[1])
+    if rust is None or typ == "string_too_long":
+        return None
+    prefix = "" if field in d.flattened else _loc(path) + ": "
+    return prefix + _serde_value(value, rust)
+
+
+def serde_shape_error(raw: bytes, exc: ValidationError | None, model: type[BaseModel],
+                      d: SerdeDialect) -> HttpError | None:  # fmt: skip
+    """The reference's 422 for a body of the wrong shape, position included: the error serde
+    meets first (``exc``'s errors, and a top-level key given twice); None when it cannot say
+    (the caller keeps its own text)."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text)
+    except ValueError:
+        return None
+    if type(body) is not dict:
+        struct = d.structs.get(model.__name__)
+        if struct is None:
+            return None
+        return HttpError(422, JSON_SHAPE + f"invalid type: {unexpected(body)}, expected struct "
+                         f"{struct}" + _Positions(text).at(len(text.rstrip())))  # fmt: skip
+    pos = _Positions(text)
+    found: list[tuple[int, int, str]] = []  # (offset, order, text)
+    if pos.repeated is not None:
+        key, end = pos.repeated
+        late = key in d.flattened  # found when the flattened struct is read, at the end
+        found.append((pos.end if late else end, 1 if late else 0, f"duplicate field `{key}`"))
+    for err in exc.errors(include_url=False, include_context=False) if exc else ():
+        if err["type"] == "missing":
+            found.append((pos.end, 1, f"missing field `{err['loc'][-1]}`"))
+            continue
+        path, value = _json_path(err["loc"], body)
+        message = _serde_text(path, value, err["type"], d)
+        if message is None:
+            return None
+        late = path[0] in d.flattened
+        found.append((pos.end if late else pos.ends.get(path, pos.end), 2 if late else 0, message))
+    if not found:
+        return None
+    offset, _, message = min(found)
+    return HttpError(422, JSON_SHAPE + message + pos.at(offset))

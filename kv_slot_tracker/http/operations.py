@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from kv_slot_tracker.http import plain as p
 from kv_slot_tracker.http import schemas as s
-from kv_slot_tracker.http.body import parse_json, parse_object
+from kv_slot_tracker.http.body import parse_json, parse_object, repeated_fields
 from kv_slot_tracker.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
 from kv_slot_tracker.http.responses import load_columns_json
 from kv_slot_tracker.service import SlotTrackerService
@@ -274,18 +274,22 @@ class Operations:
     def _batch_ops(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)
         when it did not validate (the others still apply)."""
-        ops = None
+        ops: list[Any] | None = None
         if b"NaN" not in raw and b"Infinity" not in raw:
             # one validation pass when every operation is well formed (the common case)
             with contextlib.suppress(ValidationError):
                 ops = s.StrictBatchBody.model_validate_json(raw).operations
         if ops is not None:
             self._check_size(len(ops))
-            return ops
-        # malformed somewhere: validate each operation alone so the others still apply
-        loose = parse_json(raw, s.BatchBody).operations
-        self._check_size(len(loose))
-        return [self._loose_op(op) for op in loose]
+        else:  # malformed somewhere: validate each operation alone so the others still apply
+            loose = parse_json(raw, s.BatchBody).operations
+            self._check_size(len(loose))
+            ops = [self._loose_op(op) for op in loose]
+        # an operation that validated with a key given twice is refused, as a single call is
+        for i, key in repeated_fields(raw, "operations").items():
+            if i < len(ops) and type(ops[i]) is not bytes:
+                ops[i] = _batch_error(HttpError(422, JSON_SHAPE + f"duplicate field `{key}`"))
+        return ops
 
     def _run_batch(self, ops: list[Any], apply: Callable[[Any], bytes] | None = None) -> Result:
         apply = apply or self._apply

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from msgspec import NODEFAULT, UNSET
+from msgspec import UNSET
 
 from kv_slot_tracker.core.types import U64_MAX
 from kv_slot_tracker.service import commands as c
@@ -39,7 +39,7 @@ def hashes_u64(hashes: list[int] | None, look: bool = True) -> list[int] | None:
 # What a command does not accept (an unknown field, a prompt form given as null) sends the
 # whole body to the validating path, as does a backslash escape. msgspec keeps the last of a key
 # given twice, as the models' batch parser does; a single call's body with a key given twice
-# must take the validating path (its answer is 422), which ``_decode_plain`` finds by counting quotes.
+# must take the validating path (its answer is 422), which ``_single`` finds by counting quotes.
 
 
 class _Batch(msgspec.Struct, forbid_unknown_fields=True):
@@ -51,50 +51,51 @@ _decode_add = msgspec.json.Decoder(c.Add).decode
 _decode_free = msgspec.json.Decoder(c.Free).decode
 _decode_prefill = msgspec.json.Decoder(c.PrefillComplete).decode
 _decode_potential = msgspec.json.Decoder(c.PotentialLoads).decode
-_astuple = msgspec.structs.astuple
 
 
-def _others(cls: type[msgspec.Struct]) -> tuple[tuple[int, Any, bool], ...]:
-    """``(index, default, whether it is a string)`` of each field whose default is neither
-    None nor UNSET (``_decode_plain`` counts those two with ``tuple.count``)."""
-    fields, defaults = cls.__struct_fields__, cls.__struct_defaults__
-    first = len(fields) - len(defaults)
-    return tuple(
-        (first + i, d, type(d) is str)
-        for i, d in enumerate(defaults)
-        if d is not None and d is not UNSET and d is not NODEFAULT
-    )
+_DEFAULT_GROUP = c.DEFAULT_ROUTING_GROUP
+_ZERO = 0  # ``new_isl_tokens``' default object (msgspec fills a field not given with it)
 
 
-_STRUCTS: tuple[type[msgspec.Struct], ...] = (c.Add, c.Free, c.PrefillComplete, c.PotentialLoads)
-_ADD, _FREE, _PREFILL, _POTENTIAL = map(_others, _STRUCTS)
-
-
-def _decode_plain(raw: bytes, decode: Any, others: tuple[tuple[int, Any, bool], ...]) -> Any:
-    """The command ``decode`` makes of the body when it is plain and no key repeats, else None.
-
-    Without escapes every ``"`` opens or closes a string: one pair per key and per string
-    value. msgspec fills a field not given with its default object itself, so a field holding
-    None, UNSET or (``others``) its default object was not given, and every other field was;
-    when the body has exactly the quotes of those, no other field was given (each adds a key)
-    and none twice. A string decoded from the body is never the default object, so
-    ``"routing_group": "default"`` counts as given; a field given its default as null or 0
-    (cached objects) takes the validating path: correct, only slower."""
+def _decoded(raw: bytes, decode: Any) -> Any:
+    """The command ``decode`` makes of a body without escapes, else None."""
     if b"\\" in raw:
         return None
     try:
-        o = decode(raw)
+        return decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    values = _astuple(o)
-    given = len(values) - values.count(UNSET) - values.count(None)
-    strings = list(map(type, values)).count(str)
-    for i, default, string in others:
-        if values[i] is default:
-            given -= 1
-            strings -= string
-    if raw.count(b'"') != 2 * (given + strings):
-        return None  # a key given twice, or a field given its default
+
+
+# A single call's key given twice is found by counting quotes: without escapes every ``"``
+# opens or closes a string, one pair per key and per string value. msgspec fills a field not
+# given with its default object itself, so a field holding it was not given and every other
+# field was; when the body has exactly the quote pairs of the fields given, no other key was
+# given and none twice. A string decoded from the body is never the default object, so
+# ``"routing_group": "default"`` counts as given; a field given its default as null or 0
+# (cached objects) does not, and the body takes the validating path: correct, only slower.
+# Each command's count is written out: a generic walk over the fields cost about 1,000
+# instructions per call (``bench/RESULTS.md``).
+
+
+def _quotes(raw: bytes) -> int:
+    """How many ``"`` the body holds. A count runs a few instructions per byte, a search at
+    memchr speed: when the span from the first ``[`` to the last ``]`` (a prompt's numbers,
+    most of a body) holds no quote, only the rest is counted."""
+    lo = raw.find(b"[")
+    if lo >= 0:
+        hi = raw.rfind(b"]")
+        if raw.find(b'"', lo, hi) < 0:
+            return raw.count(b'"', 0, lo) + raw.count(b'"', hi)
+    return raw.count(b'"')
+
+
+def _keyed(raw: bytes, decode: Any) -> Any:
+    """A ``/free`` or ``/prefill_complete`` body's command: every field a string, so four
+    quotes per field given (``model_name`` and ``request_id`` always)."""
+    o = _decoded(raw, decode)
+    if o is None or _quotes(raw) != (8 if o.routing_group is _DEFAULT_GROUP else 12):
+        return None
     return o
 
 
@@ -119,44 +120,69 @@ def _prompt_form(o: Any, raw: bytes) -> Any:
 def add_body(raw: bytes) -> c.Add | None:
     """A plain ``/add`` body's command (prompt form checked, hashes unsigned); None for any
     other body."""
-    o = _decode_plain(raw, _decode_add, _ADD)
+    o = _decoded(raw, _decode_add)
     if o is None or o.worker_id > U64_MAX or o.new_isl_tokens > U64_MAX:
         return None
-    return _prompt_form(o, raw)
+    # model_name, request_id (two pairs each), worker_id, dp_rank, the prompt (one pair)
+    pairs = 7 if o.routing_group is _DEFAULT_GROUP else 9
+    if o.lora_name is not None:
+        pairs += 2
+    if o.new_isl_tokens is not _ZERO:
+        pairs += 1
+    pairs += 3 - (o.expected_prefill_ms, o.track_prefill_tokens, o.expected_output_tokens).count(
+        None
+    )
+    if _quotes(raw) != 2 * pairs:
+        return None
+    return _prompt_form(o, raw)  # None unless exactly one prompt form was given
 
 
 def potential_loads_body(raw: bytes) -> c.PotentialLoads | None:
     """A plain ``/potential_loads`` body's command (prompt form checked, hashes unsigned);
     None for any other body."""
-    o = _decode_plain(raw, _decode_potential, _POTENTIAL)
+    o = _decoded(raw, _decode_potential)
     if o is None or o.new_isl_tokens > U64_MAX:
+        return None
+    pairs = 3 if o.routing_group is _DEFAULT_GROUP else 5  # model_name, the prompt
+    if o.lora_name is not None:
+        pairs += 2
+    if o.new_isl_tokens is not _ZERO:
+        pairs += 1
+    if _quotes(raw) != 2 * pairs:
         return None
     return _prompt_form(o, raw)
 
 
 def free_body(raw: bytes) -> c.Free | None:
     """A plain ``/free`` body's command; None for any other body."""
-    return _decode_plain(raw, _decode_free, _FREE)
+    return _keyed(raw, _decode_free)
 
 
 def prefill_complete_body(raw: bytes) -> c.PrefillComplete | None:
     """A plain ``/prefill_complete`` body's command; None for any other body."""
-    return _decode_plain(raw, _decode_prefill, _PREFILL)
+    return _keyed(raw, _decode_prefill)
 
 
 def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
     """A plain batch's commands, each checked as its model checks it; None for any other
-    body. An add's prompt form it was not given becomes None, its hashes unsigned."""
+    body (a key given twice in an operation included: counted as a single call's are). An
+    add's prompt form it was not given becomes None, its hashes unsigned."""
     if b"\\" in raw:
         return None
     try:
         ops = _decode_batch(raw).operations
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    has_minus = b"-" in raw
-    add = c.Add
+    signed = b"-" in raw
+    add, output, group, zero = c.Add, c.OutputBlock, _DEFAULT_GROUP, _ZERO
+    # quote pairs: "operations", and per operation "op", its value, model_name, request_id
+    pairs = 1 + 6 * len(ops)
+    o: Any  # narrowed by ``type(o) is``, which mypy does not follow here
     for o in ops:
-        if type(o) is add:
+        if o.routing_group is not group:
+            pairs += 2
+        kind = type(o)
+        if kind is add:
             if o.worker_id > U64_MAX or o.new_isl_tokens > U64_MAX:
                 return None
             # ``_prompt_form`` written out: a call cost about 2 % more instructions per batch operation
@@ -164,12 +190,25 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
             if hashes is UNSET:
                 if tokens is UNSET:
                     return None
-                # a prompt form not given is None past decoding (the command accepts no null)
-                o.sequence_hashes = None  # type: ignore[assignment]
+                o.sequence_hashes = None
             elif tokens is not UNSET:
                 return None
             else:
-                o.token_ids = None  # type: ignore[assignment]
-                if has_minus:
-                    o.sequence_hashes = hashes_u64(hashes, look=False)  # type: ignore[assignment]
+                o.token_ids = None
+                if signed:
+                    o.sequence_hashes = hashes_u64(hashes, look=False)
+            # worker_id, dp_rank, the prompt, and the optional fields given (as ``add_body``)
+            pairs += 6 - (
+                o.expected_prefill_ms,
+                o.track_prefill_tokens,
+                o.expected_output_tokens,
+            ).count(None)
+            if o.lora_name is not None:
+                pairs += 2
+            if o.new_isl_tokens is not zero:
+                pairs += 1
+        elif kind is output and o.decay_fraction is not None:
+            pairs += 1
+    if raw.count(b'"') != 2 * pairs:
+        return None  # a key given twice in an operation, or a field given its default
     return ops

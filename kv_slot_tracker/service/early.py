@@ -11,8 +11,9 @@ to every instance, including the one holding the add:
 * a **pending mark** completes the prefill of such an add when it arrives (or of the copy
   already active).
 
-A free supersedes a mark of the same id. Entries are dropped oldest first beyond ``capacity``
-and after ``ttl_ns`` of producer time (both counted): an add arriving later than a request's
+A free supersedes a mark of the same id. Entries are dropped oldest first beyond ``capacity``,
+beyond ``max_bytes`` of keys (a client chooses the names and ids, each up to the API's length
+limit) and after ``ttl_ns`` of producer time (all counted): an add arriving later than a request's
 expiry after it was made is expired on arrival anyway, so a ttl of at least ``expiry_seconds``
 loses nothing. The store is pure (times are arguments) and travels in snapshots.
 """
@@ -44,10 +45,17 @@ class Early:
     ts: int  # the producer's wall-clock ns when the call was made
 
 
+def key_bytes(key: EarlyKey) -> int:
+    """What an entry counts against ``max_bytes``: its model name, routing group and id."""
+    return len(key[0]) + len(key[1]) + len(key[2])
+
+
 class EarlyCalls:
-    def __init__(self, capacity: int, ttl_ns: int) -> None:
+    def __init__(self, capacity: int, ttl_ns: int, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.capacity = capacity
         self.ttl_ns = ttl_ns
+        self.max_bytes = max_bytes
+        self.bytes = 0  # ``key_bytes`` of the entries kept
         self.counters = EarlyCounters()
         self._entries: dict[EarlyKey, Early] = {}  # oldest first (insertion order)
 
@@ -66,6 +74,8 @@ class EarlyCalls:
     def put(self, key: EarlyKey, op: str, ts: int, wall_now: int) -> None:
         """Remember an early call (a free supersedes a mark, never the other way round)."""
         old = self._entries.pop(key, None)
+        if old is None:
+            self.bytes += key_bytes(key)
         if old is not None and old.op == FREE and op != FREE:
             op, ts = FREE, old.ts
         elif old is not None and old.op == op:
@@ -74,17 +84,24 @@ class EarlyCalls:
         self.prune(wall_now)
 
     def discard(self, key: EarlyKey) -> None:
-        self._entries.pop(key, None)
+        if self._entries.pop(key, None) is not None:
+            self.bytes -= key_bytes(key)
 
     def prune(self, wall_now: int) -> None:
-        """Drop entries beyond the capacity and those older than the ttl (from the oldest)."""
+        """Drop entries beyond the capacity or the bytes and those older than the ttl (from
+        the oldest)."""
         entries = self._entries
         horizon = wall_now - self.ttl_ns
         while entries:
             key = next(iter(entries))
-            if len(entries) <= self.capacity and entries[key].ts >= horizon:
+            if (
+                len(entries) <= self.capacity
+                and self.bytes <= self.max_bytes
+                and entries[key].ts >= horizon
+            ):
                 break
             del entries[key]
+            self.bytes -= key_bytes(key)
             self.counters.dropped += 1
 
     # -- snapshots -----------------------------------------------------------------------
@@ -100,4 +117,5 @@ class EarlyCalls:
                 raise ValueError(f"invalid early call {op!r} at {ts!r}")
             entries[(model, group, rid)] = Early(op, ts)
         self._entries = entries
+        self.bytes = sum(map(key_bytes, entries))
         self.prune(wall_now)

@@ -130,8 +130,8 @@ class ReplicaRecords:
         self.on_applied: Callable[[], None] | None = None  # after each batch of peers' records
         self.selection: SharedSelection | None = None
 
-    def use_early_calls(self, capacity: int, ttl_ns: int) -> e.EarlyCalls:
-        self.early = e.EarlyCalls(capacity, ttl_ns)
+    def use_early_calls(self, capacity: int, ttl_ns: int, max_bytes: int) -> e.EarlyCalls:
+        self.early = e.EarlyCalls(capacity, ttl_ns, max_bytes)
         return self.early
 
     def bind(self, registry: TrackerRegistry) -> None:
@@ -484,8 +484,15 @@ class ReplicaRecords:
         (an ``export_early``; None: none) and the selection state by ``selection`` (an
         ``export_selection``; None: empty) (counters are kept).
 
-        All or nothing: on malformed data the previous trackers stay in place.
+        All or nothing: on malformed data the previous trackers stay in place. Data that fails
+        the record rules (``record_check.check_snapshot``) is rejected before anything changes:
+        counted (reason ``snapshot``), logged, and re-raised for the caller to fall back.
         """
+        try:
+            rc.check_snapshot(trackers, early, self.max_hashes)
+        except rc.RejectedRecord as err:
+            self.reject(rc.SNAPSHOT, err)
+            raise
         _, from_wall = wall_mapping(self.clock(), self.wall_clock())
         registry = self.registry
         previous = registry.trackers
@@ -501,8 +508,10 @@ class ReplicaRecords:
                 self.early.restore(early or [], self.wall_clock())
             if self.selection is not None:
                 self.selection.restore_selection(selection, self.wall_clock() - self.clock())
-        except Exception:
+        except Exception as err:
             registry.replace_all(previous)
+            if isinstance(err, (KeyError, TypeError, ValueError)):
+                self.reject(rc.SNAPSHOT, err)  # the checks above do not reach every value
             raise
         registry.prune_counters()
         # own records not in the snapshot are applied like peers' when read back

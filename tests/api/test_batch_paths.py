@@ -223,8 +223,47 @@ def test_duplicate_keys_answer_the_same() -> None:
         b'{"operations":[{"op":"free","model_name":"m","request_id":"a"}],"operations":[]}',
         b'{"operations":[{"op":"add","model_name":"m","request_id":"a","worker_id":1,'
         b'"dp_rank":0,"sequence_hashes":[1],"sequence_hashes":[2,3]}]}',
+        b'{"operations":[{"op":"add","op":"free","model_name":"m","request_id":"a"}]}',
     ]:
         assert_same(raw)
+
+
+DUP = b'"Failed to deserialize the JSON body into the target type: duplicate field `%s`"'
+
+
+def test_a_key_given_twice_in_an_operation_is_refused_like_a_single_call() -> None:
+    """A top-level key given twice is a 422 (``duplicate field``); inside a batch operation
+    the same key given twice fails that operation with the same text, on both paths, and the
+    other operations still apply."""
+    add = (b'{"op":"add","model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
+           b'"sequence_hashes":[1,2]}')  # fmt: skip
+    for raw, field in [
+        (b'{"operations":[%s,{"op":"free","model_name":"m","request_id":"a","request_id":"b"}]}'
+         % add, b"request_id"),
+        (b'{"operations":[%s,{"op":"free","model_name":"x","model_name":"m","request_id":"a"}]}'
+         % add, b"model_name"),
+        (b'{"operations":[%s,{"op":"free","routing_group":"default","model_name":"m",'
+         b'"routing_group":"default","request_id":"a"}]}' % add, b"routing_group"),
+        (b'{"operations":[%s,{"op":"add","model_name":"m","request_id":"b","worker_id":1,'
+         b'"dp_rank":0,"sequence_hashes":[1],"sequence_hashes":[2,3]}]}' % add,
+         b"sequence_hashes"),
+        (b'{"operations":[%s,{"op":"free","model_name":"m","request_id":"a","op":"free"}]}'
+         % add, b"op"),
+    ]:  # fmt: skip
+        got, want, plain, _ = both(raw)
+        assert (
+            got
+            == want
+            == (200, b'{"results":[{"status":201},{"status":422,"error":' + DUP % field + b"}]}")
+        ), raw
+        assert sum(r["active_requests"] for r in plain.service.loads(None, None)) == 1, raw
+    # the top-level rule, for comparison
+    try:
+        fresh().free(b'{"model_name":"m","request_id":"a","request_id":"b"}')
+    except EXPECTED as e:
+        assert error_result(e) == (422, b'{"error":' + DUP % b"request_id" + b"}")
+    else:
+        raise AssertionError("a key given twice was taken")
 
 
 SINGLE = {

@@ -170,8 +170,9 @@ async def no_5xx(app: App) -> None:
 
 def expected_counts() -> dict[str, int]:
     counts = dict.fromkeys(
-        ["undecodable", "envelope", "topology", "event", "early", "selection", "conflict"], 0
-    )
+        ["undecodable", "envelope", "topology", "event", "early", "selection", "conflict",
+         "snapshot"], 0
+    )  # fmt: skip
     for reason, _ in BAD:
         counts[reason] += 1
     return counts
@@ -237,3 +238,59 @@ async def test_each_kind_of_bad_record_is_rejected_and_counted_and_nothing_break
             assert sorted(w["worker_id"] for w in workers) == [1, 4, 9, 77]
             assert c.replication.status().records_rejected["envelope"] == 1
     stream.client.close()
+
+
+def corrupt_snapshot(client: redis.Redis, namespace: str, change: Any) -> None:
+    """Rewrite the stored snapshot's data with ``change`` applied to its first tracker."""
+    key = NamespaceKeys.of(namespace).snapshot
+    data = msgpack.unpackb(client.hget(key, "data"), raw=False)
+    change(data["trackers"][0]["tracker"])
+    client.hset(key, "data", msgpack.packb(data))
+
+
+BAD_SNAPSHOTS = [
+    # a prompt longer than ``/add`` takes (max_hashes_per_request = 64)
+    ("prompt", lambda t: t["slots"][0]["requests"][0].__setitem__(1, list(range(1, 101)))),
+    # a request id longer than MAX_ID_LENGTH
+    ("request id", lambda t: t["slots"][0]["requests"][0].__setitem__(0, "r" * 1025)),
+    # a worker range beyond the rank limit
+    ("range", lambda t: t.__setitem__("ranges", [[1, 0, 5000]])),
+    # a hash that is not a u64
+    ("hash", lambda t: t["slots"][0]["requests"][0].__setitem__(1, [1, -5])),
+]
+
+
+@pytest.mark.parametrize("what,change", BAD_SNAPSHOTS, ids=[b[0] for b in BAD_SNAPSHOTS])
+async def test_a_bad_snapshot_is_rejected_counted_and_the_stream_replayed(
+    redis_url: str, namespace: str, what: str, change: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A snapshot in Redis is input like a record: one that breaks the record rules is not
+    restored; the instance that boots from it counts it (reason ``snapshot``), logs it and
+    replays the stream instead, ending with the state the stream describes."""
+    client = redis.Redis.from_url(redis_url)
+    async with running_apps(settings(redis_url, namespace)) as (a,):
+        body = {"model_name": "m", "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        assert (await a.post("/register", body)).status_code == 201
+        for rid, hashes in (("r1", [1, 2, 3]), ("r2", [1, 2, 4, 5])):
+            add = {"model_name": "m", "request_id": rid, "worker_id": 1, "dp_rank": 0,
+                   "sequence_hashes": hashes}  # fmt: skip
+            assert (await a.post("/add", add)).status_code == 201
+        await a.replication.settled(10)
+        assert await a.replication.write_snapshot() is True
+        want = (await a.client.get("/loads")).json()
+    corrupt_snapshot(client, namespace, change)
+    async with running_apps(settings(redis_url, namespace)) as (c,):
+
+        async def replayed() -> bool:
+            return (await c.client.get("/loads")).json() == want
+
+        await until(replayed, what="the stream's state, replayed")
+        assert (await c.client.get("/ready")).status_code == 200
+        status = (await c.client.get("/replication")).json()
+        assert status["records_rejected"]["snapshot"] == 1, what
+        sample = c.app.state.registry.get_sample_value(
+            "kv_slot_tracker_replication_records_rejected_total", {"reason": "snapshot"}
+        )
+        assert sample == 1
+        assert "rejected a replica record (snapshot)" in caplog.text
+    client.close()

@@ -67,6 +67,29 @@ async def test_redis_down_at_start_buffers_drops_newest_then_publishes(
     a.service.tracker(KEY).assert_consistent()
 
 
+async def test_the_outbox_is_bounded_in_bytes_too_newest_dropped(
+    cluster: Cluster, redis_server: RedisServer
+) -> None:
+    """Prompts make the records: beyond ``outbox_max_bytes`` (9 bytes a hash, 256 a record)
+    the newest record is dropped and counted, as beyond ``outbox_capacity``."""
+    cluster.redis_url = redis_server.url  # nothing listens there yet: records queue up
+    a = await cluster.node(outbox_capacity=100, outbox_max_bytes=5000)
+    register(a.service, KEY, 1, 4, 0, 1)  # a topology record: 256 bytes
+    for i in range(6):
+        a.add(f"r{i}", hashes=list(range(i * 1000, i * 1000 + 100)))  # 256 + 900 bytes each
+    st = a.rep.status()
+    assert (st.outbox_depth, st.dropped) == (5, 2)  # 256 + 4 * 1156 = 4880; a fifth is over
+    assert a.registry.get_sample_value("kv_slot_tracker_replication_dropped_total") == 2
+    redis_server.start()
+    await eventually(a.rep.ready, timeout=10, what="bootstrap once Redis is up")
+    await eventually(lambda: a.rep.status().outbox_depth == 0, what="the outbox to drain")
+    records = stream_records(redis_server.url, cluster.namespace)
+    assert [r["event"]["request_id"] for r in records[1:]] == ["r0", "r1", "r2", "r3"]
+    # drained: the bytes are given back, so records are taken again
+    a.add("r9", hashes=list(range(100)))
+    assert a.rep.status().dropped == 2
+
+
 async def test_batches_are_capped_and_keep_order(cluster: Cluster) -> None:
     a = await cluster.node(replication_batch_events=256)
     calls: list[int] = []

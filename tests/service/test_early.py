@@ -55,3 +55,20 @@ def test_export_and_restore() -> None:
     assert other.export() == rows  # all or nothing
     other.restore(rows, 200 * S)  # older than the ttl by now
     assert other.export() == []
+
+
+def test_bounded_by_the_bytes_of_names_and_ids_oldest_first() -> None:
+    """A client chooses the ids (up to 1024 characters each): long ones fill the byte budget
+    before the count, and the oldest go first, counted."""
+    early = EarlyCalls(capacity=1000, ttl_ns=60 * S, max_bytes=3 * (2 + 1024))
+    for i in range(5):
+        early.put(key(f"{i}" * 1024), FREE, (100 + i) * S, (100 + i) * S)
+    assert [r[2][0] for r in early.export()] == ["2", "3", "4"]
+    assert (early.bytes, early.counters.dropped) == (3 * 1026, 2)
+    early.put(key("4" * 1024), PREFILL_COMPLETE, 106 * S, 106 * S)  # the same key: no more bytes
+    assert (early.bytes, len(early)) == (3 * 1026, 3)
+    early.discard(key("3" * 1024))
+    assert early.bytes == 2 * 1026
+    other = EarlyCalls(capacity=1000, ttl_ns=60 * S, max_bytes=1026)
+    other.restore(early.export(), 110 * S)  # a snapshot over the budget: the oldest goes
+    assert ([r[2][0] for r in other.export()], other.bytes) == (["4"], 1026)

@@ -56,7 +56,7 @@ class Node:
             instance_id=origin,
             replicator=stream.producer(origin),
         )
-        self.service.replica.use_early_calls(1000, 60 * S)
+        self.service.replica.use_early_calls(1000, 60 * S, 1 << 20)
         self.selection = SelectionService(
             self.service.registry,
             config=RouterConfig(use_kv_events=False),

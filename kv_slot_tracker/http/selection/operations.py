@@ -262,7 +262,7 @@ class SelectionOperations:
     # -- workers ---------------------------------------------------------------------------
 
     def upsert_worker(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.WorkerBody)
+        b = parse_json(raw, ss.WorkerBody, ss.SERDE)
         spec = WorkerSpec(
             worker_id=b.worker_id,
             model_name=b.model_name,
@@ -275,7 +275,7 @@ class SelectionOperations:
         return 201, orjson.dumps(worker_json(record))
 
     def patch_worker(self, raw: bytes, worker_id: int) -> Result:
-        b = parse_json(raw, ss.WorkerPatchBody)
+        b = parse_json(raw, ss.WorkerPatchBody, ss.SERDE)
         changes = _worker_fields(b)
         if b.taints is not None:
             changes["taints"] = tuple(b.taints)
@@ -291,27 +291,27 @@ class SelectionOperations:
     # -- selection -------------------------------------------------------------------------
 
     def select(self, raw: bytes) -> Result:
-        cmd = select_command(parse_json(raw, ss.SelectBody), reserve=False)
+        cmd = select_command(parse_json(raw, ss.SelectBody, ss.SERDE), reserve=False)
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=False))
 
     def select_and_reserve(self, raw: bytes) -> Result:
-        cmd = select_command(parse_json(raw, ss.SelectBody), reserve=True)
+        cmd = select_command(parse_json(raw, ss.SelectBody, ss.SERDE), reserve=True)
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=True))
 
     def potential_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody)
+        b = parse_json(raw, ss.PromptBody, ss.SERDE)
         rows = self.service.potential_loads(sc.PotentialLoads(**_prompt_fields(b)))
         return 200, load_rows_json(rows)
 
     def overlap_scores(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody)
+        b = parse_json(raw, ss.PromptBody, ss.SERDE)
         scores = self.service.overlap_scores(sc.OverlapScores(**_prompt_fields(b)))
         return 200, orjson.dumps(overlap_json(scores))
 
     # -- reservations ----------------------------------------------------------------------
 
     def reserve(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.ReservationBody)
+        b = parse_json(raw, ss.ReservationBody, ss.SERDE)
         if b.worker_id is None:
             booked = self.service.replay(
                 sc.ReplaySelection(
@@ -339,7 +339,7 @@ class SelectionOperations:
         return 200, OK
 
     def reservation_output_block(self, raw: bytes, selection_id: str) -> Result:
-        b = parse_json(raw, ss.ReservationOutputBlockBody)
+        b = parse_json(raw, ss.ReservationOutputBlockBody, ss.SERDE)
         f = None if b.decay_fraction is None else float(b.decay_fraction)
         self.service.output_block(
             sc.ReservationOutputBlock(selection_id=selection_id, decay_fraction=f)

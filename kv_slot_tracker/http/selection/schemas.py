@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from kv_slot_tracker.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS
+from kv_slot_tracker.http.body import SerdeDialect
 from kv_slot_tracker.http.schemas import U32, U64, Hash, Id, Name, Text, TokenId
 
 USIZE = U64
@@ -45,6 +46,50 @@ SEQUENCE_HASHES = Field(
     "accounting. Required without `token_ids`, same length as `block_hashes`.",
 )
 ISL = Field(None, description="Input length in tokens. Required (> 0) without `token_ids`.")
+
+
+# How the reference's serde words a body of the wrong shape on these routes (``parse_json``).
+_STRINGS = ("model_name", "routing_group", "selection_id", "session_id", "lora_name",
+            "cache_salt", "endpoint", "kv_events_endpoint", "replay_endpoint",
+            "stable_routing_id", "kv_transfer_domain")  # fmt: skip
+SERDE = SerdeDialect(
+    types={
+        **dict.fromkeys(_STRINGS, "a string"),
+        **dict.fromkeys(("worker_id", "max_num_batched_tokens", "total_kv_blocks"), "u64"),
+        **dict.fromkeys(
+            (
+                "block_size",
+                "data_parallel_start_rank",
+                "data_parallel_size",
+                "dp_rank",
+                "expected_output_tokens",
+            ),
+            "u32",
+        ),  # fmt: skip
+        **dict.fromkeys(("isl_tokens", "effective_prefill_tokens"), "usize"),
+        **dict.fromkeys(("advisory", "track_prefill_tokens", "is_eagle"), "a boolean"),
+        **dict.fromkeys(
+            ("sequence_hashes", "block_hashes", "token_ids", "taints", "allowed_worker_ids"),
+            "a sequence",
+        ),  # fmt: skip
+        **dict.fromkeys(("topology_domains", "kv_events_endpoints"), "a map"),
+        "decay_fraction": "f64",
+        "kv_transfer_preferred_weight": "f32",
+        "router_config_override": "struct RouterConfigOverrideSerde",
+    },
+    items={
+        "sequence_hashes": "i64",
+        "block_hashes": "i64",
+        "token_ids": "u32",
+        "allowed_worker_ids": "u64",
+        "taints": "a string",
+    },  # fmt: skip
+    # the prompt's fields are a flattened struct in the reference
+    flattened=frozenset(
+        ("token_ids", "block_hashes", "sequence_hashes", "isl_tokens", "lora_name", "cache_salt")
+    ),
+    structs={"SelectBody": "SelectRequest", "ReservationOutputBlockBody": "OutputBlockRequest"},
+)
 
 
 class _Body(BaseModel):

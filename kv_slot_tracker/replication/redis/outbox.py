@@ -69,6 +69,38 @@ FULL = "Redis is out of memory (maxmemory, noeviction) and refuses appends"
 CONFIRM_IDLE_S = 0.2
 
 
+class PublishQueueBytes(PublishQueueError):
+    """The outbox holds ``outbox_max_bytes`` of records already."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"replication outbox holds its {max_bytes} bytes of records")
+
+
+RECORD_OVERHEAD = 256  # bytes of a record besides its hash lists (keys, ids, names, numbers)
+
+
+def record_bytes(record: dict[str, Any]) -> int:
+    """A record's size as the outbox bounds it (``outbox_max_bytes``): 9 bytes per hash of its
+    prompt or selection hash lists (a msgpack uint64), and ``RECORD_OVERHEAD``. The same record
+    always gives the same figure, so the outbox adds and takes back equal amounts."""
+    n = 0
+    event = record.get("event")
+    if event is not None:
+        data = event.get("data")
+        add = data.get("AddRequest") if type(data) is dict else None
+        seq = add.get("token_sequence") if type(add) is dict else None
+        n = len(seq) if type(seq) is list else 0
+    else:
+        change = record.get("selection")
+        if type(change) is dict:
+            entry = change.get("entry")
+            lists = [change.get("bh"), change.get("ch")]
+            if type(entry) is dict:
+                lists += [entry.get("sh"), entry.get("bh")]
+            n = sum(len(h) for h in lists if type(h) is list)
+    return RECORD_OVERHEAD + 9 * n
+
+
 class Outbox:
     def __init__(self, instance: Instance, schedule: SnapshotSchedule) -> None:
         self.me = instance  # who we are, our clocks and counters
@@ -79,7 +111,11 @@ class Outbox:
         self._queue: EventQueue[dict[str, Any]] = EventQueue(self.capacity)
         self._next_seq = 1
         self._last_appended = ""  # stream id of our newest appended entry
-        self._recent: deque[tuple[int, bytes]] = deque(maxlen=self.capacity)
+        # a client's prompts make the records: bounded in bytes too (``outbox_max_bytes``)
+        self.max_bytes = self.settings.outbox_max_bytes
+        self.queued_bytes = 0  # ``record_bytes`` of the records queued
+        self._recent: deque[tuple[int, bytes]] = deque()  # (wall ns, payload) to re-send
+        self._recent_bytes = 0
         self._last_drop_ns: int | None = None
         self._last_drop_log_ns: int | None = None
         self._drops_since_log = 0
@@ -114,11 +150,15 @@ class Outbox:
         seq = self._next_seq
         record["incarnation"] = self.me.incarnation
         record["seq"] = seq
+        size = record_bytes(record)
         try:
+            if self.queued_bytes + size > self.max_bytes and len(self._queue):
+                raise PublishQueueBytes(self.max_bytes)
             self._queue.try_send(record)
         except PublishQueueError as e:
             self._dropped(record, e)
             return 0
+        self.queued_bytes += size
         self._next_seq = seq + 1  # only accepted records use up a number
         return seq
 
@@ -134,9 +174,10 @@ class Outbox:
         if last is None or now - last >= DROP_LOG_INTERVAL_NS:
             event = record.get("event") or {}
             log.error(
-                "replication outbox full (capacity=%d); dropping newest record "
+                "replication outbox full (capacity=%d records, %d bytes); dropping newest record "
                 "(request_id=%s); %d dropped since the last message, %d in total",
                 self.capacity,
+                self.max_bytes,
                 event.get("request_id"),
                 self._drops_since_log,
                 self.counters.dropped,
@@ -206,6 +247,7 @@ class Outbox:
 
     async def _append_batch(self, batch: list[dict[str, Any]]) -> None:
         """Append until it succeeds; the batch is kept across any number of Redis errors."""
+        self.queued_bytes -= sum(map(record_bytes, batch))
         payloads = [encode_record(r) for r in batch]
         attempt = 0
         self._append_started = self.me.clock()
@@ -381,9 +423,14 @@ class Outbox:
         now = self.me.wall_clock()
         recent = self._recent
         recent.extend((now, p) for p in payloads)
+        self._recent_bytes += sum(map(len, payloads))
         horizon = now - self._resend_window_ns()
-        while recent[0][0] < horizon:
-            recent.popleft()
+        while recent and (
+            recent[0][0] < horizon
+            or len(recent) > self.capacity
+            or self._recent_bytes > self.max_bytes
+        ):
+            self._recent_bytes -= len(recent.popleft()[1])
 
     def _resend_window_ns(self) -> int:
         return min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
@@ -399,7 +446,7 @@ class Outbox:
         horizon = self.me.wall_clock() - window
         recent = self._recent
         while recent and recent[0][0] < horizon:
-            recent.popleft()
+            self._recent_bytes -= len(recent.popleft()[1])
         self._last_appended = ""
         self.schedule.request_now()
         if not recent:

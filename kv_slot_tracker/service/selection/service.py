@@ -70,6 +70,7 @@ from kv_slot_tracker.core.selection.errors import (
     SessionBoundElsewhere,
 )
 from kv_slot_tracker.core.selection.kv_index import TIER_NAMES
+from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
 from kv_slot_tracker.core.selection.selector import select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
@@ -114,6 +115,7 @@ class SelectionService:
         rng: random.Random | None = None,
         pending_max_entries: int = 100_000,
         pending_ttl_ns: int = 120_000_000_000,
+        pending_max_bytes: int = PENDING_MAX_BYTES,
         max_hashes_per_request: int = 1_048_576,
         session_affinity_ttl_ns: int = 0,
         session_affinity_max_entries: int = 100_000,
@@ -123,7 +125,7 @@ class SelectionService:
         self.clock = clock
         self.rng = rng or random.Random()
         self.max_hashes = max_hashes_per_request
-        self.pending = PendingSelections(pending_max_entries, pending_ttl_ns)
+        self.pending = PendingSelections(pending_max_entries, pending_ttl_ns, pending_max_bytes)
         self.partitions: dict[Key, Partition] = {}
         self.catalog: dict[int, WorkerRecord] = {}
         self.reservations = Reservations(registry)
