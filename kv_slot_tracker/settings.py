@@ -143,6 +143,7 @@ class Settings(BaseSettings):
     outbox_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     stream_retention_seconds: int = Field(default=3600, gt=0)
     stream_max_entries: int = Field(default=1_000_000, ge=0)
+    stream_max_bytes: int = Field(default=512 * 1024 * 1024, ge=0)
     snapshot_interval_seconds: int = Field(default=30, gt=0)
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)

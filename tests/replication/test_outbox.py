@@ -150,3 +150,27 @@ async def test_stream_is_bounded_by_entries_as_well_as_age(cluster: Cluster) -> 
     records = stream_records(cluster.redis_url, cluster.namespace)
     assert records[-1]["seq"] == 1201  # the newest are kept
     assert [r["seq"] for r in records] == list(range(1202 - len(records), 1202))
+
+
+async def test_stream_is_bounded_by_bytes(cluster: Cluster) -> None:
+    """``stream_max_bytes``: the entries kept are lowered to what fits the budget at the mean
+    record size, so Redis's own count of the stream's memory stays within it (plus the
+    approximate trim's slack of up to one node of 100 entries)."""
+    budget = 64 * 1024
+    a = await cluster.node(stream_max_entries=0, stream_max_bytes=budget,
+                           replication_batch_events=50)  # fmt: skip
+    register(a.service, KEY, 1, 4, 0, 1)
+    for i in range(3000):
+        upsert(a.service, KEY, 1, 4, 0, 2 + i % 2)
+    await eventually(lambda: a.rep.status().outbox_depth == 0)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        key = NamespaceKeys.of(cluster.namespace).events
+        length, used = client.xlen(key), client.memory_usage(key, samples=0)
+    finally:
+        client.close()
+    per_entry = used / length
+    assert length < 3001 and used <= budget + 100 * per_entry, (length, used)
+    assert used >= budget / 2, (length, used)  # trimmed to the budget, not far below it
+    records = stream_records(cluster.redis_url, cluster.namespace)
+    assert records[-1]["seq"] == 3001  # the newest are kept
