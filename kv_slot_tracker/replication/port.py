@@ -15,10 +15,23 @@ from typing import Any, Protocol
 from pydantic import ConfigDict
 
 
+@dataclass(frozen=True, slots=True)
+class OwnReadBack:
+    """A control message among a batch's records: this instance's own records up to ``seq``
+    were read back from the stream at this point of the order (the records after it were
+    appended after those). Not a record: nothing is applied for it."""
+
+    seq: int
+
+
+Batch = list[dict[str, Any] | OwnReadBack]
+"""Peers' records in stream order, with the control messages where they fall."""
+
+
 class ReplicatedState(Protocol):
     """What replication needs of the service whose state it keeps in agreement."""
 
-    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+    def apply_remote(self, records: Batch) -> int:
         """Apply other instances' records in order (one batch); how many changed state."""
         ...
 

@@ -16,7 +16,7 @@ skipped; the records behind it in the batch are still applied.
 The same request id added on two instances at once: the first add in stream order wins on
 every instance. An instance that holds a copy ignores a peer's add of the id, except when its
 own add's record has not come back from the stream yet (the reader says which own records it
-read back, in stream order, with ``{"own_seq": n}`` markers in the batch): then the peer's add
+read back, in stream order, with ``OwnReadBack`` control messages in the batch): then the peer's add
 came first, and the instance drops its own copy for the peer's. When its own record does come
 back, it is applied like a peer's (usually ignored, the id being active). Counted in
 ``duplicate_adds``.
@@ -51,6 +51,7 @@ from kv_slot_tracker.core.events import (
 from kv_slot_tracker.core.publisher import ReplicaEffects, SequencePublisher
 from kv_slot_tracker.core.snapshot import wall_mapping
 from kv_slot_tracker.core.types import NS_PER_S, WorkerDpRange, WorkerWithDpRank
+from kv_slot_tracker.replication.port import Batch, OwnReadBack
 from kv_slot_tracker.replication.records import as_replayed
 from kv_slot_tracker.service import early as e
 from kv_slot_tracker.service import record_check as rc
@@ -232,13 +233,13 @@ class ReplicaRecords:
         age = self.wall_clock() - wall_ts
         return self.clock() - (age if age > 0 else 0)
 
-    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+    def apply_remote(self, records: Batch) -> int:
         """Apply other instances' records in order; returns how many changed state."""
         applied = 0
         effects: dict[Key, ReplicaEffects] = {}
         for rec in records:
-            if "own_seq" in rec:
-                self._read_back(rec["own_seq"], effects)
+            if isinstance(rec, OwnReadBack):
+                self._read_back(rec.seq, effects)
                 continue
             try:
                 changed = self._apply_one(rec, effects)

@@ -26,6 +26,7 @@ from kv_slot_tracker.core.types import (
     WorkerDpRange,
     WorkerWithDpRank,
 )
+from kv_slot_tracker.replication.port import Batch
 from kv_slot_tracker.service import commands as c
 from kv_slot_tracker.service.errors import (
     BlockSizeMismatch,
@@ -332,7 +333,7 @@ class SlotTrackerService:
 
     # -- replication (the ``ReplicatedState`` of ``kv_slot_tracker.replication``) -------------------------
 
-    def apply_remote(self, records: list[dict[str, Any]]) -> int:
+    def apply_remote(self, records: Batch) -> int:
         return self.replica.apply_remote(records)
 
     def export_state(self) -> list[dict[str, Any]]:

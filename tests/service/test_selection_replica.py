@@ -14,6 +14,7 @@ from kv_slot_tracker.core.selection import RouterConfig
 from kv_slot_tracker.core.selection.catalog import WorkerSpec
 from kv_slot_tracker.core.selection.errors import ReservationNotFound
 from kv_slot_tracker.core.types import WorkerWithDpRank
+from kv_slot_tracker.replication.port import OwnReadBack
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import SelectionService
@@ -71,7 +72,7 @@ class Node:
         batch: list[dict[str, Any]] = []
         for blob in self.stream.entries[self.stream.read[self.origin] :]:
             rec = msgpack.unpackb(blob, raw=False)
-            batch.append({"own_seq": rec["seq"]} if rec["origin"] == self.origin else rec)
+            batch.append(OwnReadBack(rec["seq"]) if rec["origin"] == self.origin else rec)
         self.stream.read[self.origin] = len(self.stream.entries)
         self.service.apply_remote(batch)
 

@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
-from kv_slot_tracker.replication.port import ReplicatedState
+from kv_slot_tracker.replication.port import Batch, OwnReadBack, ReplicatedState
 from kv_slot_tracker.replication.records import (
     RECORD_FIELD,
     MalformedRecord,
@@ -259,7 +259,7 @@ class StreamReader:
             self.bootstrap.local_floor,
         )
         now = self.me.wall_clock()
-        batch: list[dict[str, Any]] = []
+        batch: Batch = []
         position = self.position
         own_read = marked = 0  # own records read back in this reply, and told to the target
         for entry_id, fields in entries:
@@ -279,7 +279,7 @@ class StreamReader:
                 continue
             if missing > 0:
                 if own_read > marked:
-                    batch.append({"own_seq": own_read})
+                    batch.append(OwnReadBack(own_read))
                 self._apply(batch, position, now)
                 await self._on_gap(key, seq, missing)
                 return  # the next read starts again from the (possibly new) position
@@ -292,11 +292,11 @@ class StreamReader:
                     continue
                 record = as_replayed(record)  # ours, but older than the local state
             if own_read > marked:  # the target learns which own records precede this one
-                batch.append({"own_seq": own_read})
+                batch.append(OwnReadBack(own_read))
                 marked = own_read
             batch.append(record)
         if own_read > marked:
-            batch.append({"own_seq": own_read})
+            batch.append(OwnReadBack(own_read))
         self._apply(batch, position, now)
 
     def _malformed(self, eid: str, error: Exception, now: int) -> None:
@@ -309,7 +309,7 @@ class StreamReader:
             self._malformed_logged_ns = now
             log.warning("skipping stream entry %s (%d such so far): %s", eid, c.malformed, error)
 
-    def _apply(self, batch: list[dict[str, Any]], position: str, now: int) -> None:
+    def _apply(self, batch: Batch, position: str, now: int) -> None:
         assert self._target is not None
         if batch:
             with gc_paused():  # a large catch-up batch allocates a lot; collect afterwards
@@ -320,7 +320,7 @@ class StreamReader:
         observe = self.lag.observe
         lag_ns = applied = 0
         for record in batch:
-            if "own_seq" in record:  # a marker, not a record
+            if isinstance(record, OwnReadBack):  # a control message, not a record
                 continue
             applied += 1
             lag_ns = max(0, now - record["ts"])
