@@ -358,7 +358,7 @@ def test_sync_and_async_selection_have_the_same_methods() -> None:
         return {n: inspect.signature(f) for n, f in vars(cls).items() if not n.startswith("_")}
 
     sync, async_ = public(SelectionClient), public(AsyncSelectionClient)
-    assert len(sync) == 18 and sorted(sync) == sorted(async_)
+    assert len(sync) == 19 and sorted(sync) == sorted(async_)
     for name, signature in sync.items():
         assert str(async_[name]) == str(signature), name
         assert inspect.iscoroutinefunction(getattr(AsyncSelectionClient, name)), name

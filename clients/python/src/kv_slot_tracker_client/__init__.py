@@ -45,6 +45,7 @@ from kv_slot_tracker_client.errors import (
 )
 from kv_slot_tracker_client.models import (
     BatchResult,
+    KvEventsReady,
     LoadRow,
     LoraCounts,
     Overlap,
@@ -80,6 +81,7 @@ __all__ = [
     "BatchBuilder",
     "BatchResult",
     "Conflict",
+    "KvEventsReady",
     "LoadRow",
     "LoraCounts",
     "NotFound",

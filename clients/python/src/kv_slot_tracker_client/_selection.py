@@ -11,6 +11,7 @@ defaults (``model_name`` and ``routing_group`` ``"default"``); unset optional fi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -145,6 +146,11 @@ _POTENTIAL = c.reader(list[RankLoad])
 _OVERLAP = c.reader(OverlapScoresResponse)
 _DUMP = c.reader(dict[str, PartitionDump])
 _READY = TypeAdapter(SelectionReady)
+
+
+def _ndjson(response: httpx.Response) -> list[dict[str, Any]]:
+    c.raise_for_status(response)
+    return [json.loads(line) for line in response.text.splitlines() if line.strip()]
 
 
 def _readiness(response: httpx.Response) -> SelectionReady:
@@ -548,6 +554,12 @@ class SelectionRoutes:
         """``GET /selection/dump``: every partition's approximate cache as stored events, keyed
         ``"model:routing_group"``."""
         return c.get(SEL + "/dump", _DUMP)
+
+    def kv_index(self) -> Call[list[dict[str, Any]]]:
+        """``GET /selection/kv_index``: the KV-event index as another instance recovers it
+        (the NDJSON lines, each decoded: a header, per partition its ranks with their blocks
+        and last sequence number, and an end line)."""
+        return c.get(SEL + "/kv_index", _ndjson)
 
 
 SELECTION_ROUTES = SelectionRoutes()

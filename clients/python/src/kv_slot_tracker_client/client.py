@@ -151,6 +151,7 @@ class SelectionClient:
     potential_loads = _selection_blocking(SelectionRoutes.potential_loads)
     overlap_scores = _selection_blocking(SelectionRoutes.overlap_scores)
     dump = _selection_blocking(SelectionRoutes.dump)
+    kv_index = _selection_blocking(SelectionRoutes.kv_index)
 
 
 class AsyncSelectionClient:
@@ -185,6 +186,7 @@ class AsyncSelectionClient:
     potential_loads = _selection_awaiting(SelectionRoutes.potential_loads)
     overlap_scores = _selection_awaiting(SelectionRoutes.overlap_scores)
     dump = _selection_awaiting(SelectionRoutes.dump)
+    kv_index = _selection_awaiting(SelectionRoutes.kv_index)
 
 
 class SlotTrackerClient:

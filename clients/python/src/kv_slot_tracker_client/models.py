@@ -193,6 +193,21 @@ class WorkerRecord(BaseModel):
     )
 
 
+class KvEventsReady(BaseModel):
+    """With KV events on: the engines' publishers as the instance sees them."""
+
+    recovering: bool = Field(description="Still loading the KV index from its peers at start.")
+    peers: list[str]
+    recovered_from: str | None
+    listening_ranks: int
+    disconnected_ranks: list[tuple[int, int]] = Field(
+        description="``(worker_id, dp_rank)`` of the ranks with no connection to their publisher."
+    )
+    silent_ranks: list[tuple[int, int]] = Field(
+        description="``(worker_id, dp_rank)`` of the ranks that sent nothing for a while."
+    )
+
+
 class SelectionReady(BaseModel):
     """The selection API's readiness answer: ready while some worker is schedulable."""
 
@@ -201,6 +216,7 @@ class SelectionReady(BaseModel):
     workers: list[WorkerRecord] | None = Field(
         None, description="Absent when the service has a key and the client did not send it."
     )
+    kv_events: KvEventsReady | None = None
 
 
 class Overlap(BaseModel):
