@@ -283,52 +283,42 @@ class SelectionStatus(BaseModel):
     status: str = "ok"
 
 
+WORKER_EXAMPLE: dict[str, Any] = {
+    "worker_id": 7,
+    "model_name": "qwen",
+    "routing_group": "default",
+    "lifecycle": "schedulable",
+    "endpoint": "http://w7:8000",
+    "kv_events_endpoint": None,
+    "replay_endpoint": None,
+    "block_size": 16,
+    "data_parallel_start_rank": None,
+    "data_parallel_size": 2,
+    "max_num_batched_tokens": None,
+    "total_kv_blocks": None,
+    "stable_routing_id": None,
+    "is_eagle": None,
+    "taints": [],
+    "topology_domains": {},
+    "kv_transfer_domain": None,
+    "kv_transfer_enforcement": None,
+    "kv_transfer_preferred_weight": None,
+}
+"""A schedulable worker as the service answers it (the examples of the worker routes)."""
+
+
 class WorkerRecord(BaseModel):
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={
             "examples": [
+                WORKER_EXAMPLE,
                 {
-                    "worker_id": 7,
-                    "model_name": "qwen",
-                    "routing_group": "default",
-                    "lifecycle": "schedulable",
-                    "endpoint": "http://w7:8000",
-                    "kv_events_endpoint": None,
-                    "replay_endpoint": None,
-                    "block_size": 16,
-                    "data_parallel_start_rank": None,
-                    "data_parallel_size": 2,
-                    "max_num_batched_tokens": None,
-                    "total_kv_blocks": None,
-                    "stable_routing_id": None,
-                    "is_eagle": None,
-                    "taints": [],
-                    "topology_domains": {},
-                    "kv_transfer_domain": None,
-                    "kv_transfer_enforcement": None,
-                    "kv_transfer_preferred_weight": None,
-                },
-                {
+                    **WORKER_EXAMPLE,
                     "worker_id": 8,
-                    "model_name": "qwen",
-                    "routing_group": "default",
                     "lifecycle": "incomplete",
                     "endpoint": None,
-                    "kv_events_endpoint": None,
-                    "replay_endpoint": None,
-                    "block_size": 16,
-                    "data_parallel_start_rank": None,
                     "data_parallel_size": None,
-                    "max_num_batched_tokens": None,
-                    "total_kv_blocks": None,
-                    "stable_routing_id": None,
-                    "is_eagle": None,
-                    "taints": [],
-                    "topology_domains": {},
-                    "kv_transfer_domain": None,
-                    "kv_transfer_enforcement": None,
-                    "kv_transfer_preferred_weight": None,
                     "not_schedulable_reasons": ["endpoint is required"],
                 },
             ]
@@ -370,29 +360,7 @@ class SelectionReady(BaseModel):
                 {
                     "ready": True,
                     "schedulable_workers": 1,
-                    "workers": [
-                        {
-                            "worker_id": 7,
-                            "model_name": "qwen",
-                            "routing_group": "default",
-                            "lifecycle": "schedulable",
-                            "endpoint": "http://w7:8000",
-                            "kv_events_endpoint": None,
-                            "replay_endpoint": None,
-                            "block_size": 16,
-                            "data_parallel_start_rank": None,
-                            "data_parallel_size": 2,
-                            "max_num_batched_tokens": None,
-                            "total_kv_blocks": None,
-                            "stable_routing_id": None,
-                            "is_eagle": None,
-                            "taints": [],
-                            "topology_domains": {},
-                            "kv_transfer_domain": None,
-                            "kv_transfer_enforcement": None,
-                            "kv_transfer_preferred_weight": None,
-                        }
-                    ],
+                    "workers": [WORKER_EXAMPLE],
                 },
                 {"ready": False, "schedulable_workers": 0, "workers": []},
             ]
