@@ -74,5 +74,5 @@ def test_edge_cost_counts_opcodes_per_function() -> None:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("batch: ") and lines[0].endswith(" opcodes per operation")
     names = {line.split()[-1] for line in lines[1:]}
-    assert {"sequences.py:release", "overlap.py:add", "operations.py:batch"} <= names
+    assert {"sequences.py:release", "overlap.py:add", "operations.py:_run_commands"} <= names
     assert not any("edge_cost.py" in name for name in names)  # nor the harness loop itself

@@ -20,6 +20,7 @@ from kv_slot_tracker.core.types import (
     WorkerWithDpRank,
 )
 from kv_slot_tracker.service import SlotTrackerService
+from kv_slot_tracker.service.record_check import RejectedRecord
 from tests.calls import AddCall, import_tracker, potential_loads, register
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.support.tracker import (
@@ -217,6 +218,6 @@ def test_service_restore_is_all_or_nothing() -> None:
     clock = FakeClock()
     s = SlotTrackerService(clock=clock.now, wall_clock=clock.now)
     register(s, ("m", "g"), 1, 16, 0, 1)
-    with pytest.raises(KeyError):
+    with pytest.raises(RejectedRecord):  # checked like a record before anything is replaced
         s.restore_state([{"model_name": "m", "routing_group": "x", "tracker": {"format": 1}}])
     assert s.workers(None, None)[0]["worker_id"] == 1
