@@ -99,6 +99,7 @@ class SentinelGroup:
         self.password = password
         self.certs = certs
         self.common = ""  # configuration lines of every process
+        self._cut: RedisProcess | None = None  # the replica cut_replication cut off
         if certs is not None:
             self.common += (f"tls-cert-file {certs['server_cert']}\n"
                             f"tls-key-file {certs['server_key']}\n"
@@ -184,6 +185,31 @@ class SentinelGroup:
                 return c.info("replication")["master_link_status"] == "down"
 
         wait_for(down, 5, "the replication link to break")
+        self._cut = replica
+
+    def heal_replication(self) -> None:
+        """Give the replica cut off by ``cut_replication`` its real login back (the network
+        heals). Left cut, a server promoted by Sentinel could never take a replica again: a
+        second failover, which loaded Sentinels sometimes start, would leave no replica at all."""
+        replica, self._cut = self._cut, None
+        if replica is None:
+            return
+        with replica.client() as c:
+            c.config_set("masteruser", "")
+            c.config_set("masterauth", self.password or "")
+
+    def wait_healthy(self, timeout: float) -> RedisProcess:
+        """Wait until the primary the Sentinels name is a master and the other server its
+        replica with the link up, whichever server that is; returns the primary."""
+
+        def healthy() -> RedisProcess | None:
+            primary = self.primary()
+            (other,) = [s for s in self.servers if s is not primary]
+            if self.role(primary) != "master" or self.role(other) != "slave":
+                return None
+            return primary if self._link_up(other) else None
+
+        return wait_for(healthy, timeout, "one primary with its replica linked")
 
     def primary_port(self) -> int:
         """The primary's port as the Sentinels see it now."""

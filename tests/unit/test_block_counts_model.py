@@ -152,7 +152,7 @@ class BlockCountsMachine(RuleBasedStateMachine):
 
 
 BlockCountsMachine.TestCase.settings = settings(
-    max_examples=500,
+    max_examples=200,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

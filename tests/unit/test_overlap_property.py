@@ -417,7 +417,7 @@ class OverlapMachine(RuleBasedStateMachine):
 
 
 OverlapMachine.TestCase.settings = settings(
-    max_examples=500,
+    max_examples=200,
     deadline=None,
     stateful_step_count=30,
     # each add draws a prompt, a hint and a target rank, so even the smallest run is large
