@@ -68,7 +68,7 @@ class ReplicatedState(Protocol):
 class Replication(Protocol):
     """What the app needs of replication, in either mode."""
 
-    mode: str  # "embedded" (nothing to replicate) or "redis"
+    mode: str  # "embedded" (nothing to replicate), "redis" or "local" (a supervisor's hub)
     instance_id: int  # non-zero; the origin of this instance's records
 
     def publish(self, record: dict[str, Any]) -> int:

@@ -166,3 +166,18 @@ def test_processes_get_the_listening_socket_and_their_control_socket() -> None:
         assert control_socket_index("/run/x/worker-1.sock") == 1
     finally:
         s.sock.close()
+
+
+@pytest.mark.parametrize("given", ["local", "redis"])
+def test_workers_transport_setting(given: str) -> None:
+    assert load_settings(workers_transport=given).workers_transport == given
+
+
+def test_workers_transport_defaults_to_the_hub() -> None:
+    assert load_settings().workers_transport == "local"
+
+
+@pytest.mark.parametrize("given", ["", "tcp", "Local ", "zmq"])
+def test_workers_transport_refuses_the_rest(given: str) -> None:
+    with pytest.raises(ValidationError):
+        load_settings(workers_transport=given)

@@ -1,0 +1,92 @@
+"""Whole applications sharing their state through the workers hub
+(``kv_slot_tracker.replication.local``), in this process, driven over ASGI: what one process
+acknowledges, the next call on its sibling finds (durable acknowledgements + read barrier); a
+process that joins after the hub forgot the first frames loads a sibling's state; ``GET
+/replication`` says mode ``local`` with its position."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kv_slot_tracker.main import create_app
+from kv_slot_tracker.replication.local.hub import Hub
+from kv_slot_tracker.settings import Settings
+from tests.replication.apps import App, register, until
+
+
+def settings(instance_id: int) -> Settings:
+    return Settings(instance_id=instance_id, replication_ack="redis", redis_url="")
+
+
+@contextlib.asynccontextmanager
+async def started(
+    stack: contextlib.AsyncExitStack, hub: Hub, instance_id: int
+) -> AsyncIterator[App]:
+    app = create_app(settings(instance_id), hub_socket=hub.path)
+    await stack.enter_async_context(app.router.lifespan_context(app))
+    await app.state.replication.settled(10)
+    client = await stack.enter_async_context(
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30)
+    )
+    yield App(app, client)
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[Hub]:
+    h = Hub(tmp_path / "hub.sock")
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()
+
+
+async def test_siblings_answer_as_one_and_a_late_one_loads_the_state(hub: Hub) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(started(stack, hub, 1))
+        b = await stack.enter_async_context(started(stack, hub, 2))
+        assert a.replication.ready() and b.replication.ready()
+        await register(a, [b])
+        # each call of a request on the other process, at once: the add acknowledged by the
+        # hub on one, the next call on the other finds it (read barrier)
+        for i in range(10):
+            first, second = (a, b) if i % 2 == 0 else (b, a)
+            assert await first.add(f"r{i}") == 201
+            assert (await second.call("prefill_complete", f"r{i}")).status_code == 200
+        for i in range(0, 10, 2):
+            assert (await b.call("free", f"r{i}")).status_code == 200
+        assert (await a.call("prefill_complete", "nowhere")).status_code == 404
+        await until(lambda: a.outbox_empty() and b.outbox_empty(), what="outboxes sequenced")
+        await until(lambda: hub.retained.first > 1, what="the hub forgetting applied frames")
+        want = await a.loads()
+        assert await b.loads() == want
+        assert sum(row["active_requests"] for row in want) == 5
+
+        # a third process joins: the first frames are gone, so a sibling's state is the way
+        c = await stack.enter_async_context(started(stack, hub, 3))
+        assert c.replication.ready() and hub.counters.exports == 1
+        assert await c.loads() == want
+        assert (await c.call("free", "r1")).status_code == 200  # an add made on a, freed here
+        await until(lambda: c.outbox_empty(), what="c's free sequenced")
+        await until(_same([a, b, c]), what="the three alike")
+
+        status = (await c.client.get("/replication")).json()
+        assert status["mode"] == "local" and status["ready"] and status["connected"]
+        assert status["bootstraps"] == 1 and int(status["stream_position"]) == hub.head
+        assert status["published"] == 1 and status["dropped"] == 0
+        # a: the registration, its 5 adds and the 5 prefill completions of b's adds
+        assert a.replication.status().published == 11
+        assert c.metric("replication_published_total") == 1
+
+
+def _same(apps: list[App]):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        views = [await app.loads() for app in apps]
+        return all(v == views[0] for v in views)
+
+    return check
