@@ -90,3 +90,38 @@ def _same(apps: list[App]):  # type: ignore[no-untyped-def]
         return all(v == views[0] for v in views)
 
     return check
+
+
+async def test_a_process_cut_off_from_the_hub_loads_the_state_again_keeping_its_own(
+    hub: Hub,
+) -> None:
+    """The hub drops a process's connection (as it does for a bad frame): the process connects
+    again, loads its sibling's state (which lacks what the process accepted meanwhile) and
+    still ends with its own changes, applied again when the hub sequences them."""
+    local = Settings(instance_id=2, replication_ack="local", redis_url="")
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(started(stack, hub, 1))
+        app = create_app(local, hub_socket=hub.path)
+        await stack.enter_async_context(app.router.lifespan_context(app))
+        await app.state.replication.settled(10)
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        )
+        b = App(app, client)
+        await register(a, [b])
+        assert await b.add("before") == 201
+        await until(lambda: b.outbox_empty(), what="b's add sequenced")
+        await until(lambda: hub.retained.first > 2, what="the hub forgetting applied frames")
+
+        [conn] = [c for c in hub.connections if c.instance_id == 2]
+        conn.close()
+        await until(lambda: not b.replication.connected(), what="b cut off")
+        assert await b.add("meanwhile") == 201  # accepted here, not sent yet
+        assert b.replication.status().outbox_depth == 1
+        await until(lambda: b.replication.connected() and b.outbox_empty(), what="b back")
+        await until(_same([a, b]), what="both alike")
+        rows = await b.loads()
+        assert sum(row["active_requests"] for row in rows) == 2
+        status = b.replication.status()
+        assert status.bootstraps == 2 and status.dropped == 0
+        assert hub.counters.exports == 1
