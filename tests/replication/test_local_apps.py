@@ -79,6 +79,16 @@ async def test_siblings_answer_as_one_and_a_late_one_loads_the_state(hub: Hub) -
         assert status["mode"] == "local" and status["ready"] and status["connected"]
         assert status["bootstraps"] == 1 and int(status["stream_position"]) == hub.head
         assert status["published"] == 1 and status["dropped"] == 0
+        # the hub's figures reach every process (once a second)
+        await until(lambda: (c.replication.status().hub or {}).get("processes") == 3,
+                    what="the hub's figures")  # fmt: skip
+        figures = c.replication.status().hub
+        assert figures == {**hub.stats(), "kept_bytes": figures["kept_bytes"],
+                           "kept_from": figures["kept_from"]}  # fmt: skip
+        assert figures["head"] == hub.head and figures["exports"] == 1 and figures["joins"] == 3
+        assert figures["oversized"] == figures["cut"] == figures["resyncs"] == 0
+        assert c.metric("replication_position") == hub.head
+        assert c.metric("workers_hub_head") == hub.head
         # a: the registration, its 5 adds and the 5 prefill completions of b's adds
         assert a.replication.status().published == 11
         assert c.metric("replication_published_total") == 1

@@ -13,6 +13,7 @@ The shape follows ``replication/redis``, with the hub in the place of the stream
 * ``retained``: the frames the hub keeps, bounded in bytes;
 * ``outbox``: the write path (numbering, batching, acknowledgements);
 * ``follower``: the read path (apply in order, own read-back, the state, the read barrier);
+* ``metrics``: the Prometheus series of this mode (position applied, the hub's figures);
 * ``facade``: ``LocalReplication``, the ``Replication`` port composed of the above.
 
 The same records as with Redis (``replication.records``), validated by ``apply_remote`` the

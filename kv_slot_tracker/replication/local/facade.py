@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from kv_slot_tracker.core.types import NS_PER_S
 from kv_slot_tracker.replication.local import framing as f
 from kv_slot_tracker.replication.local.follower import Follower
+from kv_slot_tracker.replication.local.metrics import register_local_collector
 from kv_slot_tracker.replication.local.outbox import LocalOutbox
 from kv_slot_tracker.replication.metrics import (
     ReplicationCounters,
@@ -97,6 +98,9 @@ class LocalReplication:
         self._stopped = False
         register_collector(
             registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
+        )
+        register_local_collector(
+            registry, lambda: self.follower.position, lambda: self.follower.hub_stats
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -224,4 +228,5 @@ class LocalReplication:
             resent=c.resent,
             bootstraps=c.bootstraps,
             last_applied_lag_ms=self.follower.last_lag_ms,
+            hub=self.follower.hub_stats,
         )

@@ -75,6 +75,7 @@ class Follower:
         self.position = 0  # the hub position up to which the local state has applied
         self.last_lag_ms: float | None = None
         self.malformed = 0
+        self.hub_stats: dict[str, int] | None = None  # the hub's latest figures
         self._seqs = SeqLedger()
         self._floor = 1  # own records from this seq on are in the local state already
         self._own_through = 0  # own records up to here are in the loaded state
@@ -131,6 +132,8 @@ class Follower:
                 batch = []
                 (position,) = f.U64.unpack_from(frame, 1)
                 self._restore(position, memoryview(frame)[9:])
+            elif kind == f.STATS:
+                self._hub_stats(frame)
             elif kind == f.RESYNC:
                 self._apply(batch, position)
                 batch = []
@@ -179,6 +182,16 @@ class Follower:
         for record in done:  # those the loaded state lacks, in their place in the order
             if through < record["seq"] < floor:
                 batch.append(as_replayed(record))
+
+    def _hub_stats(self, frame: bytes) -> None:
+        try:
+            stats = msgpack.unpackb(memoryview(frame)[1:], raw=False)
+        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
+            stats = None
+        if isinstance(stats, dict) and all(type(v) is int for v in stats.values()):
+            self.hub_stats = stats
+        else:
+            self.malformed += 1
 
     def _malformed(self, why: str) -> None:
         self.malformed += 1

@@ -16,6 +16,7 @@ Kinds (``P``: process to hub, ``H``: hub to process)::
     H  EXPORT   b"x"  token u64                         (send your state)
     H  BEGIN    b"b"  position u64, state               (load this; frames after it follow)
     H  RESYNC   b"r"  (you fell behind what the hub keeps: a state follows)
+    H  STATS    b"t"  the hub's positions and counters (msgpack map), every second
 
 ``FrameReader`` cuts a byte stream into frames whatever the reads' boundaries; a frame longer
 than its limit is refused (counted) and its bytes skipped, so one bad frame does not desync
@@ -31,7 +32,7 @@ U64 = struct.Struct(">Q")
 U64_2 = struct.Struct(">QQ")
 
 HELLO, PUBLISH, APPLIED, HEAD_ASK, STATE = b"h", b"p", b"a", b"q", b"s"
-DATA, OWN, HEAD, EXPORT, BEGIN, RESYNC = b"d", b"o", b"Q", b"x", b"b", b"r"
+DATA, OWN, HEAD, EXPORT, BEGIN, RESYNC, STATS = b"d", b"o", b"Q", b"x", b"b", b"r", b"t"
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a state export of a large instance fits
 

@@ -34,10 +34,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import cast
+
+import msgpack
 
 from kv_slot_tracker.replication.local import framing as f
 from kv_slot_tracker.replication.local.retained import Entry, Retained
@@ -48,6 +50,7 @@ RETAINED_BYTES = 64 * 1024 * 1024
 JOIN_WAIT_S = 5.0  # with no ready sibling to export a state, a joining process waits this long
 JOIN_RETRY_S = 0.2
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # a connection's socket buffer in the hub, before pausing
+STATS_EVERY_S = 1.0  # how often every process is sent the hub's figures (``/replication``)
 
 
 @dataclass(slots=True)
@@ -148,6 +151,7 @@ class Hub:
         self._tokens = count(1)
         self._server: asyncio.AbstractServer | None = None
         self._retry: asyncio.TimerHandle | None = None
+        self._stats: asyncio.TimerHandle | None = None
 
     @property
     def head(self) -> int:
@@ -159,16 +163,36 @@ class Hub:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: HubConnection(self), self.path)
         os.chmod(self.path, 0o600)
+        self._stats = loop.call_later(STATS_EVERY_S, self._send_stats)
 
     async def stop(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._stats):
+            if timer is not None:
+                timer.cancel()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
             conn.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+    def stats(self) -> dict[str, int]:
+        """The hub's positions and counters, as every process reports them (``hub`` in
+        ``GET /replication``)."""
+        return {
+            "head": self.retained.head,
+            "kept_from": self.retained.first,
+            "kept_bytes": self.retained.bytes,
+            "processes": sum(1 for c in self.connections if c.incarnation),
+            **asdict(self.counters),
+        }
+
+    def _send_stats(self) -> None:
+        frame = f.frame(f.STATS, msgpack.packb(self.stats()))
+        for conn in self.connections:
+            if conn.synced:
+                conn.write(frame)
+        self._stats = asyncio.get_running_loop().call_later(STATS_EVERY_S, self._send_stats)
 
     # -- frames in ----------------------------------------------------------------------------
 
