@@ -255,3 +255,30 @@ async def test_a_process_behind_the_bytes_kept_is_told_to_resync(tmp_path: Path)
         await b.close()
     finally:
         await hub.stop()
+
+
+async def test_a_sibling_that_does_not_answer_for_its_state_is_passed_over(
+    tmp_path: Path,
+) -> None:
+    hub = Hub(tmp_path / "slow.sock", export_timeout_s=0.3)
+    await hub.start()
+    try:
+        a, b = await Client.hello(hub, 1, 11), await Client.hello(hub, 2, 22)
+        for c in (a, b):
+            await c.expect(f.BEGIN)
+        a.publish(1, b"one")
+        for c in (a, b):
+            await c.next()
+            c.send(f.frame_u64(f.APPLIED, 1))
+        await until(lambda: hub.retained.first == 2, "position 1 forgotten")
+        newcomer = await Client.hello(hub, 3, 33)
+        asked = await asyncio.wait_for(_first_export(a, b), WAIT_S)  # and says nothing
+        other = b if asked is a else a
+        (token,) = f.U64.unpack_from(await other.expect(f.EXPORT), 1)
+        other.send(f.frame_u64(f.STATE, token, 1, tail=b"s"))
+        assert await newcomer.expect(f.BEGIN) == f.BEGIN + f.U64.pack(1) + b"s"
+        assert hub.counters.exports == 2
+        for c in (a, b, newcomer):
+            await c.close()
+    finally:
+        await hub.stop()

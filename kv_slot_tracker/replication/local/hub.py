@@ -13,7 +13,8 @@ Every process connects to its Unix socket and says who it is (``HELLO``). Then:
 * a process that says ``HELLO`` gets the state before any frame: while every frame ever
   sequenced is still kept, the empty state at position 0; else the hub asks a ready sibling
   (``EXPORT``), which answers its state at the position it has applied (``STATE``), and
-  forwards it (``BEGIN``) followed by the frames after that position;
+  forwards it (``BEGIN``) followed by the frames after that position (a sibling that ends or
+  does not answer within ``export_timeout_s`` is passed over for another);
 * ``HEAD?`` is answered with the newest position (the read barrier);
 * frames are kept (``retained``) from the oldest position not yet applied by every ready
   process (each says what it applied, ``APPLIED`` or inside ``PUBLISH``), at most
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 RETAINED_BYTES = 64 * 1024 * 1024
 JOIN_WAIT_S = 5.0  # with no ready sibling to export a state, a joining process waits this long
 JOIN_RETRY_S = 0.2
+EXPORT_TIMEOUT_S = 5.0  # a process asked for its state that has not answered by then: ask another
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # a connection's socket buffer in the hub, before pausing
 STATS_EVERY_S = 1.0  # how often every process is sent the hub's figures (``/replication``)
 
@@ -70,6 +72,7 @@ class HubCounters:
 class _Export:
     requester: HubConnection
     exporter: HubConnection
+    asked_at: float  # monotonic s
 
 
 class HubConnection(asyncio.Protocol):
@@ -86,6 +89,7 @@ class HubConnection(asyncio.Protocol):
         self.applied = 0  # what the process says it applied
         self.paused = False
         self.waiting_since: float | None = None  # monotonic s: joined and waiting for a state
+        self.slow_exporter: HubConnection | None = None  # did not answer for this one's state
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not one
@@ -140,10 +144,12 @@ class Hub:
         max_retained_bytes: int = RETAINED_BYTES,
         max_frame_bytes: int = f.MAX_FRAME_BYTES,
         join_wait_s: float = JOIN_WAIT_S,
+        export_timeout_s: float = EXPORT_TIMEOUT_S,
     ) -> None:
         self.path = str(path)
         self.max_frame_bytes = max_frame_bytes
         self.join_wait_s = join_wait_s
+        self.export_timeout_s = export_timeout_s
         self.retained = Retained(max_retained_bytes)
         self.connections: list[HubConnection] = []
         self.counters = HubCounters()
@@ -281,7 +287,16 @@ class Hub:
         self._serve_joins()
 
     def _serve_joins(self) -> None:
-        self._retry = None
+        if self._retry is not None:  # called before the timer: one timer at a time
+            self._retry.cancel()
+            self._retry = None
+        now = time.monotonic()
+        for token, export in list(self._exports.items()):
+            if now - export.asked_at >= self.export_timeout_s:
+                log.warning("hub: process %d did not send its state within %.0f s; asking "
+                            "another", export.exporter.instance_id, self.export_timeout_s)  # fmt: skip
+                export.requester.slow_exporter = export.exporter
+                del self._exports[token]
         asked = {e.requester for e in self._exports.values()}
         for conn in self.connections:
             if conn.waiting_since is None or conn in asked:
@@ -290,13 +305,15 @@ class Hub:
                 self._begin(conn, 0, b"")
                 continue
             siblings = [c for c in self.connections if c.synced and c is not conn]
+            if len(siblings) > 1 and conn.slow_exporter in siblings:
+                siblings.remove(conn.slow_exporter)
             if siblings:
                 exporter = max(siblings, key=lambda c: c.applied)
                 token = next(self._tokens)
-                self._exports[token] = _Export(conn, exporter)
+                self._exports[token] = _Export(conn, exporter, now)
                 self.counters.exports += 1
                 exporter.write(f.frame_u64(f.EXPORT, token))
-            elif time.monotonic() - conn.waiting_since >= self.join_wait_s:
+            elif now - conn.waiting_since >= self.join_wait_s:
                 log.error(
                     "hub: no process holds the state to give process %d; it starts from the "
                     "frames kept since position %d (earlier changes are lost)",
@@ -305,8 +322,10 @@ class Hub:
                 )
                 self.counters.lost_joins += 1
                 self._begin(conn, self.retained.first - 1, b"")
-            elif self._retry is None:
-                self._retry = asyncio.get_running_loop().call_later(JOIN_RETRY_S, self._serve_joins)
+        # while a state is awaited or asked for, look again shortly (timeouts, no sibling yet)
+        waiting = any(c.waiting_since is not None for c in self.connections)
+        if (waiting or self._exports) and self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(JOIN_RETRY_S, self._serve_joins)
 
     def _exported(
         self, exporter: HubConnection, token: int, position: int, state: memoryview
@@ -322,6 +341,7 @@ class Hub:
     def _begin(self, conn: HubConnection, position: int, state: bytes) -> None:
         conn.write(f.frame_u64(f.BEGIN, position, tail=state))
         conn.waiting_since = None
+        conn.slow_exporter = None
         conn.synced = True
         conn.cursor = position + 1
         conn.applied = max(position, self.retained.first - 1)
