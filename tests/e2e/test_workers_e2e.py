@@ -232,6 +232,13 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     assert survivor["mode"] == restarted["mode"] == transport, survivor
     if transport == "local":  # the restarted process loaded its sibling's state from the hub
         assert restarted["bootstraps"] == 1 and int(restarted["stream_position"]) > 0, restarted
+        # the hub's figures (sent every second): three joins, the last with a sibling's state
+        wait_until(lambda: (children.status(1).get("hub") or {}).get("joins") == 3, 5,
+                   "the hub's figures after the restart")  # fmt: skip
+        hub = children.status(1)["hub"]
+        assert hub["exports"] >= 1 and hub["processes"] == 2, hub
+        # (a frame cut by the kill is possible: the process may have been writing one)
+        assert hub["oversized"] == hub["resyncs"] == hub["lost_joins"] == 0, hub
     # both processes took writes: the survivor published its own records and applied its
     # siblings' (the killed process's and its successor's)
     assert survivor["published"] > 0 and survivor["applied"] > 0, survivor
