@@ -19,15 +19,15 @@ from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, register, until
 
 
-def settings(instance_id: int) -> Settings:
-    return Settings(instance_id=instance_id, replication_ack="redis", redis_url="")
+def settings(instance_id: int, ack: str = "redis") -> Settings:
+    return Settings(instance_id=instance_id, replication_ack=ack, redis_url="")
 
 
 @contextlib.asynccontextmanager
 async def started(
-    stack: contextlib.AsyncExitStack, hub: Hub, instance_id: int
+    stack: contextlib.AsyncExitStack, hub: Hub, instance_id: int, ack: str = "redis"
 ) -> AsyncIterator[App]:
-    app = create_app(settings(instance_id), hub_socket=hub.path)
+    app = create_app(settings(instance_id, ack), hub_socket=hub.path)
     await stack.enter_async_context(app.router.lifespan_context(app))
     await app.state.replication.settled(10)
     client = await stack.enter_async_context(
@@ -135,3 +135,34 @@ async def test_a_process_cut_off_from_the_hub_loads_the_state_again_keeping_its_
         status = b.replication.status()
         assert status.bootstraps == 2 and status.dropped == 0
         assert hub.counters.exports == 1
+
+
+async def test_a_process_behind_the_frames_kept_loads_the_state_again(tmp_path: Path) -> None:
+    """A process that stops reading while its sibling keeps changing things falls behind the
+    (small) bytes the hub keeps: told to resync, it loads the sibling's state and ends with
+    everything, its own change made meanwhile included."""
+    hub = Hub(tmp_path / "small.sock", max_retained_bytes=32 * 1024, write_high_water=8 * 1024)
+    await hub.start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            a = await stack.enter_async_context(started(stack, hub, 1, "local"))
+            b = await stack.enter_async_context(started(stack, hub, 2, "local"))
+            await register(a, [b])
+            b.replication._link.transport.pause_reading()  # b reads nothing from the hub
+            assert await b.add("b-own") == 201  # sent, sequenced; its echo unread
+            for n in range(20):  # ~1 MB of records: beyond the socket, b's buffer and the bound
+                ops = [{"op": "add", "model_name": "m", "request_id": f"a{n}-{i}", "worker_id": 1,
+                        "dp_rank": i % 2, "sequence_hashes": list(range(i, i + 200)),
+                        "new_isl_tokens": 10} for i in range(50)]  # fmt: skip
+                assert (await a.post("/batch", {"operations": ops})).status_code == 200
+            await until(lambda: hub.counters.resyncs == 1, what="b told to resync")
+            b.replication._link.transport.resume_reading()
+            await until(lambda: b.replication.status().bootstraps == 2, what="b reloaded")
+            await until(lambda: a.outbox_empty() and b.outbox_empty(), what="all sequenced")
+            await until(_same([a, b]), what="both alike")
+            rows = await b.loads()
+            assert sum(row["active_requests"] for row in rows) == 20 * 50 + 1
+            status = b.replication.status()
+            assert status.resets == 1 and status.dropped == 0 and status.ready
+    finally:
+        await hub.stop()

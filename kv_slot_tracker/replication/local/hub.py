@@ -93,7 +93,7 @@ class HubConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not one
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        transport.set_write_buffer_limits(high=self.hub.write_high_water)
         self.hub.connections.append(self)
 
     def data_received(self, data: bytes) -> None:
@@ -145,11 +145,13 @@ class Hub:
         max_frame_bytes: int = f.MAX_FRAME_BYTES,
         join_wait_s: float = JOIN_WAIT_S,
         export_timeout_s: float = EXPORT_TIMEOUT_S,
+        write_high_water: int = WRITE_HIGH_WATER,
     ) -> None:
         self.path = str(path)
         self.max_frame_bytes = max_frame_bytes
         self.join_wait_s = join_wait_s
         self.export_timeout_s = export_timeout_s
+        self.write_high_water = write_high_water
         self.retained = Retained(max_retained_bytes)
         self.connections: list[HubConnection] = []
         self.counters = HubCounters()
@@ -233,11 +235,12 @@ class Hub:
             raise ValueError(f"unexpected frame kind {kind!r}")
 
     def after_frames(self) -> None:
-        """After a read's frames: trim what every process has, write what is new."""
-        self._trim()
+        """After a read's frames: write what is new, then trim (after: a process keeping up
+        is sent every frame before the bound may drop one)."""
         for conn in self.connections:
             if conn.synced:
                 self.pump(conn)
+        self._trim()
 
     # -- frames out ---------------------------------------------------------------------------
 
