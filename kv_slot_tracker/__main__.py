@@ -144,6 +144,7 @@ def supervise(settings: Settings, count: int, argv: list[str]) -> int:
         count=count,
         private_redis=settings.embedded and settings.workers_transport == "redis",
         hub=settings.embedded and settings.workers_transport == "local",
+        hub_snapshot_s=settings.snapshot_interval_seconds,
         instance_id=settings.instance_id,
         child_args=argv,
     )

@@ -227,6 +227,7 @@ class Supervisor:
     private_redis: bool  # no Redis configured, workers_transport "redis": start one of our own
     instance_id: int
     hub: bool = False  # no Redis configured, workers_transport "local": run the hub
+    hub_snapshot_s: float = 30.0  # how often the hub takes a process's state for itself
     child_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     redis_binary: str | None = None
@@ -259,7 +260,9 @@ class Supervisor:
             self.redis = PrivateRedis(binary, self.run_dir)
             self.redis.start()
         elif self.hub:
-            self.hub_thread = HubThread(self.run_dir / "hub.sock")
+            self.hub_thread = HubThread(
+                self.run_dir / "hub.sock", snapshot_every_s=self.hub_snapshot_s
+            )
             self.hub_thread.start()
         for i in range(self.count):
             ident = self.instance_id + i if self.instance_id else random_id()

@@ -166,3 +166,30 @@ async def test_a_process_behind_the_frames_kept_loads_the_state_again(tmp_path: 
             assert status.resets == 1 and status.dropped == 0 and status.ready
     finally:
         await hub.stop()
+
+
+async def test_processes_that_all_ended_get_the_state_back_from_the_hub(tmp_path: Path) -> None:
+    hub = Hub(tmp_path / "snap.sock", snapshot_every_s=0.2)
+    await hub.start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            a = await stack.enter_async_context(started(stack, hub, 1))
+            b = await stack.enter_async_context(started(stack, hub, 2))
+            await register(a, [b])
+            for i in range(6):
+                assert await (a if i % 2 else b).add(f"r{i}") == 201
+            assert (await a.call("free", "r0")).status_code == 200
+            want = await a.loads()
+            await until(lambda: hub.snapshot is not None and hub.snapshot[0] >= 4,
+                        what="a snapshot after some of the changes")  # fmt: skip
+            assert (await b.call("free", "r1")).status_code == 200  # after the snapshot
+            want = await b.loads()
+        await until(lambda: not hub.connections, what="both ended")
+        async with contextlib.AsyncExitStack() as stack:
+            c = await stack.enter_async_context(started(stack, hub, 3))
+            assert c.replication.ready()
+            assert await c.loads() == want
+            assert sum(row["active_requests"] for row in want) == 4
+            assert hub.counters.snapshot_joins == 1 and hub.counters.lost_joins == 0
+    finally:
+        await hub.stop()

@@ -282,3 +282,34 @@ async def test_a_sibling_that_does_not_answer_for_its_state_is_passed_over(
             await c.close()
     finally:
         await hub.stop()
+
+
+async def test_the_hubs_own_snapshot_restarts_processes_that_all_ended(tmp_path: Path) -> None:
+    hub = Hub(tmp_path / "snap.sock", snapshot_every_s=0.1, join_wait_s=30)
+    await hub.start()
+    try:
+        a = await Client.hello(hub, 1, 11)
+        await a.expect(f.BEGIN)
+        a.publish(1, b"one")
+        assert await a.expect(f.OWN) == f.OWN + f.U64_2.pack(1, 1)
+        (token,) = f.U64.unpack_from(await a.expect(f.EXPORT), 1)  # the hub asks for itself
+        a.send(f.frame_u64(f.STATE, token, 1, tail=b"state-at-1"))
+        a.publish(2, b"two", applied=1)
+        while (frame := await a.next())[:1] == f.EXPORT:  # the next ask: left unanswered
+            pass
+        assert frame == f.OWN + f.U64_2.pack(2, 2)
+        a.send(f.frame_u64(f.APPLIED, 2))
+        await until(lambda: hub.snapshot == (1, b"state-at-1"), "the snapshot kept")
+        assert hub.retained.first == 2  # the frames after the snapshot are kept, not before
+        await a.close()
+        # a second process starts with no process left: the snapshot, then the frame after it
+        await until(lambda: not hub.connections, "a gone")
+        b = await Client.hello(hub, 2, 22)
+        assert await b.expect(f.BEGIN) == f.BEGIN + f.U64.pack(1) + b"state-at-1"
+        assert data(await b.expect(f.DATA)) == (2, b"two")
+        stats = hub.stats()
+        assert stats["snapshots"] >= 1 and stats["snapshot_joins"] == 1
+        assert stats["snapshot_position"] == 1 and stats["lost_joins"] == 0
+        await b.close()
+    finally:
+        await hub.stop()

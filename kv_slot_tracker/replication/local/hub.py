@@ -19,7 +19,12 @@ Every process connects to its Unix socket and says who it is (``HELLO``). Then:
 * frames are kept (``retained``) from the oldest position not yet applied by every ready
   process (each says what it applied, ``APPLIED`` or inside ``PUBLISH``), at most
   ``max_bytes`` of them; a process whose next frame was dropped by that bound is told to
-  ``RESYNC`` and joins again from a sibling's state.
+  ``RESYNC`` and joins again from a sibling's state;
+* every ``snapshot_every_s`` the hub takes a process's state for itself (``snapshot``) and keeps
+  the frames after it too: when no process holds the state any more (they all ended at once),
+  the next to join gets that snapshot and the frames after it. Only when that is gone too
+  (the frames after it went past the bound; a fresh one is asked for at once) does a process
+  start from the frames kept alone (``lost_joins``, logged as an error).
 
 Each connection is written from the retained frames at its own pace (``pump``): a slow reader
 holds back only itself, and what waits for it is bounded by the retained bytes plus one
@@ -53,6 +58,7 @@ JOIN_RETRY_S = 0.2
 EXPORT_TIMEOUT_S = 5.0  # a process asked for its state that has not answered by then: ask another
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # a connection's socket buffer in the hub, before pausing
 STATS_EVERY_S = 1.0  # how often every process is sent the hub's figures (``/replication``)
+SNAPSHOT_EVERY_S = 30.0  # how often the hub takes a process's state for itself
 
 
 @dataclass(slots=True)
@@ -65,7 +71,9 @@ class HubCounters:
     joins: int = 0  # states handed to joining processes
     exports: int = 0  # states asked of a sibling
     resyncs: int = 0  # processes told to load a state again (fell behind the bound)
-    lost_joins: int = 0  # joins served without any sibling's state (every process was gone)
+    lost_joins: int = 0  # joins served without any state (no process, no usable snapshot)
+    snapshots: int = 0  # states the hub took from a process for itself
+    snapshot_joins: int = 0  # joins served from the hub's own snapshot (no process had a state)
 
 
 @dataclass(eq=False)
@@ -146,12 +154,17 @@ class Hub:
         join_wait_s: float = JOIN_WAIT_S,
         export_timeout_s: float = EXPORT_TIMEOUT_S,
         write_high_water: int = WRITE_HIGH_WATER,
+        snapshot_every_s: float = SNAPSHOT_EVERY_S,
     ) -> None:
         self.path = str(path)
         self.max_frame_bytes = max_frame_bytes
         self.join_wait_s = join_wait_s
         self.export_timeout_s = export_timeout_s
         self.write_high_water = write_high_water
+        self.snapshot_every_s = snapshot_every_s
+        self.snapshot: tuple[int, bytes] | None = None  # (position, state) of the hub's own
+        self._snapshot_ask: _Export | None = None  # its request in flight (requester: None)
+        self._snapshot_token = 0
         self.retained = Retained(max_retained_bytes)
         self.connections: list[HubConnection] = []
         self.counters = HubCounters()
@@ -160,6 +173,7 @@ class Hub:
         self._server: asyncio.AbstractServer | None = None
         self._retry: asyncio.TimerHandle | None = None
         self._stats: asyncio.TimerHandle | None = None
+        self._snapshots: asyncio.TimerHandle | None = None
 
     @property
     def head(self) -> int:
@@ -172,9 +186,10 @@ class Hub:
         self._server = await loop.create_unix_server(lambda: HubConnection(self), self.path)
         os.chmod(self.path, 0o600)
         self._stats = loop.call_later(STATS_EVERY_S, self._send_stats)
+        self._snapshots = loop.call_later(self.snapshot_every_s, self._take_snapshot)
 
     async def stop(self) -> None:
-        for timer in (self._retry, self._stats):
+        for timer in (self._retry, self._stats, self._snapshots):
             if timer is not None:
                 timer.cancel()
         if self._server is not None:
@@ -192,6 +207,8 @@ class Hub:
             "kept_from": self.retained.first,
             "kept_bytes": self.retained.bytes,
             "processes": sum(1 for c in self.connections if c.incarnation),
+            "snapshot_position": self.snapshot[0] if self.snapshot else 0,
+            "snapshot_bytes": len(self.snapshot[1]) if self.snapshot else 0,
             **asdict(self.counters),
         }
 
@@ -201,6 +218,32 @@ class Hub:
             if conn.synced:
                 conn.write(frame)
         self._stats = asyncio.get_running_loop().call_later(STATS_EVERY_S, self._send_stats)
+
+    # -- the hub's own snapshot ----------------------------------------------------------------
+
+    def _take_snapshot(self) -> None:
+        """Every ``snapshot_every_s``: ask the process furthest on for its state, kept here so
+        that processes that all ended (or all fell behind) get it back with the frames after it,
+        rather than only the frames kept."""
+        loop = asyncio.get_running_loop()
+        self._snapshots = loop.call_later(self.snapshot_every_s, self._take_snapshot)
+        self._ask_snapshot()
+
+    def _ask_snapshot(self) -> None:
+        ask = self._snapshot_ask
+        if ask is not None and time.monotonic() - ask.asked_at < self.export_timeout_s:
+            return  # one at a time
+        synced = [c for c in self.connections if c.synced]
+        if not synced:
+            return
+        exporter = max(synced, key=lambda c: c.applied)
+        self._snapshot_token = token = next(self._tokens)
+        self._snapshot_ask = _Export(exporter, exporter, time.monotonic())
+        exporter.write(f.frame_u64(f.EXPORT, token))
+
+    def _snapshot_usable(self) -> bool:
+        """The frames after the snapshot are all kept (else it is of no use)."""
+        return self.snapshot is not None and self.snapshot[0] + 1 >= self.retained.first
 
     # -- frames in ----------------------------------------------------------------------------
 
@@ -225,7 +268,13 @@ class Hub:
             conn.write(f.frame_u64(f.HEAD, token, self.retained.head))
         elif kind == f.STATE and conn.incarnation:
             token, position = f.U64_2.unpack_from(frame, 1)
-            self._exported(conn, token, position, memoryview(frame)[17:])
+            if token == self._snapshot_token:
+                self._snapshot_ask, self._snapshot_token = None, 0
+                if position + 1 >= self.retained.first:
+                    self.snapshot = (position, bytes(memoryview(frame)[17:]))
+                    self.counters.snapshots += 1
+            else:
+                self._exported(conn, token, position, memoryview(frame)[17:])
         elif kind == f.HELLO and not conn.incarnation:
             conn.instance_id, conn.incarnation = f.U64_2.unpack_from(frame, 1)
             if not conn.incarnation:
@@ -267,9 +316,15 @@ class Hub:
         retained = self.retained
         synced = [c.applied for c in self.connections if c.synced]
         if synced:
-            retained.trim_through(min(synced))
+            floor = min(synced)
+            if self.snapshot is not None:  # the frames after it too
+                floor = min(floor, self.snapshot[0])
+            retained.trim_through(floor)
         if retained.over_bound():
             retained.trim_to_bound()
+            if self.snapshot is not None and not self._snapshot_usable():
+                self.snapshot = None  # frames after it dropped: a fresh one, now
+                self._ask_snapshot()
             for conn in self.connections:
                 if conn.synced and conn.cursor < retained.first:
                     log.warning(
@@ -308,6 +363,13 @@ class Hub:
                 self._begin(conn, 0, b"")
                 continue
             siblings = [c for c in self.connections if c.synced and c is not conn]
+            if not siblings and self.snapshot is not None and self._snapshot_usable():
+                position, state = self.snapshot  # every process ended: the hub's own copy
+                log.warning("hub: no process holds the state; process %d loads the hub's "
+                            "snapshot at position %d", conn.instance_id, position)  # fmt: skip
+                self.counters.snapshot_joins += 1
+                self._begin(conn, position, state)
+                continue
             if len(siblings) > 1 and conn.slow_exporter in siblings:
                 siblings.remove(conn.slow_exporter)
             if siblings:
@@ -362,6 +424,8 @@ class Hub:
         for token, export in list(self._exports.items()):
             if conn in (export.requester, export.exporter):  # an exporter gone: ask another
                 del self._exports[token]
+        if self._snapshot_ask is not None and self._snapshot_ask.exporter is conn:
+            self._snapshot_ask, self._snapshot_token = None, 0
         if any(c.waiting_since is not None for c in self.connections):
             self._serve_joins()
         self._trim()
@@ -373,6 +437,7 @@ class HubThread:
 
     path: Path
     max_retained_bytes: int = RETAINED_BYTES
+    snapshot_every_s: float = SNAPSHOT_EVERY_S
     hub: Hub | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -389,7 +454,11 @@ class HubThread:
     def _run(self) -> None:
         loop = self._loop = _new_loop()
         asyncio.set_event_loop(loop)
-        self.hub = Hub(self.path, max_retained_bytes=self.max_retained_bytes)
+        self.hub = Hub(
+            self.path,
+            max_retained_bytes=self.max_retained_bytes,
+            snapshot_every_s=self.snapshot_every_s,
+        )
         try:
             loop.run_until_complete(self.hub.start())
         except BaseException as e:  # noqa: BLE001 - reported by start()

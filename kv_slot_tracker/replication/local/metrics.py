@@ -25,6 +25,10 @@ HUB_HELP = {
     "exports": "States the workers hub asked of a process for a sibling",
     "resyncs": "Processes the workers hub told to load a state again (fell behind)",
     "lost_joins": "Processes started from the kept frames alone (no process held the state)",
+    "snapshots": "States the workers hub took from a process for itself",
+    "snapshot_joins": "Processes started from the workers hub's own snapshot (none held a state)",
+    "snapshot_position": "The position of the workers hub's own snapshot (0: none)",
+    "snapshot_bytes": "Bytes of the workers hub's own snapshot",
 }
 
 
