@@ -163,7 +163,7 @@ class Hub:
         self.write_high_water = write_high_water
         self.snapshot_every_s = snapshot_every_s
         self.snapshot: tuple[int, bytes] | None = None  # (position, state) of the hub's own
-        self._snapshot_ask: _Export | None = None  # its request in flight (requester: None)
+        self._snapshot_ask: _Export | None = None  # its request in flight (to ``exporter``)
         self._snapshot_token = 0
         self.retained = Retained(max_retained_bytes)
         self.connections: list[HubConnection] = []
@@ -227,7 +227,8 @@ class Hub:
         rather than only the frames kept."""
         loop = asyncio.get_running_loop()
         self._snapshots = loop.call_later(self.snapshot_every_s, self._take_snapshot)
-        self._ask_snapshot()
+        if self.snapshot is None or self.snapshot[0] < self.retained.head:  # else: nothing new
+            self._ask_snapshot()
 
     def _ask_snapshot(self) -> None:
         ask = self._snapshot_ask
