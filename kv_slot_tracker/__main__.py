@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
 
     if args.listen_fd is not None:
-        return serve_worker(settings, args.listen_fd, args.control_socket)
+        return serve_worker(settings, args.listen_fd, args.control_socket, args.hub_socket)
     count = worker_count(settings.workers)
     if count > 1:
         return supervise(settings, count, list(sys.argv[1:] if argv is None else argv))
@@ -142,7 +142,9 @@ def supervise(settings: Settings, count: int, argv: list[str]) -> int:
         host=settings.host,
         port=settings.port,
         count=count,
-        private_redis=settings.embedded,
+        private_redis=settings.embedded and settings.workers_transport == "redis",
+        hub=settings.embedded and settings.workers_transport == "local",
+        hub_snapshot_s=settings.snapshot_interval_seconds,
         instance_id=settings.instance_id,
         child_args=argv,
     )
@@ -153,9 +155,12 @@ def supervise(settings: Settings, count: int, argv: list[str]) -> int:
         return 1
 
 
-def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int:
+def serve_worker(
+    settings: Settings, fd: int, control_socket: str | None, hub_socket: str | None = None
+) -> int:
     """One of the supervisor's processes: serve on the listening socket ``fd`` it inherited
-    and on its own ``control_socket``, once the shared state is loaded."""
+    and on its own ``control_socket``, once the shared state is loaded (from the supervisor's
+    hub at ``hub_socket`` when given, else through Redis)."""
     sockets = [socket.socket(fileno=fd)]
     if control_socket:
         with contextlib.suppress(FileNotFoundError):
@@ -164,7 +169,7 @@ def serve_worker(settings: Settings, fd: int, control_socket: str | None) -> int
         own.bind(control_socket)
         own.listen(64)
         sockets.append(own)
-    app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S)
+    app = create_app(settings, wait_ready_s=WORKER_READY_WAIT_S, hub_socket=hub_socket)
     if control_socket:  # /metrics and /replication of every process, from any of them
         run_dir = Path(control_socket).parent
         app.add_middleware(

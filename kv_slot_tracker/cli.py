@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     # from, and a Unix socket where that process alone serves too (its siblings reach it there)
     parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--control-socket", help=argparse.SUPPRESS)
+    # ... and the Unix socket of its hub (``workers_transport = "local"``)
+    parser.add_argument("--hub-socket", help=argparse.SUPPRESS)
     helps = setting_help()
     group = parser.add_argument_group("settings (see config/default.toml)")
     for name, field in Settings.model_fields.items():

@@ -50,17 +50,19 @@ def create_app(
     clock=None,
     replication: Replication | None = None,
     wait_ready_s: float = 0.0,
+    hub_socket: str | None = None,
 ) -> FastAPI:
     """``wait_ready_s``: how long the start-up may wait for the replication to be ready (caught
     up with the peers), so that the server accepts connections only then; 0 = listen at once
-    and answer 503 "not ready" meanwhile."""
+    and answer 503 "not ready" meanwhile. ``hub_socket``: a ``--workers`` supervisor's hub,
+    through which this process shares its state with its siblings (``replication.local``)."""
     settings = settings if settings is not None else load_settings()
     service_kwargs: dict[str, Any] = {}
     if clock is not None:
         service_kwargs["clock"] = clock
     registry = build_registry()
     if replication is None:
-        replication = make_replication(settings, registry)
+        replication = make_replication(settings, registry, hub_socket)
     service = SlotTrackerService(
         expiry_seconds=settings.expiry_seconds,
         expiry_check_seconds=settings.expiry_check_seconds,
@@ -222,10 +224,12 @@ def startup_summary(settings: Settings, replication: Replication) -> str:
         ack: str = settings.replication_ack
         if ack == "redis" and settings.replication_ack_replicas:
             ack += f" + {settings.replication_ack_replicas} replica(s)"
-        mode = (
-            f"replicated through {status.redis}, namespace {status.namespace}, "
-            f"instance {status.instance_id}, acknowledgements {ack}"
+        via = (
+            f"{status.redis}, namespace {status.namespace}"
+            if status.redis
+            else "the workers hub of this host"
         )
+        mode = f"replicated through {via}, instance {status.instance_id}, acknowledgements {ack}"
     key = "an API key is required" if settings.api_key.get_secret_value() else "no API key (open)"
     return f"kv-slot-tracker {__version__} on {where} (docs {where}/docs): {mode}; {key}"
 

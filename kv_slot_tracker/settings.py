@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     # Server processes on the one port, sharing one state (kv_slot_tracker.workers); "auto" = the cores this
     # process may use (CPU affinity and cgroup quota).
     workers: int | Literal["auto"] = 1
+    # How those processes share their state when no Redis is configured: "local" = a hub in the
+    # supervisor, over a Unix socket (kv_slot_tracker.replication.local); "redis" = a private
+    # redis-server. With a Redis configured the processes always use it.
+    workers_transport: Literal["local", "redis"] = "local"
     # Limits of one connection and of the server (kv_slot_tracker.http.connection)
     http_max_header_bytes: int = Field(default=65_536, gt=0)
     http_header_timeout_seconds: int = Field(default=10, gt=0)

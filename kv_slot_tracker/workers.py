@@ -6,23 +6,28 @@ supervisor that:
 1. binds the listening socket once (host, port, backlog) and hands it to every process, which
    accepts from it (a shared listening socket: the kernel queues connections once, and a
    connection waiting in the queue of a process that died is taken by a sibling);
-2. when no Redis is configured (no ``redis_url``, no Sentinel), starts a private
-   ``redis-server`` on a Unix socket in a temporary directory (no persistence, nothing on a TCP
-   port) and gives its URL to the processes; otherwise the processes use the configured Redis
-   (one server, Sentinel or Cluster);
-3. starts N processes (``python -m kv_slot_tracker`` with the listening socket's descriptor), each one an
-   instance of the existing replication on that Redis: the same records, reader, snapshots,
-   read barrier, tombstones and durable acknowledgements as separate instances, so a client
-   gets the same guarantees whatever process answers (``kv_slot_tracker.service.consistency``);
+2. when no Redis is configured (no ``redis_url``, no Sentinel), runs the hub of
+   ``kv_slot_tracker.replication.local`` on a thread of its own, on a Unix socket in a
+   temporary directory (``workers_transport = "local"``, the default), or starts a private
+   ``redis-server`` there (``"redis"``; no persistence, nothing on a TCP port); otherwise the
+   processes use the configured Redis (one server, Sentinel or Cluster);
+3. starts N processes (``python -m kv_slot_tracker`` with the listening socket's descriptor),
+   each one an instance of replication (through the hub, or the Redis stream): the same
+   records, read barrier, tombstones and durable acknowledgements as separate instances, so a
+   client gets the same guarantees whatever process answers
+   (``kv_slot_tracker.service.consistency``);
 4. restarts a process that ends (crash, kill -9) with the same instance id and a new
-   incarnation: it loads the shared state from its siblings' snapshot and the stream, and only
-   accepts connections once it is ready (``create_app(wait_ready_s=...)``);
-5. on SIGTERM or SIGINT stops the processes (each flushes its outbox), then the private Redis.
+   incarnation: it loads the shared state from a sibling (through the hub, or the snapshot and
+   the stream), and only accepts connections once it is ready
+   (``create_app(wait_ready_s=...)``);
+5. on SIGTERM or SIGINT stops the processes (each flushes its outbox), then the hub or the
+   private Redis.
 
-Why replication and not a new channel: every guarantee of several instances (read-your-writes,
+Why replication and not something new: every guarantee of several instances (read-your-writes,
 tombstones, durable acknowledgements, recovery of a restarted process) is already built and
-tested on it; the comparison with the alternatives is in ``bench/RESULTS.md``. The processes of
-one host are N instances of the stream when Redis is shared by several hosts (N x M).
+tested on it; the hub only replaces the Redis stream on one host, where a redis-py command per
+batch cost more CPU than two processes gained (``bench/RESULTS.md``). The processes of one host
+are N instances of the stream when Redis is shared by several hosts (N x M).
 
 The supervisor builds no app and serves nothing: a fault of the service cannot take it down.
 """
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kv_slot_tracker.replication.local.hub import HubThread
 from kv_slot_tracker.replication.records import random_id
 
 log = logging.getLogger("kv_slot_tracker.workers")
@@ -218,8 +224,10 @@ class Supervisor:
     host: str
     port: int
     count: int
-    private_redis: bool  # no Redis configured (settings.embedded): start one of our own
+    private_redis: bool  # no Redis configured, workers_transport "redis": start one of our own
     instance_id: int
+    hub: bool = False  # no Redis configured, workers_transport "local": run the hub
+    hub_snapshot_s: float = 30.0  # how often the hub takes a process's state for itself
     child_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     redis_binary: str | None = None
@@ -227,6 +235,7 @@ class Supervisor:
     sock: socket.socket | None = None
     run_dir: Path | None = None  # the private Redis's socket and the processes' own sockets
     redis: PrivateRedis | None = None
+    hub_thread: HubThread | None = None
     _stopping: bool = False
 
     def bind(self) -> socket.socket:
@@ -250,6 +259,11 @@ class Supervisor:
                 raise RuntimeError("workers > 1 without a Redis needs redis-server on PATH")
             self.redis = PrivateRedis(binary, self.run_dir)
             self.redis.start()
+        elif self.hub:
+            self.hub_thread = HubThread(
+                self.run_dir / "hub.sock", snapshot_every_s=self.hub_snapshot_s
+            )
+            self.hub_thread.start()
         for i in range(self.count):
             ident = self.instance_id + i if self.instance_id else random_id()
             self.workers.append(Worker(i, ident))
@@ -263,6 +277,8 @@ class Supervisor:
         own = ["--workers", "1", "--instance-id", str(worker.instance_id)]
         if self.redis is not None:
             own += ["--redis-url", self.redis.url]
+        if self.hub_thread is not None:
+            own += ["--hub-socket", str(self.hub_thread.path)]
         return [sys.executable, "-m", "kv_slot_tracker", *self.child_args, *own,
                 "--listen-fd", str(self.sock.fileno()),
                 "--control-socket", str(self.control_socket(worker.index))]  # fmt: skip
@@ -293,6 +309,10 @@ class Supervisor:
         if self.redis is not None and not self.redis.alive():
             log.error("the private Redis ended; starting it again (the processes re-send)")
             self.redis.start()
+        if self.hub_thread is not None and not self.hub_thread.alive():
+            # the processes hold the state and a new hub would hand an empty one to the next
+            # that joins: stop, and let whatever runs the supervisor start it again
+            raise RuntimeError("the workers hub ended")
         for worker in self.workers:
             proc = worker.proc
             if proc is not None and proc.poll() is not None:
@@ -330,6 +350,8 @@ class Supervisor:
             self.sock.close()
         if self.redis is not None:
             self.redis.stop()
+        if self.hub_thread is not None:
+            self.hub_thread.stop()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

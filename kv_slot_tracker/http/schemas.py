@@ -557,6 +557,7 @@ class ReplicationStatus(port.ReplicationStatus):
                     "last_applied_lag_ms": None,
                     "snapshot_age_seconds": None,
                     "snapshot_stream_id": None,
+                    "hub": None,
                 }
             ]
         },

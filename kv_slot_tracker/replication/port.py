@@ -68,7 +68,7 @@ class ReplicatedState(Protocol):
 class Replication(Protocol):
     """What the app needs of replication, in either mode."""
 
-    mode: str  # "embedded" (nothing to replicate) or "redis"
+    mode: str  # "embedded" (nothing to replicate), "redis" or "local" (a supervisor's hub)
     instance_id: int  # non-zero; the origin of this instance's records
 
     def publish(self, record: dict[str, Any]) -> int:
@@ -152,6 +152,10 @@ class ReplicationStatus:
     last_applied_lag_ms: float | None = None
     snapshot_age_seconds: float | None = None
     snapshot_stream_id: str | None = None
+    # mode "local": the supervisor's hub as last heard (``head``: its newest position, which
+    # ``stream_position`` reaches once caught up; ``kept_from``/``kept_bytes``: the frames it
+    # keeps; its counters of frames refused, cut, resyncs and states handed over)
+    hub: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of ``GET /replication`` (keys in field order)."""

@@ -25,6 +25,30 @@ RECORD_FIELD = b"d"
 
 OriginKey = tuple[int, int]  # (origin instance id, incarnation)
 
+RECORD_OVERHEAD = 256  # bytes of a record besides its hash lists (keys, ids, names, numbers)
+
+
+def record_bytes(record: dict[str, Any]) -> int:
+    """A record's size as the outbox bounds it (``outbox_max_bytes``): 9 bytes per hash of its
+    prompt or selection hash lists (a msgpack uint64), and ``RECORD_OVERHEAD``. The same record
+    always gives the same figure, so the outbox adds and takes back equal amounts."""
+    n = 0
+    event = record.get("event")
+    if event is not None:
+        data = event.get("data")
+        add = data.get("AddRequest") if type(data) is dict else None
+        seq = add.get("token_sequence") if type(add) is dict else None
+        n = len(seq) if type(seq) is list else 0
+    else:
+        change = record.get("selection")
+        if type(change) is dict:
+            entry = change.get("entry")
+            lists = [change.get("bh"), change.get("ch")]
+            if type(entry) is dict:
+                lists += [entry.get("sh"), entry.get("bh")]
+            n = sum(len(h) for h in lists if type(h) is list)
+    return RECORD_OVERHEAD + 9 * n
+
 
 class MalformedRecord(ValueError):
     """A stream entry that is not a replica record."""

@@ -1,7 +1,8 @@
 """``--workers 2``: two server processes behind one port, answering as one instance.
 
-``python -m kv_slot_tracker`` with ``workers = 2`` and no ``redis_url`` (a private redis-server of the
-supervisor's), durable acknowledgements. First, requests whose calls alternate between the two
+``python -m kv_slot_tracker`` with ``workers = 2`` and no ``redis_url``, durable acknowledgements,
+once per ``workers_transport``: the supervisor's hub (``local``) and a private redis-server of
+the supervisor's (``redis``). First, requests whose calls alternate between the two
 processes (reached alone on their Unix sockets) right after each other: every call finds its
 request, none becomes a pending mark or a tombstone. Then six clients send lifecycle calls with a new connection
 for every call, so the calls of one request reach whichever process accepts each connection,
@@ -126,10 +127,11 @@ def supervisor_env(**settings: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[ServerProcess]:
-    """``--workers 2`` with no ``redis_url``: a private redis-server."""
-    server = ServerProcess("workers", free_port(), supervisor_env(), tmp_path / "workers.log")
+@pytest.fixture(params=["local", "redis"])
+def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """``--workers 2`` with no ``redis_url``: the supervisor's hub, or a private redis-server."""
+    env = supervisor_env(WORKERS_TRANSPORT=request.param)
+    server = ServerProcess("workers", free_port(), env, tmp_path / "workers.log")
     server.start()
     try:
         yield server
@@ -226,6 +228,17 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     check_answers(traffic)
 
     survivor, restarted = children.status(0), children.status(1)
+    transport = workers.env[ENV_PREFIX + "WORKERS_TRANSPORT"]
+    assert survivor["mode"] == restarted["mode"] == transport, survivor
+    if transport == "local":  # the restarted process loaded its sibling's state from the hub
+        assert restarted["bootstraps"] == 1 and int(restarted["stream_position"]) > 0, restarted
+        # the hub's figures (sent every second): three joins, the last with a sibling's state
+        wait_until(lambda: (children.status(1).get("hub") or {}).get("joins") == 3, 5,
+                   "the hub's figures after the restart")  # fmt: skip
+        hub = children.status(1)["hub"]
+        assert hub["exports"] >= 1 and hub["processes"] == 2, hub
+        # (a frame cut by the kill is possible: the process may have been writing one)
+        assert hub["oversized"] == hub["resyncs"] == hub["lost_joins"] == 0, hub
     # both processes took writes: the survivor published its own records and applied its
     # siblings' (the killed process's and its successor's)
     assert survivor["published"] > 0 and survivor["applied"] > 0, survivor
@@ -249,7 +262,8 @@ def test_two_processes_answer_as_one_through_a_kill(workers: ServerProcess) -> N
     log = workers.log_path.read_text()
     assert f"worker 1 (pid {victim}) ended with -9" in log, workers.log_tail()
 
-    # SIGTERM stops the processes, then the private Redis, and removes the run directory
+    # SIGTERM stops the processes, then the hub or the private Redis, and removes the run
+    # directory
     run_dir = Path(children.find()[0][1]).parent
     workers.kill(signal.SIGTERM)
     assert "ended with 0" in workers.log_path.read_text().splitlines()[-1]

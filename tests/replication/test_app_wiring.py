@@ -20,6 +20,7 @@ STATUS_KEYS = [
     "degraded_reasons", "stream_position", "outbox_depth", "outbox_capacity", "published",
     "applied", "duplicates", "dropped", "records_rejected", "gaps", "resets", "resent", "bootstraps",
     "snapshots_written", "last_applied_lag_ms", "snapshot_age_seconds", "snapshot_stream_id",
+    "hub",
 ]  # fmt: skip
 
 
@@ -46,7 +47,7 @@ async def test_embedded_app_is_wired_in_one_phase() -> None:
         b'"stream_position":null,"outbox_depth":0,"outbox_capacity":0,"published":0,'
         b'"applied":0,"duplicates":0,"dropped":0,"records_rejected":{},"gaps":0,"resets":0,"resent":0,'
         b'"bootstraps":0,"snapshots_written":0,"last_applied_lag_ms":null,'
-        b'"snapshot_age_seconds":null,"snapshot_stream_id":null}'
+        b'"snapshot_age_seconds":null,"snapshot_stream_id":null,"hub":null}'
     )
 
 

@@ -166,3 +166,36 @@ def test_processes_get_the_listening_socket_and_their_control_socket() -> None:
         assert control_socket_index("/run/x/worker-1.sock") == 1
     finally:
         s.sock.close()
+
+
+@pytest.mark.parametrize("given", ["local", "redis"])
+def test_workers_transport_setting(given: str) -> None:
+    assert load_settings(workers_transport=given).workers_transport == given
+
+
+def test_workers_transport_defaults_to_the_hub() -> None:
+    assert load_settings().workers_transport == "local"
+
+
+@pytest.mark.parametrize("given", ["", "tcp", "Local ", "zmq"])
+def test_workers_transport_refuses_the_rest(given: str) -> None:
+    with pytest.raises(ValidationError):
+        load_settings(workers_transport=given)
+
+
+def test_without_redis_the_supervisor_runs_the_hub_and_names_it_to_its_processes() -> None:
+    s = supervisor(instance_id=7, hub=True)
+    try:
+        assert s.hub_thread is not None and s.hub_thread.alive()
+        path = s.hub_thread.path
+        assert path.parent == s.run_dir and path.is_socket()
+        command = Supervisor._command(s, s.workers[0])
+        assert command[command.index("--hub-socket") + 1] == str(path)
+        assert "--redis-url" not in command
+        s.check()  # a live hub: nothing to do
+        s.hub_thread.stop()  # the hub ended: the supervisor stops rather than go on without it
+        with pytest.raises(RuntimeError, match="hub ended"):
+            s.check()
+    finally:
+        s.stop()
+    assert s.run_dir is not None and not s.run_dir.exists()

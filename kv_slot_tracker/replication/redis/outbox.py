@@ -45,7 +45,7 @@ from kv_slot_tracker.replication.queue import (
     PublishQueueError,
     collect_batch,
 )
-from kv_slot_tracker.replication.records import encode_record
+from kv_slot_tracker.replication.records import encode_record, record_bytes
 from kv_slot_tracker.replication.redis.connection import (
     IO_ERRORS,
     backoff_delay,
@@ -80,29 +80,6 @@ class PublishQueueBytes(PublishQueueError):
 # MEMORY USAGE on Redis 7.0: 71 / 243 / 768 bytes an entry for payloads of 50 / 200 / 600 bytes)
 ENTRY_BYTES_FACTOR = 1.3
 ENTRY_BYTES_EXTRA = 24
-RECORD_OVERHEAD = 256  # bytes of a record besides its hash lists (keys, ids, names, numbers)
-
-
-def record_bytes(record: dict[str, Any]) -> int:
-    """A record's size as the outbox bounds it (``outbox_max_bytes``): 9 bytes per hash of its
-    prompt or selection hash lists (a msgpack uint64), and ``RECORD_OVERHEAD``. The same record
-    always gives the same figure, so the outbox adds and takes back equal amounts."""
-    n = 0
-    event = record.get("event")
-    if event is not None:
-        data = event.get("data")
-        add = data.get("AddRequest") if type(data) is dict else None
-        seq = add.get("token_sequence") if type(add) is dict else None
-        n = len(seq) if type(seq) is list else 0
-    else:
-        change = record.get("selection")
-        if type(change) is dict:
-            entry = change.get("entry")
-            lists = [change.get("bh"), change.get("ch")]
-            if type(entry) is dict:
-                lists += [entry.get("sh"), entry.get("bh")]
-            n = sum(len(h) for h in lists if type(h) is list)
-    return RECORD_OVERHEAD + 9 * n
 
 
 class Outbox:

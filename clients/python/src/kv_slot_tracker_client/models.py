@@ -128,7 +128,9 @@ class ReadyBody(BaseModel):
 
 
 class ReplicationStatus(BaseModel):
-    """Replication state of the instance answering (``mode`` ``embedded`` or ``redis``).
+    """Replication state of the instance answering (``mode`` ``embedded``, ``redis``, or
+    ``local``: a process of a ``--workers`` supervisor sharing its state through the
+    supervisor's hub).
 
     Fields a newer service adds are kept in ``model_extra``.
     """
@@ -159,6 +161,9 @@ class ReplicationStatus(BaseModel):
     last_applied_lag_ms: float | None
     snapshot_age_seconds: float | None
     snapshot_stream_id: str | None
+    hub: dict[str, int] | None = Field(
+        description="Mode local: the supervisor's hub as last heard (positions, counters)."
+    )
 
 
 # -- the selection API (``/selection``) -------------------------------------------------------

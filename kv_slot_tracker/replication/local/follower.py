@@ -1,0 +1,319 @@
+"""The read path from the hub: its frames into the local state, in the hub's order.
+
+Everything the hub writes arrives on one connection in order and is handled as it arrives
+(``on_frames``, once per read): siblings' records (``DATA``) go to the target's
+``apply_remote`` in one batch per read, each checked against the ledger of sequence numbers
+(``records.SeqLedger``: a record already applied, e.g. one a sibling re-sent after a
+reconnect or one in a loaded state, is a duplicate and skipped); this process's own frames
+(``OWN``) mark in the batch how far its own records were read back (``OwnReadBack``, as the
+Redis reader does) and release their acknowledgements.
+
+The state. The first frame the hub sends is a state (``BEGIN``, position p: a sibling's
+export, or the empty state when the hub still holds every frame); the frames after p follow.
+Until it arrives ``ready()`` is False. Own records the loaded state lacks (queued or in flight
+when it was loaded, and not in the sibling's ledger) are applied again when the hub sequences
+them, in their place in the order (``as_replayed``), as the Redis reader does after a
+snapshot. ``EXPORT`` asks this process for its state: it is answered at once, at the position
+applied, with the ledger that matches it (own records up to the last one accepted, since the
+local state holds them).
+
+The read barrier: ask the hub for its newest position, then wait until the position applied
+reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from itertools import count
+
+import msgpack
+from prometheus_client import Histogram
+
+from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
+from kv_slot_tracker.replication.local import framing as f
+from kv_slot_tracker.replication.local.outbox import LocalOutbox
+from kv_slot_tracker.replication.metrics import ReplicationCounters
+from kv_slot_tracker.replication.port import Batch, OwnReadBack, ReplicatedState
+from kv_slot_tracker.replication.records import SeqLedger, as_replayed
+
+log = logging.getLogger(__name__)
+
+APPLIED_EVERY_S = 0.05  # how often at most the hub is told the position applied, alone
+LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
+
+
+class Phase(enum.Enum):
+    """Where the process is; the value is the not-ready reason."""
+
+    CONNECTING = "connecting to the workers hub"
+    LOADING = "loading the state from a sibling process"
+    READY = ""
+
+
+class Follower:
+    def __init__(
+        self,
+        instance_id: int,
+        incarnation: int,
+        counters: ReplicationCounters,
+        outbox: LocalOutbox,
+        lag: Histogram,
+        wall_clock: Callable[[], int],
+    ) -> None:
+        self.instance_id = instance_id
+        self.own_key = (instance_id, incarnation)
+        self.counters = counters
+        self.outbox = outbox
+        self.lag = lag
+        self.wall_clock = wall_clock
+        self.target: ReplicatedState | None = None
+        self.phase = Phase.CONNECTING
+        self.loaded = asyncio.Event()
+        self.position = 0  # the hub position up to which the local state has applied
+        self.last_lag_ms: float | None = None
+        self.malformed = 0
+        self.hub_stats: dict[str, int] | None = None  # the hub's latest figures
+        self._seqs = SeqLedger()
+        self._floor = 1  # own records from this seq on are in the local state already
+        self._own_through = 0  # own records up to here are in the loaded state
+        self._write: Callable[[bytes], None] | None = None
+        self._tokens = count(1)
+        self._heads: dict[int, asyncio.Future[int]] = {}
+        self._waits: list[tuple[int, asyncio.Future[None]]] = []
+        self._told = 0  # the position last told to the hub
+        self._tell: asyncio.TimerHandle | None = None
+
+    def ready(self) -> bool:
+        return self.phase is Phase.READY
+
+    # -- the connection -----------------------------------------------------------------------
+
+    def connected(self, write: Callable[[bytes], None]) -> None:
+        """A new connection to the hub; a state comes first, whatever was loaded before."""
+        self._write = write
+        if self.phase is Phase.CONNECTING:
+            self.phase = Phase.LOADING
+
+    def disconnected(self) -> None:
+        self._write = None
+        for fut in self._heads.values():
+            if not fut.done():
+                fut.cancel()
+        self._heads.clear()
+
+    # -- frames -------------------------------------------------------------------------------
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        batch: Batch = []
+        position = self.position
+        for frame in frames:
+            kind = frame[:1]
+            if kind == f.DATA:
+                (position,) = f.U64.unpack_from(frame, 1)
+                self._records(frame, batch)
+            elif kind == f.OWN:
+                position, last_seq = f.U64_2.unpack_from(frame, 1)
+                self._own(last_seq, batch)
+            elif kind == f.HEAD:
+                token, head = f.U64_2.unpack_from(frame, 1)
+                fut = self._heads.pop(token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(head)
+            elif kind == f.EXPORT:
+                self._apply(batch, position)
+                batch = []
+                (token,) = f.U64.unpack_from(frame, 1)
+                self._export(token)
+            elif kind == f.BEGIN:
+                self._apply(batch, position)
+                batch = []
+                (position,) = f.U64.unpack_from(frame, 1)
+                self._restore(position, memoryview(frame)[9:])
+            elif kind == f.STATS:
+                self._hub_stats(frame)
+            elif kind == f.RESYNC:
+                self._apply(batch, position)
+                batch = []
+                self.counters.resets += 1
+                log.warning("fell behind the frames the workers hub keeps; loading its state again")
+            else:
+                self.malformed += 1
+        self._apply(batch, position)
+
+    def _records(self, frame: bytes, batch: Batch) -> None:
+        try:
+            records = msgpack.unpackb(memoryview(frame)[9:], raw=False)
+            if not isinstance(records, list):
+                raise ValueError("not a list")
+        except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
+            self._malformed(f"undecodable frame: {e}")
+            return
+        seqs, now, own_id = self._seqs, self.wall_clock(), self.instance_id
+        for record in records:
+            if not isinstance(record, dict) or any(
+                type(record.get(k)) is not int for k in ("origin", "incarnation", "seq", "ts")
+            ):
+                self._malformed("a record without its origin, incarnation, seq or ts")
+                continue
+            key = (record["origin"], record["incarnation"])
+            seq = record["seq"]
+            missing = seqs.missing_before(key, seq)
+            if missing < 0:
+                self.counters.duplicates += 1
+                continue
+            if missing > 0:
+                self.counters.gaps += 1
+                log.error("%d record(s) of instance %d before seq %d never came; going on",
+                          missing, key[0], seq)  # fmt: skip
+            seqs.advance(key, seq, now)
+            if record["origin"] == own_id:  # a previous life of this process
+                record = as_replayed(record)
+            batch.append(record)
+
+    def _own(self, last_seq: int, batch: Batch) -> None:
+        """Own records up to ``last_seq`` were sequenced here in the order."""
+        done = self.outbox.sequenced(last_seq)
+        self.counters.own_skipped += len(done)
+        batch.append(OwnReadBack(last_seq))
+        floor, through = self._floor, self._own_through
+        for record in done:  # those the loaded state lacks, in their place in the order
+            if through < record["seq"] < floor:
+                batch.append(as_replayed(record))
+
+    def _hub_stats(self, frame: bytes) -> None:
+        try:
+            stats = msgpack.unpackb(memoryview(frame)[1:], raw=False)
+        except Exception:  # noqa: BLE001 - msgpack raises several unrelated types
+            stats = None
+        if isinstance(stats, dict) and all(type(v) is int for v in stats.values()):
+            self.hub_stats = stats
+        else:
+            self.malformed += 1
+
+    def _malformed(self, why: str) -> None:
+        self.malformed += 1
+        self.counters.malformed += 1
+        self.counters.last_malformed_ns = self.wall_clock()
+        log.warning("skipping replica data from the workers hub: %s", why)
+
+    def _apply(self, batch: Batch, position: int) -> None:
+        if batch and self.target is not None:
+            self.target.apply_remote(batch)
+            now = self.wall_clock()
+            applied, lag_ns = 0, 0
+            observe = self.lag.observe
+            for record in batch:
+                if isinstance(record, OwnReadBack):
+                    continue
+                applied += 1
+                lag_ns = max(0, now - record["ts"])
+                observe(lag_ns / NS_PER_S)
+            self.counters.applied += applied
+            if applied:
+                self.last_lag_ms = lag_ns / NS_PER_MS
+        if position != self.position:
+            self.position = position
+            self._advanced()
+
+    def _advanced(self) -> None:
+        position = self.position
+        if self._waits:
+            keep = []
+            for target, fut in self._waits:
+                if target <= position:
+                    if not fut.done():
+                        fut.set_result(None)
+                elif not fut.done():
+                    keep.append((target, fut))
+            self._waits = keep
+        if self._tell is None and position > self._told and self._write is not None:
+            self._tell = asyncio.get_running_loop().call_later(APPLIED_EVERY_S, self._tell_applied)
+
+    def _tell_applied(self) -> None:
+        """Tell the hub what is applied here (unless a ``PUBLISH`` said so meanwhile), so it
+        can forget the frames every process has."""
+        self._tell = None
+        if self._write is not None and self.position > self._told:
+            self._told = self.position
+            self._write(f.frame_u64(f.APPLIED, self.position))
+
+    def applied_for_publish(self) -> int:
+        """The position a ``PUBLISH`` frame carries (and the hub now knows)."""
+        self._told = self.position
+        return self.position
+
+    # -- the state ----------------------------------------------------------------------------
+
+    def _export(self, token: int) -> None:
+        assert self.target is not None
+        seqs = self._seqs.copy()
+        seqs.prune(self.wall_clock() - LEDGER_FORGET_NS)
+        own = self.outbox.last_accepted_seq
+        if own > seqs.get(self.own_key):
+            seqs.advance(self.own_key, own, self.wall_clock())
+        state = msgpack.packb(
+            {
+                "trackers": self.target.export_state(),
+                "early": self.target.export_early(),
+                "selection": self.target.export_selection(),
+                "seqs": seqs.export(),
+            }
+        )
+        if self._write is not None:
+            self._write(f.frame_u64(f.STATE, token, self.position, tail=state))
+
+    def _restore(self, position: int, blob: memoryview) -> None:
+        assert self.target is not None
+        if blob:
+            state = msgpack.unpackb(blob, raw=False)
+            self.target.restore_state(state["trackers"], state["early"], state["selection"])
+            self._seqs = SeqLedger.load(state["seqs"])
+        else:  # the empty state, before the hub's first frame
+            self.target.restore_state([], [], None)
+            self._seqs = SeqLedger()
+        self._own_through = self._seqs.get(self.own_key)
+        self.outbox.sequenced(self._own_through)  # in the state: sequenced before ``position``
+        self._floor = self.outbox.next_seq
+        self.counters.bootstraps += 1
+        self.position = position
+        self._advanced()
+        first = self.phase is not Phase.READY
+        self.phase = Phase.READY
+        self.loaded.set()
+        if self._write is not None and self.outbox.write is None:  # first state on this connection
+            self.outbox.connected(self._write)
+        log.log(logging.INFO if first else logging.WARNING,
+                "loaded the state at position %d of the workers hub (%d bytes)",
+                position, len(blob))  # fmt: skip
+
+    # -- the read barrier ---------------------------------------------------------------------
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """True once every frame the hub had sequenced when called is applied here; False
+        when that could not be established within ``timeout_s``."""
+        write = self._write
+        if write is None or timeout_s <= 0 or not self.ready():
+            return False
+        loop = asyncio.get_running_loop()
+        token = next(self._tokens)
+        head_fut: asyncio.Future[int] = loop.create_future()
+        self._heads[token] = head_fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                write(f.frame_u64(f.HEAD_ASK, token))
+                head = await head_fut
+                if head <= self.position:
+                    return True
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waits.append((head, fut))
+                await fut
+                return True
+        except (TimeoutError, asyncio.CancelledError):
+            if asyncio.current_task() is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise
+            return False
+        finally:
+            self._heads.pop(token, None)
