@@ -208,6 +208,7 @@ class IngestCollector(Collector):
     _DOCS = {
         "batches": "KV-event batches applied to the index (live and replayed)",
         "events": "KV events in the applied batches",
+        "bytes": "Bytes of live KV-event messages received (all frames)",
         "malformed": "KV-event messages skipped because they did not decode",
         "stale": "KV-event batches skipped: sequence number not above the last one applied",
         "gaps": "Sequence gaps in a rank's KV-event stream",

@@ -198,26 +198,34 @@ def repeated_fields(raw: bytes, items: str) -> dict[int, str]:
     return {i: o.repeated for i, o in enumerate(listed) if type(o) is _Fields and o.repeated}
 
 
-def parse_json(raw: bytes, model: type[M], dialect: SerdeDialect | None = None) -> M:
+def parse_json(
+    raw: bytes, model: type[M], dialect: SerdeDialect | None = None, struct: str | None = None
+) -> M:
     """Validate JSON bytes; 400 for syntax errors, 422 for shape errors (with ``dialect``:
-    worded as serde words them, position included, ``serde_shape_error``)."""
+    worded as serde words them, position included, ``serde_shape_error``; ``struct``: the
+    Rust struct's name where one model serves routes whose structs differ)."""
     try:
         value = model.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_context=False)
         first = errors[0] if errors else {"type": ""}
+        if dialect is not None and raw.lstrip()[:1] == b"[" and model.__name__ in dialect.sequences:
+            # serde reads a struct from an array too, field by field: the body may even be good
+            return model.model_validate(
+                _struct_from_sequence(raw, dialect.sequences[model.__name__])
+            )
         if first["type"] == "json_invalid":
             end = _first_value_end(raw, first.get("msg", ""))
             if end is not None:
                 # like the reference, ignore what follows a complete JSON value
-                return parse_json(raw[:end], model, dialect)
+                return parse_json(raw[:end], model, dialect, struct)
             if dialect is not None:
-                early = _sequence_for_map(raw, model, dialect)
+                early = _sequence_for_map(raw, model, dialect, struct)
                 if early is not None:
                     raise early from None
             raise HttpError(400, JSON_PARSE + _syntax_message(raw, dialect is not None)) from None
         if dialect is not None:
-            serde = serde_shape_error(raw, exc, model, dialect)
+            serde = serde_shape_error(raw, exc, model, dialect, struct)
             if serde is not None:
                 raise serde from None
         if first["type"] == "model_type":
@@ -456,10 +464,39 @@ def _whole_literal(tail: str) -> bool:
 # read, so their errors and a missing field point at its end and carry no path.
 
 
+class SeqField:
+    """One field of a struct as serde reads it from an array: its name (None: a field this
+    service ignores, checked and dropped), its Rust type as serde words it (``u64``, ``a
+    string``, ``a sequence`` of ``items``, ``a map`` of strings, or ``enum`` of ``variants``), a
+    map's keys (``u32``: quoted numbers), whether ``null`` is taken (an ``Option``) and whether it
+    may be left out (``#[serde(default)]``)."""
+
+    __slots__ = ("name", "rust", "nullable", "default", "items", "keys", "variants")
+
+    def __init__(self, name: str | None, rust: str, *, nullable: bool = True,
+                 default: bool = False, items: str = "a string", keys: str = "a string",
+                 variants: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.name, self.rust, self.nullable, self.default = name, rust, nullable, default
+        self.items, self.keys, self.variants = items, keys, variants
+
+
+class SeqStruct:
+    """A struct without a flattened part, in the order of its Rust fields: serde's derived
+    ``visit_seq`` takes a JSON array for it, one element per field."""
+
+    def __init__(self, name: str, fields: tuple[SeqField, ...]) -> None:
+        self.name, self.fields = name, fields
+
+    @property
+    def expecting(self) -> str:
+        n = len(self.fields)
+        return f"struct {self.name} with {n} element{'' if n == 1 else 's'}"
+
+
 class SerdeDialect:
     """How one family of routes words a shape error: each field's Rust type (``u64``, ``a
-    string``, ...), the element type of its lists, which fields are flattened, and the Rust
-    name of each model's struct."""
+    string``, ...), the element type of its lists, which fields are flattened, the Rust
+    name of each model's struct, and the structs serde also reads from an array."""
 
     def __init__(
         self,
@@ -467,8 +504,163 @@ class SerdeDialect:
         items: dict[str, str],
         flattened: frozenset[str],
         structs: dict[str, str],
+        sequences: Mapping[str, SeqStruct] | None = None,
     ) -> None:
         self.types, self.items, self.flattened, self.structs = types, items, flattened, structs
+        self.sequences = dict(sequences or {})
+
+
+def _struct_from_sequence(raw: bytes, struct: SeqStruct) -> dict[str, Any]:
+    """A JSON array read as serde's derived ``visit_seq`` reads it into ``struct``: element
+    ``i`` is field ``i``; the first element of the wrong type is a 422 (``[i]: invalid type:
+    ...``), running out before a field without a default is ``invalid length i`` at the
+    closing bracket, an element past the last field is serde_json's 400 (``trailing
+    characters``). Elements are read one at a time, as serde does, so an error in one comes
+    before a syntax error after it. Returns the named fields given (for the model)."""
+    text = raw.decode("utf-8", "replace")
+    at = _Positions.at_offset
+    n = len(text)
+
+    def ws(i: int) -> int:
+        while i < n and text[i] in " \t\n\r":
+            i += 1
+        return i
+
+    def syntax(prefix: str = "") -> HttpError:
+        msg = _syntax_message(raw, True)
+        return HttpError(400, JSON_PARSE + prefix + msg)
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(name)  # NaN and Infinity are not JSON
+
+    decoder = json.JSONDecoder(parse_constant=no_constants)
+    out: dict[str, Any] = {}
+    i = ws(0) + 1  # past "["
+    for k, f in enumerate(struct.fields):
+        i = ws(i)
+        if i >= n:
+            raise syntax()
+        if text[i] == "]" or (k and text[i] != ","):
+            if text[i] != "]":
+                raise HttpError(400, JSON_PARSE + "expected `,` or `]`" + at(text, i + 1))
+            if f.default and all(g.default for g in struct.fields[k:]):
+                break
+            first = next(j for j, g in enumerate(struct.fields) if j >= k and not g.default)
+            raise HttpError(422, JSON_SHAPE + f"invalid length {first}, expected "
+                            f"{struct.expecting}" + at(text, i + 1))  # fmt: skip
+        if k:
+            i = ws(i + 1)
+            if i >= n:
+                raise syntax()
+            if text[i] == "]":
+                raise HttpError(400, JSON_PARSE + "trailing comma" + at(text, i + 1))
+        start = i
+        head = text[i]
+        takes_seq, takes_map = f.rust == "a sequence", f.rust == "a map"
+        if f.rust == "enum" and head not in '"n':  # serde_json wants a variant name here
+            peek = ws(i + 1) if head == "{" else i
+            raise HttpError(400, JSON_PARSE + f"[{k}]: expected value" + at(text, peek + 1))
+        if f.rust == "a map" and head == "{" and f.keys != "a string":
+            bad_key = _first_bad_number_key(text, start)
+            if bad_key is not None:
+                raise HttpError(400, JSON_PARSE + f"[{k}].?: invalid value: expected key to be "
+                                "a number in quotes" + at(text, bad_key))  # fmt: skip
+        if (head == "[" and not takes_seq) or (head == "{" and not takes_map):
+            what = "sequence" if head == "[" else "map"
+            raise HttpError(422, JSON_SHAPE + f"[{k}]: invalid type: {what}, expected "
+                            f"{f.rust}" + at(text, start))  # fmt: skip
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError as e:
+            if getattr(e, "pos", start) == start:  # no JSON value starts here (NaN included)
+                raise HttpError(
+                    400, JSON_PARSE + f"[{k}]: expected value" + at(text, start + 1)
+                ) from None
+            raise syntax(f"[{k}]: ") from None
+        message = _seq_element_error(value, f, text, start, i, k)
+        if message is not None:
+            raise HttpError(422, JSON_SHAPE + message)
+        if f.name is not None and value is not None:
+            out[f.name] = value
+    else:
+        i = ws(i)
+        if i < n and text[i] == ",":
+            j = ws(i + 1)
+            if j < n and text[j] == "]":
+                raise HttpError(400, JSON_PARSE + "trailing comma" + at(text, j + 1))
+            raise HttpError(400, JSON_PARSE + "trailing characters" + at(text, j + 1))
+        if i >= n:
+            raise syntax()
+        if text[i] != "]":
+            raise HttpError(400, JSON_PARSE + "trailing characters" + at(text, i + 1))
+    return out
+
+
+def _first_bad_number_key(text: str, start: int) -> int | None:
+    """Where serde_json stops on the first key of the object at ``start`` that is not a
+    number (it reads a map with integer keys from quoted numbers), or None."""
+    decoder = json.JSONDecoder()
+    i = start + 1
+    try:
+        while True:
+            while text[i] in " \t\n\r,":
+                i += 1
+            if text[i] != '"':
+                return None
+            quote = i
+            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            if not key.isdigit():
+                return quote + 1  # serde_json stops at the key's opening quote
+            while text[i] in " \t\n\r:":
+                i += 1
+            _, i = decoder.raw_decode(text, i)
+    except (ValueError, IndexError):
+        return None
+
+
+def _seq_element_error(
+    value: Any, f: SeqField, text: str, start: int, end: int, k: int
+) -> str | None:
+    """serde's text for element ``k`` (``text[start:end]``) of the wrong type for field ``f``,
+    position included; None when it fits."""
+    at = _Positions.at_offset
+    if value is None:
+        return (
+            None if f.nullable else f"[{k}]: invalid type: null, expected {f.rust}" + at(text, end)
+        )
+    rust = f.rust
+    if rust == "enum":
+        if value in f.variants:
+            return None
+        options = " or ".join(f"`{v}`" for v in f.variants)
+        return f"[{k}]: unknown variant `{value}`, expected {options}" + at(text, end)
+    if rust in _INTEGERS:
+        ok = type(value) is int and 0 <= value <= _UNSIGNED.get(rust, 2**63 - 1)
+    elif rust in ("f64", "f32"):
+        ok = type(value) in (int, float)
+    elif rust == "a string":
+        ok = type(value) is str
+    elif rust == "a boolean":
+        ok = type(value) is bool
+    elif rust == "a sequence":
+        if type(value) is not list:
+            return f"[{k}]: " + _serde_value(value, rust) + at(text, end)
+        for j, item in enumerate(value):
+            if type(item) is not str:  # every sequence read from an array holds strings
+                pos = _Positions(text[start:])
+                item_end = pos.ends.get((j,), pos.end) + start
+                return f"[{k}][{j}]: " + _serde_value(item, f.items) + at(text, item_end)
+        return None
+    else:  # a map of strings
+        if type(value) is not dict:
+            return f"[{k}]: " + _serde_value(value, rust) + at(text, end)
+        for key, item in value.items():
+            if type(item) is not str:
+                pos = _Positions(text[start:])
+                item_end = pos.ends.get((key,), pos.end) + start
+                return f"[{k}].{key}: " + _serde_value(item, "a string") + at(text, item_end)
+        return None
+    return None if ok else f"[{k}]: " + _serde_value(value, rust) + at(text, end)
 
 
 _UNSIGNED = {"u32": 2**32 - 1, "u64": 2**64 - 1, "usize": 2**64 - 1}
@@ -542,7 +734,12 @@ class _Positions:
 
     def at(self, offset: int) -> str:
         """`` at line L column C``: serde's position of ``offset`` (columns count bytes)."""
-        text = self.text[:offset]
+        return self.at_offset(self.text, offset)
+
+    @staticmethod
+    def at_offset(text: str, offset: int) -> str:
+        """`` at line L column C`` once serde_json has read ``text[:offset]``."""
+        text = text[:offset]
         line = text.count("\n") + 1
         column = len(text[text.rfind("\n") + 1 :].encode())
         return f" at line {line} column {column}"
@@ -579,20 +776,25 @@ def _serde_text(path: tuple[Any, ...], value: Any, typ: str, d: SerdeDialect) ->
     return prefix + _serde_value(value, rust)
 
 
-def _sequence_for_map(raw: bytes, model: type[BaseModel], d: SerdeDialect) -> HttpError | None:
+def _sequence_for_map(
+    raw: bytes, model: type[BaseModel], d: SerdeDialect, struct: str | None = None
+) -> HttpError | None:
     """A struct with a flattened part is read as a map: serde refuses a list at its first
-    byte, before reading any of it (``... expected struct SelectRequest at line 1 column 0``)."""
-    struct = d.structs.get(model.__name__)
-    if struct is None or not raw.lstrip().startswith(b"["):
+    byte, before reading any of it (``... expected struct SelectRequest at line 1 column 0``;
+    the column counts the whitespace before it)."""
+    struct = struct or d.structs.get(model.__name__)
+    stripped = raw.lstrip()
+    if struct is None or not stripped.startswith(b"["):
         return None
     if not any(name in model.model_fields for name in d.flattened):
         return None
-    return HttpError(422, JSON_SHAPE + f"invalid type: sequence, expected struct {struct} at "
-                     "line 1 column 0")  # fmt: skip
+    text = raw.decode("utf-8", "replace")
+    at = _Positions.at_offset(text, len(text) - len(text.lstrip()))
+    return HttpError(422, JSON_SHAPE + f"invalid type: sequence, expected struct {struct}{at}")
 
 
 def serde_shape_error(raw: bytes, exc: ValidationError | None, model: type[BaseModel],
-                      d: SerdeDialect) -> HttpError | None:  # fmt: skip
+                      d: SerdeDialect, struct: str | None = None) -> HttpError | None:  # fmt: skip
     """The reference's 422 for a body of the wrong shape, position included: the error serde
     meets first (``exc``'s errors, and a top-level key given twice); None when it cannot say
     (the caller keeps its own text)."""
@@ -601,11 +803,11 @@ def serde_shape_error(raw: bytes, exc: ValidationError | None, model: type[BaseM
         body = json.loads(text)
     except ValueError:
         return None
-    early = _sequence_for_map(raw, model, d)
+    early = _sequence_for_map(raw, model, d, struct)
     if early is not None:
         return early
     if type(body) is not dict:
-        struct = d.structs.get(model.__name__)
+        struct = struct or d.structs.get(model.__name__)
         if struct is None:
             return None
         return HttpError(422, JSON_SHAPE + f"invalid type: {unexpected(body)}, expected struct "

@@ -77,6 +77,8 @@ class IngestCounters:
 
     batches: int = 0
     """Batches applied (live and replayed)."""
+    bytes: int = 0
+    """Bytes of the live messages received (all frames; what libzmq may have queued)."""
     events: int = 0
     """Events in those batches."""
     malformed: int = 0
@@ -94,7 +96,7 @@ class IngestCounters:
     restarts: int = 0
     """Publishers seen starting again at sequence 0: the rank's index was cleared."""
     heap_trims: int = 0
-    """Free C-heap pages handed back after a burst of batches drained (``gc_tuning``)."""
+    """Free C-heap pages handed back after a burst of messages drained (``gc_tuning``)."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5_000
 RCVHWM = 100_000  # messages queued per socket while the loop is busy (vLLM's PUB default)
-TRIM_AFTER_BATCHES = 10_000  # a burst this large is followed by a heap trim once it drained
+TRIM_AFTER_BYTES = 4 << 20  # received since the last heap trim: one follows once they drained
 TRIM_QUIET_S = 1.0
 REPLAY_TIMEOUT_S = 2.0
 MAX_LOGGED_ERRORS = 10  # per listener, then one line per 1000
@@ -119,6 +119,7 @@ class RankListener:
             while True:
                 frames = await sock.recv_multipart()
                 self.last_message_at = time.monotonic()
+                self.counters.bytes += sum(map(len, frames))
                 try:
                     if len(frames) != 3:
                         raise MalformedMessage(
@@ -272,7 +273,7 @@ class ZmqIngest:
         """Asked for a rank's starting watermark as its listener is created (peer recovery)."""
         self._version: int | None = None
         self._task: asyncio.Task | None = None
-        self._trimmed_at = 0  # counters.batches at the last heap trim
+        self._trimmed_at = 0  # counters.bytes at the last heap trim
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kv-events-ingest")
@@ -300,15 +301,22 @@ class ZmqIngest:
             await asyncio.sleep(self.poll_interval)
 
     def _trim_after_burst(self, now: float) -> None:
-        """Once a burst of at least ``TRIM_AFTER_BATCHES`` batches has drained (no listener got
-        a message for ``TRIM_QUIET_S``), give the C heap's free pages back: the receive queues
-        that held the burst are empty, but glibc keeps their memory otherwise."""
-        if self.counters.batches - self._trimmed_at < TRIM_AFTER_BATCHES:
+        """Once at least ``TRIM_AFTER_BYTES`` of messages arrived since the last trim and no
+        listener got a message for ``TRIM_QUIET_S``, give the C heap's free pages back.
+
+        A burst the loop cannot keep up with queues in libzmq's receive pipes, allocated by
+        its I/O thread in a glibc arena of its own (about 5 KB per 1.1 KB message measured:
+        the decoder's shared buffers and the pipes' chunks); once the loop drained them the
+        arena is mostly free but glibc keeps the pages, which after a 100,000-block burst was
+        more than the index itself (``bench/RESULTS.md``, "what holds a burst's memory").
+        Counted in bytes, not batches: what queues is bytes, and a burst of a few thousand
+        large batches holds as much as one of many small ones."""
+        if self.counters.bytes - self._trimmed_at < TRIM_AFTER_BYTES:
             return
         last = max((lst.last_message_at or 0.0 for _, lst, _ in self.listeners.values()),
                    default=0.0)  # fmt: skip
         if now - last >= TRIM_QUIET_S:
-            self._trimmed_at = self.counters.batches
+            self._trimmed_at = self.counters.bytes
             if release_free_memory():
                 self.counters.heap_trims += 1
 

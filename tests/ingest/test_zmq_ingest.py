@@ -140,6 +140,18 @@ async def test_stores_removals_clears_follow_the_engine(
     await eventually(probe, [(1, 0, 0, 0, 0), (1, 1, 2, 0, 0)])
     assert await metric(client, "kv_slot_tracker_kv_events_batches") == 6
     assert await metric(client, "kv_slot_tracker_kv_events_gaps") == 0
+    # every frame counted (an empty topic, 8 sequence bytes, the payload; a float64 ts packs
+    # to 9 bytes whatever its value): what the heap trim after a burst is triggered by
+    sent = [
+        ([stored([11, 12, 13], TOKENS[:12], BS)], 0),
+        ([stored([11, 12], TOKENS[:8], BS)], 1),
+        ([removed([12])], 0),
+        ([stored([12, 13], TOKENS[4:12], BS, parent=11, medium="CPU")], 0),
+        ([stored([14], TOKENS[12:16], BS, parent=13, medium="DISK")], 0),
+        ([CLEARED], 0),
+    ]
+    expected = sum(8 + len(encode_batch(0.0, events, dp)) for events, dp in sent)
+    assert await metric(client, "kv_slot_tracker_kv_events_bytes") == expected
 
 
 async def test_a_gap_without_replay_clears_the_rank(
@@ -293,28 +305,28 @@ async def test_a_publisher_away_or_silent_is_shown_and_its_worker_stays_schedula
 
 
 async def test_a_drained_burst_gives_the_c_heap_back() -> None:
-    """After a burst of batches (libzmq queued them in C buffers while the loop caught up), the
+    """After a burst of messages (libzmq queued them in C buffers while the loop caught up), the
     heap's free pages are handed back once no listener has had a message for a second: once per
-    burst, never while messages still arrive."""
+    burst of ``TRIM_AFTER_BYTES`` received, never while messages still arrive."""
     from kv_slot_tracker.gc_tuning import release_free_memory
-    from kv_slot_tracker.ingest.zmq import TRIM_AFTER_BATCHES, TRIM_QUIET_S, ZmqIngest
+    from kv_slot_tracker.ingest.zmq import TRIM_AFTER_BYTES, TRIM_QUIET_S, ZmqIngest
 
     assert release_free_memory() is True  # glibc here: the call exists
     ingest = ZmqIngest(sink=None)  # type: ignore[arg-type]  # the sink is not reached
     busy = type("Listener", (), {"last_message_at": 100.0})()
     ingest.listeners[(1, 0)] = (None, busy, None)  # type: ignore[assignment]
     try:
-        ingest.counters.batches = TRIM_AFTER_BATCHES - 1
+        ingest.counters.bytes = TRIM_AFTER_BYTES - 1
         ingest._trim_after_burst(200.0)  # noqa: SLF001
         assert ingest.counters.heap_trims == 0  # no burst yet
-        ingest.counters.batches = TRIM_AFTER_BATCHES
+        ingest.counters.bytes = TRIM_AFTER_BYTES
         ingest._trim_after_burst(100.0 + TRIM_QUIET_S / 2)  # noqa: SLF001
         assert ingest.counters.heap_trims == 0  # still receiving
         ingest._trim_after_burst(100.0 + TRIM_QUIET_S)  # noqa: SLF001
         assert ingest.counters.heap_trims == 1
         ingest._trim_after_burst(500.0)  # noqa: SLF001
         assert ingest.counters.heap_trims == 1  # once per burst
-        ingest.counters.batches = 2 * TRIM_AFTER_BATCHES
+        ingest.counters.bytes = 2 * TRIM_AFTER_BYTES
         ingest._trim_after_burst(500.0)  # noqa: SLF001
         assert ingest.counters.heap_trims == 2
     finally:

@@ -54,10 +54,12 @@ time, I/O or asyncio.
 from __future__ import annotations
 
 import struct
+import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
@@ -302,6 +304,25 @@ def _extend_leaf(
             idx[h] = i
     else:
         node.index = _index_of(node.edge)
+
+
+# A per-rank map whose table holds four times the bytes its entries need (a right-sized dict
+# takes at most 54 bytes an entry) is copied to a right-sized one after removals.
+_SPARSE_BYTES_PER_ENTRY = 4 * 54
+_SMALL_MAP_BYTES = 4096
+_V = TypeVar("_V")
+
+
+def _compact(d: dict[int, _V]) -> dict[int, _V]:
+    """``d``, or a right-sized copy of it once removals left its table four times too large.
+
+    A Python dict never shrinks its table on deletions: a rank's map that grew during a burst
+    of stores and then lost most of its blocks would keep the burst's memory until the rank
+    is cleared. Copying costs one pass over what is left, and the next copy needs the map to
+    shrink fourfold again, so removals stay O(1) amortized."""
+    if sys.getsizeof(d) > _SPARSE_BYTES_PER_ENTRY * len(d) + _SMALL_MAP_BYTES:
+        return dict(d)
+    return d
 
 
 class KvIndex:
@@ -598,6 +619,13 @@ class KvIndex:
                     self._unhold(holders, entry[0], worker)
                     removed += 1
             self._lower_size -= removed
+            if removed:
+                compact = _compact(mine)
+                if compact is not mine:
+                    self._ranks[worker] = tuple(
+                        compact if t == tier else m for t, m in enumerate(maps)
+                    )
+                self._compact_holders(tier)
             return removed
         lk = self._lookup.get(worker)
         if lk is None:
@@ -616,6 +644,8 @@ class KvIndex:
             group = [h]
         if node is not None:
             self._remove_group(lk, worker, node, group)
+        if len(lk) < before:
+            self._lookup[worker] = _compact(lk)
         return before - len(lk)
 
     def _remove_group(
@@ -664,6 +694,13 @@ class KvIndex:
         if not node.full and node.children:
             node.children = None
 
+    def _compact_holders(self, tier: int) -> None:
+        """Right-size ``tier``'s chain key -> holders map after removals (``_compact``)."""
+        holders = self._holders[tier]
+        compact = _compact(holders)
+        if compact is not holders:
+            self._holders = tuple(compact if t == tier else h for t, h in enumerate(self._holders))
+
     def clear_rank(self, worker: WorkerWithDpRank) -> int:
         """Forget every block ``worker`` holds, all tiers (``AllBlocksCleared``, a lost gap, a
         rank leaving); returns how many."""
@@ -683,6 +720,8 @@ class KvIndex:
                     self._unhold(holders, key, worker)
                 n += len(maps[tier])
                 self._lower_size -= len(maps[tier])
+                if maps[tier]:
+                    self._compact_holders(tier)
         if lk is None and maps is None:
             return 0
         ranks = self._ranks_of_worker[worker.worker_id]

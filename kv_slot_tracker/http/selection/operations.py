@@ -112,7 +112,7 @@ def worker_json(r: WorkerRecord) -> dict[str, Any]:
         "endpoint": s.endpoint,
         "kv_events_endpoint": s.kv_events_endpoint,
     }
-    if s.kv_events_endpoints is not None:
+    if s.kv_events_endpoints:  # the reference leaves an empty map out, as it leaves out none
         out["kv_events_endpoints"] = s.kv_events_endpoints
     out.update(
         replay_endpoint=s.replay_endpoint,
@@ -295,23 +295,24 @@ class SelectionOperations:
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=False))
 
     def select_and_reserve(self, raw: bytes) -> Result:
-        cmd = select_command(parse_json(raw, ss.SelectBody, ss.SERDE), reserve=True)
+        b = parse_json(raw, ss.SelectBody, ss.SERDE, "SelectAndReserveRequest")
+        cmd = select_command(b, reserve=True)
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=True))
 
     def potential_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody, ss.SERDE)
+        b = parse_json(raw, ss.PromptBody, ss.SERDE, "PotentialLoadsRequest")
         rows = self.service.potential_loads(sc.PotentialLoads(**_prompt_fields(b)))
         return 200, load_rows_json(rows)
 
     def overlap_scores(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody, ss.SERDE)
+        b = parse_json(raw, ss.PromptBody, ss.SERDE, "OverlapScoresRequest")
         scores = self.service.overlap_scores(sc.OverlapScores(**_prompt_fields(b)))
         return 200, orjson.dumps(overlap_json(scores))
 
     # -- reservations ----------------------------------------------------------------------
 
     def reserve(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.ReservationBody, ss.SERDE)
+        b = parse_json(raw, ss.ReservationBody, ss.SERDE, "ReservationRequest")
         if b.worker_id is None:
             booked = self.service.replay(
                 sc.ReplaySelection(

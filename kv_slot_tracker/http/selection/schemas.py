@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from kv_slot_tracker.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS
-from kv_slot_tracker.http.body import SerdeDialect
+from kv_slot_tracker.http.body import SeqField, SeqStruct, SerdeDialect
 from kv_slot_tracker.http.schemas import U32, U64, Hash, Id, Name, Text, TokenId
 
 USIZE = U64
@@ -52,6 +52,27 @@ ISL = Field(None, description="Input length in tokens. Required (> 0) without `t
 _STRINGS = ("model_name", "routing_group", "selection_id", "session_id", "lora_name",
             "cache_salt", "endpoint", "kv_events_endpoint", "replay_endpoint",
             "stable_routing_id", "kv_transfer_domain")  # fmt: skip
+# The reference's WorkerPatchRequest fields in declaration order (WorkerRequest has the same
+# between its own): serde also reads those structs from a JSON array, element i as field i
+# (``body.SeqStruct``); found by probing the reference field by field.
+_WORKER_SEQUENCE = (
+    SeqField("endpoint", "a string"),
+    SeqField("kv_events_endpoint", "a string"),
+    SeqField("kv_events_endpoints", "a map", keys="u32"),
+    SeqField("replay_endpoint", "a string"),
+    SeqField("block_size", "u32"),
+    SeqField("data_parallel_start_rank", "u32"),
+    SeqField("data_parallel_size", "u32"),
+    SeqField("max_num_batched_tokens", "u64"),
+    SeqField("total_kv_blocks", "u64"),
+    SeqField("stable_routing_id", "a string"),
+    SeqField("is_eagle", "a boolean"),
+    SeqField("taints", "a sequence"),
+    SeqField("topology_domains", "a map"),
+    SeqField("kv_transfer_domain", "a string"),
+    SeqField("kv_transfer_enforcement", "enum", variants=KV_TRANSFER_ENFORCEMENTS),
+    SeqField("kv_transfer_preferred_weight", "f32"),
+)
 SERDE = SerdeDialect(
     types={
         **dict.fromkeys(_STRINGS, "a string"),
@@ -89,7 +110,32 @@ SERDE = SerdeDialect(
         ("token_ids", "block_hashes", "sequence_hashes", "isl_tokens", "lora_name", "cache_salt")
     ),
     structs={"SelectBody": "SelectRequest", "ReservationOutputBlockBody": "OutputBlockRequest"},
-)
+    sequences={
+        "WorkerBody": SeqStruct("WorkerRequest", (
+            SeqField("worker_id", "u64", nullable=False),
+            SeqField("model_name", "a string", nullable=False, default=True),
+            SeqField("routing_group", "a string", nullable=False, default=True),
+            *_WORKER_SEQUENCE[:2],
+            SeqField("kv_events_endpoints", "a map", keys="u32", nullable=False, default=True),
+            *_WORKER_SEQUENCE[3:11],
+            SeqField("taints", "a sequence", nullable=False, default=True),
+            SeqField("topology_domains", "a map", nullable=False, default=True),
+            *_WORKER_SEQUENCE[13:16],
+            SeqField(None, "a string", default=True),  # router_hint_worker_type
+            SeqField(None, "a map", nullable=False, default=True),  # ..._control_endpoints
+            SeqField(None, "a string", default=True),  # kv_event_source_mode
+        )),
+        "WorkerPatchBody": SeqStruct("WorkerPatchRequest", (
+            *_WORKER_SEQUENCE,
+            SeqField(None, "a string", default=True),  # router_hint_worker_type
+            SeqField(None, "a map", default=True),  # router_hint_source_control_endpoints
+            SeqField(None, "a string", default=True),  # kv_event_source_mode
+        )),
+        "ReservationOutputBlockBody": SeqStruct(
+            "OutputBlockRequest", (SeqField("decay_fraction", "f64"),)
+        ),
+    },
+)  # fmt: skip
 
 
 class _Body(BaseModel):

@@ -454,3 +454,35 @@ def test_loading_refuses_device_blocks_whose_parent_never_comes() -> None:
     assert ix.load_rank(A, entries) == 3  # 40 (no parent), 60 and 61 (a cycle)
     assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
     assert ix.rank_size(A) == 3  # 11, 12 and the host orphan 50
+
+
+def test_maps_that_lost_most_of_their_blocks_give_their_tables_back() -> None:
+    """A dict keeps its table after deletions: a rank's maps (device ``engine hash -> run``,
+    host ``engine hash -> entry``) and the host holders that grew during a burst of stores and
+    then lost most of their blocks are copied right-sized, so the memory follows the blocks
+    still indexed."""
+    import tracemalloc
+
+    chains = [[(10_000_000 + 8 * c + i, 5_000_000 + 8 * c + i) for i in range(8)]
+              for c in range(2_000)]  # fmt: skip
+    host = [(20_000_000 + i, 6_000_000 + i) for i in range(16_000)]
+    tracemalloc.start()
+    try:
+        ix = KvIndex()
+        start = tracemalloc.get_traced_memory()[0]
+        for chain in chains:
+            assert ix.store(A, DEVICE, None, chain)
+        assert ix.store(A, HOST_PINNED, None, host)
+        stored = tracemalloc.get_traced_memory()[0] - start
+        for chain in chains[1:]:  # evicted, one event per prompt
+            assert ix.remove(A, DEVICE, [h for h, _ in chain]) == 8
+        assert ix.remove(A, HOST_PINNED, [h for h, _ in host[8:]]) == 16_000 - 8
+        left = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert ix.rank_size(A) == len(ix) == 16
+    assert left < 0.4 * stored, (left, stored)  # 0.49 without the copies
+    # what is left still answers: the first chain, and the host blocks' first eight
+    keys = compute_seq_hash_for_block([local for _, local in chains[0]])
+    assert ix.overlaps(keys) == {A: TierOverlap(8)}
+    assert ix.store(A, HOST_PINNED, host[7][0], [host[8]])  # its parent is still held
