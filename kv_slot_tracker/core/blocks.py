@@ -26,7 +26,9 @@ block, so those blocks are *members* of the request's ``FractionGroup`` instead:
 the group's one fraction, and changing it moves the sum by ``size * (new - old)`` at once. A
 member is held exactly once (``refcount`` 1); one that gets a second hold keeps the group's
 value as a fraction of its own (fractions are sticky) and leaves the group. Which positions
-of the request are its exclusive ones is ``ActiveSequences``' business; it joins them here.
+of the request are its exclusive ones is ``ActiveSequences``' business; it joins them here, and
+freezes the members whose positions other prompts started to share at the request's next decay
+or free (the group's value has not changed in between, so they keep the value they had then).
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ class BlockTracker:
         g.scaled = _scaled(fraction) if g.finite else 0
         self._resize(g, size)
 
-    def _watch(self, g: FractionGroup, h: int, pos: int | None) -> None:
+    def watch(self, g: FractionGroup, h: int, pos: int | None) -> None:
         """Tell ``g`` (through ``ready``) when ``h``, held more than once, drops to one hold."""
         g.watch[h] = pos
         waiting = self._watchers.setdefault(h, [])
@@ -217,7 +219,7 @@ class BlockTracker:
             return
         for i, h in enumerate(hashes):
             if h in more:
-                self._watch(g, h, -1 if start < 0 else start + i)
+                self.watch(g, h, -1 if start < 0 else start + i)
             elif member.get(h) is not g:
                 self.drop_fraction(h)
                 member[h] = g
@@ -249,7 +251,7 @@ class BlockTracker:
             if g is not None:
                 self._fraction[h] = g.value
                 g.size -= 1
-                self._watch(g, h, None)
+                self.watch(g, h, None)
 
     def _drop_members(self, hashes: Iterable[int]) -> None:
         """Forget the members among ``hashes`` (they stopped being present), in C but for
@@ -326,4 +328,4 @@ class BlockTracker:
         return set(self.refcount)
 
     def is_empty(self) -> bool:
-        return not self.refcount and not self._fraction and not self._member
+        return not (self.refcount or self._fraction or self._member or self._watchers)

@@ -190,20 +190,6 @@ class PromptTrie:
             node = child
         return lost
 
-    def holds_along(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[int]:
-        """For a prompt ``worker`` holds: per position, how many of ``worker``'s prompts hold
-        that node (O(prompt length))."""
-        out: list[int] = []
-        node = self.root
-        i, n = 0, len(prompt)
-        while i < n:
-            child = node.children[prompt[i]]  # type: ignore[index]
-            size = len(child.edge) - child.lo
-            out.extend((child.workers[worker],) * size)
-            i += size
-            node = child
-        return out
-
     def exclusive_from(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> int:
         """For a prompt ``worker`` holds: where the nodes that only this prompt of ``worker``
         holds begin (``len(prompt)`` if none). Holder counts never grow along a path, so those

@@ -289,7 +289,7 @@ class ActiveSequences:
                 continue
             pos = watch[h]
             if blocks.count(h) != 1:
-                blocks._watch(group, h, pos)  # held twice again
+                blocks.watch(group, h, pos)  # held twice again
                 continue
             del watch[h]
             if pos is None:  # a member that got a second hold: find where it is
