@@ -194,21 +194,31 @@ class ActiveSequences:
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return
-        group = self._groups.pop(request_id, None) if self._groups else None
+        if self._groups and request_id in self._groups:
+            self._release_decayed(state, self._groups.pop(request_id))
+            return
         if state.prompt_blocks:
-            lost = self.trie.remove(self.key, state.prompt_blocks)
-            if group is not None:
-                # the positions other prompts of the rank still hold keep the group's value
-                kept = len(state.prompt_blocks) - sum(map(len, lost))
-                if kept > group.lo:
-                    self.blocks.freeze(group, state.prompt_blocks[group.lo : kept])
             unhold = self.blocks.unhold
-            for edge in lost:
+            for edge in self.trie.remove(self.key, state.prompt_blocks):
                 unhold(edge)  # positions the rank no longer holds
         if state._outputs:
             self._release_outputs(state)
-        if group is not None:
-            self.blocks.disband(group)
+
+    def _release_decayed(self, state: RequestState, group: FractionGroup) -> None:
+        """``release`` of a request that has decayed: the members at positions other prompts
+        of the rank still hold keep the group's value; the others go with their holds."""
+        prompt = state.prompt_blocks
+        if prompt:
+            lost = self.trie.remove(self.key, prompt)
+            kept = len(prompt) - sum(map(len, lost))
+            if kept > group.lo:
+                self.blocks.freeze(group, prompt[group.lo : kept])
+            unhold = self.blocks.unhold
+            for edge in lost:
+                unhold(edge)
+        if state._outputs:
+            self._release_outputs(state)
+        self.blocks.disband(group)
 
     def _release_outputs(self, state: RequestState) -> None:
         release = self.blocks.release_and_try_remove
