@@ -190,19 +190,19 @@ class PromptTrie:
             node = child
         return lost
 
-    def holds_along(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> list[int]:
-        """For a prompt ``worker`` holds: per position, how many of ``worker``'s prompts hold
-        that node (O(prompt length))."""
-        out: list[int] = []
+    def exclusive_from(self, worker: WorkerWithDpRank, prompt: Sequence[int]) -> int:
+        """For a prompt ``worker`` holds: where the nodes that only this prompt of ``worker``
+        holds begin (``len(prompt)`` if none). Holder counts never grow along a path, so those
+        nodes are the end of it; the walk costs O(nodes), not O(positions)."""
         node = self.root
         i, n = 0, len(prompt)
         while i < n:
             child = node.children[prompt[i]]  # type: ignore[index]
-            size = len(child.edge) - child.lo
-            out.extend((child.workers[worker],) * size)
-            i += size
+            if child.workers[worker] == 1:
+                return i
+            i += len(child.edge) - child.lo
             node = child
-        return out
+        return n
 
     def held_positions(self, worker: WorkerWithDpRank) -> dict[int, int]:
         """How many positions of the nodes ``worker`` holds carry each hash (a full walk, for

@@ -8,7 +8,7 @@ from collections import _count_elements as count_elements  # type: ignore[attr-d
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .blocks import BlockTracker
+from .blocks import BlockTracker, FractionGroup
 from .errors import TooManyOutputBlocks
 from .limits import MAX_OUTPUT_BLOCKS_PER_REQUEST
 from .overlap import PromptTrie
@@ -69,6 +69,12 @@ class ActiveSequences:
     so the block counts hold each position of a node the rank holds once, however many of its
     prompts pass through it (``BlockTracker``): a prompt sharing a prefix already held costs
     block-count work only for its new positions.
+
+    A request's decay (``add_output_block`` with a fraction) gives the fraction to every block
+    only it holds (SPEC §2.2), through its ``FractionGroup`` (``BlockTracker``): those blocks
+    are its output blocks and the end of its prompt from where its trie nodes are held by
+    this prompt alone (``PromptTrie.exclusive_from``). Each call walks the path's nodes and
+    touches only the positions whose state changed since the request's previous call.
     """
 
     max_output_blocks = (
@@ -87,6 +93,7 @@ class ActiveSequences:
         "last_expiry_check",
         "next_expiry_check",
         "_rng",
+        "_groups",
     )
 
     def __init__(
@@ -113,6 +120,7 @@ class ActiveSequences:
         self.last_expiry_check = clock()
         self.next_expiry_check = self._next_check()
         self._rng = rng or random.Random()
+        self._groups: dict[str, FractionGroup] = {}  # per request that has decayed
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -186,12 +194,31 @@ class ActiveSequences:
         if state is None:
             log.warning("Trying to free non-existent request %s", request_id)
             return
+        if self._groups and request_id in self._groups:
+            self._release_decayed(state, self._groups.pop(request_id))
+            return
         if state.prompt_blocks:
             unhold = self.blocks.unhold
             for edge in self.trie.remove(self.key, state.prompt_blocks):
                 unhold(edge)  # positions the rank no longer holds
         if state._outputs:
             self._release_outputs(state)
+
+    def _release_decayed(self, state: RequestState, group: FractionGroup) -> None:
+        """``release`` of a request that has decayed: the members at positions other prompts
+        of the rank still hold keep the group's value; the others go with their holds."""
+        prompt = state.prompt_blocks
+        if prompt:
+            lost = self.trie.remove(self.key, prompt)
+            kept = len(prompt) - sum(map(len, lost))
+            if kept > group.lo:
+                self.blocks.freeze(group, prompt[group.lo : kept])
+            unhold = self.blocks.unhold
+            for edge in lost:
+                unhold(edge)
+        if state._outputs:
+            self._release_outputs(state)
+        self.blocks.disband(group)
 
     def _release_outputs(self, state: RequestState) -> None:
         release = self.blocks.release_and_try_remove
@@ -227,19 +254,62 @@ class ActiveSequences:
         else:
             state._outputs.append(h)
         if decay_fraction is not None:
-            # a block held by exactly one reference: one position of the rank carries it, and
-            # this request's prompt alone holds that position
-            count, set_fraction = self.blocks.count, self.blocks.set_fraction
-            prompt = state.prompt_blocks
-            if prompt:
-                holds = self.trie.holds_along(self.key, prompt)
-                for b, held in zip(prompt, holds, strict=True):
-                    if held == 1 and count(b) == 1:
-                        set_fraction(b, decay_fraction)
-            for b in state._outputs:
-                if count(b) == 1:
-                    set_fraction(b, decay_fraction)
+            self._decay(request_id, state, decay_fraction)
         return h
+
+    def _decay(self, request_id: str, state: RequestState, fraction: float) -> None:
+        """Give ``fraction`` to every block only this request holds (its held-once hashes at
+        positions only its prompt holds, and its held-once output blocks), as the seeds'
+        ``set_single_ref_blocks_as_fractional`` does by visiting all of them.
+
+        The group's members are the blocks it gave its previous fraction to, minus those that
+        got a second hold since (``BlockTracker`` froze them then). Positions that other
+        prompts of the rank started to share since are frozen now: the group's value has not
+        changed in between, so they keep the value they had when the sharing began. The cost
+        is O(trie nodes on the path + positions that started or stopped being exclusive +
+        output blocks added since the previous call + watched hashes that dropped to one hold).
+        """
+        blocks = self.blocks
+        prompt = state.prompt_blocks
+        group = self._groups.get(request_id)
+        if group is None:
+            group = self._groups[request_id] = FractionGroup(len(prompt))
+        start = self.trie.exclusive_from(self.key, prompt) if prompt else 0
+        lo = group.lo
+        if start > lo:  # shared since the previous call
+            blocks.freeze(group, prompt[lo:start])
+        blocks.set_group_value(group, fraction)
+        if start < lo:  # only this prompt holds them now (or never joined yet)
+            blocks.join(group, prompt[start:lo], start)
+        group.lo = start
+        outputs = state._outputs or ()
+        if group.out < len(outputs):
+            blocks.join(group, outputs[group.out :], -1)
+            group.out = len(outputs)
+        if group.ready:
+            self._take_back(group, prompt, start)
+
+    def _take_back(self, group: FractionGroup, prompt: list[int], start: int) -> None:
+        """Watched hashes of the request that dropped to one hold: members again if their
+        position is the request's alone; the others are watched on, or left to the walk."""
+        blocks, watch = self.blocks, group.watch
+        ready, group.ready = group.ready, []
+        for h in ready:
+            if h not in watch:
+                continue
+            pos = watch[h]
+            if blocks.count(h) != 1:
+                blocks.watch(group, h, pos)  # held twice again
+                continue
+            del watch[h]
+            if pos is None:  # a member that got a second hold: find where it is
+                try:
+                    pos = prompt.index(h)
+                except ValueError:
+                    pos = -1  # an output block
+            if pos < 0 or pos >= start:
+                blocks.join_one(group, h)
+            # else: a position shared with other prompts; joined when it is alone again
 
     def force_expiry(self) -> SequenceMutationOutcome:
         """Free requests older than the expiry, at most once per check interval."""

@@ -7,12 +7,16 @@ an output block with a decay fraction gives that fraction to every block of its 
 exactly one reference; a fraction sticks until its hash goes. Prompts are short runs of a few
 small hashes, so they repeat inside one prompt, reappear under other prefixes and are shared
 between ranks; output hashes are drawn from the same few values, so they collide with prompt
-hashes too. After every step each rank's present hashes, fractions and active blocks must equal
-the model's.
+hashes too. Other prompts follow one lineage (chained hashes, as real prompts are) with a short
+tail, so they share prefixes of different lengths: positions go from one prompt to shared and
+back, which is what the decaying requests' fraction groups must follow. Fractions include NaN
+and infinity (the literal floating-point loop). After every step each rank's present hashes,
+fractions and active blocks must equal the model's.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 from hypothesis import HealthCheck, settings
@@ -30,8 +34,16 @@ from tests.support import sequences as seed
 from tests.support.tracker import add_request, new_without_expiry, slots
 
 RANKS = [WorkerWithDpRank(1, 0), WorkerWithDpRank(1, 1), WorkerWithDpRank(2, 0)]
-prompts = st.lists(st.integers(1, 6), max_size=6)
-fractions = st.sampled_from([None, 0.0, 0.25, 0.5, 1.0])
+LINEAGE = list(range(1001, 1013))
+prompts = st.one_of(
+    st.lists(st.integers(1, 6), max_size=6),
+    st.builds(
+        lambda k, tail: LINEAGE[:k] + tail,
+        st.integers(0, len(LINEAGE)),
+        st.lists(st.sampled_from([2001, 2002, 2003]), max_size=2, unique=True),
+    ),
+)
+fractions = st.sampled_from([None, None, 0.0, 0.25, 0.5, 0.75, 1.0, math.nan, math.inf])
 
 
 class FewValues(random.Random):
@@ -138,6 +150,17 @@ class BlockCountsMachine(RuleBasedStateMachine):
             h = self.tracker.add_output_block(rid, fraction)
         self.model[rank].output(rid, h, fraction)
 
+    @rule(data=st.data())
+    def prefill_complete(self, data: st.DataObject) -> None:
+        """Changes no block (the model does nothing)."""
+        if not self.where:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.where)))
+        if self.alone:
+            self.slot.mark_prefill_completed(rid, self.clock.now())
+        else:
+            self.tracker.mark_prefill_completed(rid, self.clock.now())
+
     @invariant()
     def blocks_match_the_model(self) -> None:
         for rank, slot in self.slots.items():
@@ -184,3 +207,64 @@ def test_free_reports_the_prompt_from_the_first_hash_that_went() -> None:
     assert [r.hashes for r in seed.free(slot, "c", clock.now()).removes] == [[3, 9]]
     assert [r.hashes for r in seed.free(slot, "d", clock.now()).removes] == [[9]]
     assert slot.blocks.is_empty() and slot.trie.is_empty()
+
+
+def replay(steps: list[tuple[str, str, list[int] | float | None]]) -> ActiveSequences:
+    """Run ``steps`` (``("add", rid, prompt)``, ``("out", rid, fraction)``, ``("free", rid,
+    None)``) on one rank and on the model, comparing fractions and counts after each."""
+    clock = FakeClock()
+    slot = ActiveSequences(2, clock.now, expiry_ns=None)
+    model = ModelRank()
+    for op, rid, arg in steps:
+        if op == "add":
+            assert isinstance(arg, list)
+            slot.add_request_with_prefill_tracking(rid, arg, None, False, None, clock.now())
+            model.add(rid, arg)
+        elif op == "out":
+            assert not isinstance(arg, list)
+            h = slot.add_output_block(rid, arg)
+            assert h is not None
+            model.output(rid, h, arg)
+        else:
+            slot.release(rid, clock.now())
+            model.free(rid)
+        assert slot.blocks.fraction == model.fraction, (op, rid, arg)
+        assert slot.active_blocks() == model.active_blocks(), (op, rid, arg)
+        slot.assert_consistent()
+    return slot
+
+
+def test_a_block_alone_again_but_on_a_shared_position_keeps_its_fraction() -> None:
+    """2 gets a second hold elsewhere (it keeps 0.5), then the prompt's own position is
+    shared by another prompt; when the other hold goes, 2 is held once again but by a shared
+    position: the next decay must leave it at 0.5."""
+    replay([
+        ("add", "a", [1, 2]),
+        ("out", "a", 0.5),
+        ("add", "b", [5, 2]),  # 2 held twice: a's fraction sticks
+        ("add", "c", [1, 2]),  # a's positions are shared now
+        ("out", "a", 0.25),
+        ("free", "b", None),  # 2 is held once again, by a position a and c share
+        ("out", "a", 0.0),
+        ("free", "c", None),  # a's positions are a's alone again
+        ("out", "a", 1.0),
+        ("free", "a", None),
+    ])  # fmt: skip
+
+
+def test_shared_then_alone_then_shared_again_between_two_decays() -> None:
+    """Positions shared and unshared between two decays keep the value they had when the
+    sharing began; a request freed while another shares its prefix leaves the value behind."""
+    slot = replay([
+        ("add", "a", [1, 2, 3, 4]),
+        ("out", "a", 0.5),
+        ("add", "b", [1, 2]),
+        ("free", "b", None),
+        ("add", "c", [1, 2, 3]),
+        ("out", "a", 0.25),  # 1, 2, 3 shared: they keep 0.5
+        ("out", "c", 0.75),  # c holds nothing alone but its output block
+        ("free", "a", None),  # 1, 2, 3 stay (c), at 0.5
+        ("out", "c", 0.0),  # now c's alone: all of them follow c
+        ("free", "c", None),
+    ])  # fmt: skip
+    assert slot.blocks.is_empty()

@@ -9,6 +9,8 @@ with 10 and with 1,000 active requests, and small.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kv_slot_tracker.core.blocks import BlockTracker
@@ -157,3 +159,60 @@ def test_active_blocks_does_not_walk_the_fractional_blocks() -> None:
     assert bt.active_blocks() == 126
     bt.set_fraction(5000, 0.5)
     assert bt.active_blocks() == 126  # 125.5 rounds half away from zero
+
+
+class CountingHash(int):
+    """A block hash that counts the hashes and comparisons it takes part in: every dict or set
+    operation on a block, and every comparing step over a run of blocks, costs one or more."""
+
+    calls = 0
+
+    def __hash__(self) -> int:
+        CountingHash.calls += 1
+        return int.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        CountingHash.calls += 1
+        return int.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        CountingHash.calls += 1
+        return int.__ne__(self, other)
+
+
+class CountingRandom(random.Random):
+    """The rank's generator of output block hashes, giving ``CountingHash`` ints."""
+
+    def getrandbits(self, k: int) -> int:
+        return CountingHash(super().getrandbits(k))
+
+
+def decay_call_counts(prompt_len: int, outputs_before: int) -> int:
+    """Block operations of one output block with a decay fraction on a request whose prompt
+    has ``prompt_len`` blocks (the first half shared with another request, the rest its own)
+    and that has decayed ``outputs_before`` times already."""
+    clock = FakeClock()
+    slot = ActiveSequences(16, clock.now, expiry_ns=None, rng=CountingRandom(7))
+    prompt = [CountingHash(h) for h in range(1, prompt_len + 1)]
+    half = prompt_len // 2
+    slot.add_request_with_prefill_tracking("other", prompt[:half], None, False, None, 0)
+    slot.add_request_with_prefill_tracking("r", prompt, None, False, None, 0)
+    for _ in range(outputs_before):
+        slot.add_output_block("r", 0.5)
+    CountingHash.calls = 0
+    slot.add_output_block("r", 0.25)
+    calls = CountingHash.calls
+    # the shared half counts whole; the rest and the output blocks at 0.25
+    expected = half + (prompt_len - half + outputs_before + 1) * 0.25
+    assert slot.active_blocks() == int(expected + 0.5)
+    slot.assert_consistent()
+    return calls
+
+
+def test_an_output_block_with_decay_does_not_walk_the_prompt_or_the_outputs() -> None:
+    """After a request's first decay (which gives its fraction to every block it holds alone),
+    each further one costs the same for a 10-block and a 10,000-block prompt, and the same
+    after 1 or 300 output blocks: the blocks follow the request's one fraction."""
+    counts = {(n, k): decay_call_counts(n, k) for n in (10, 10_000) for k in (1, 300)}
+    assert len(set(counts.values())) == 1, counts
+    assert counts[(10, 1)] <= 10, counts

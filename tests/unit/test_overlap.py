@@ -145,7 +145,10 @@ def test_add_and_remove_report_the_edges_a_rank_starts_and_stops_holding() -> No
     # b shares the prefix [1, 2] (a split) and brings its own tail
     assert [tuple(e) for e in trie.add(b, [1, 2, 9])] == [(1, 2), (9,)]
     assert [tuple(e) for e in trie.add(a, [1, 2, 8, 8])] == [(8, 8)]
-    assert trie.holds_along(a, [1, 2, 3]) == [3, 3, 2]
+    # where the nodes only one prompt of the rank holds begin: a holds [1, 2, 3] twice
+    assert trie.exclusive_from(a, [1, 2, 3]) == 3
+    assert trie.exclusive_from(a, [1, 2, 8, 8]) == 2
+    assert trie.exclusive_from(b, [1, 2, 9]) == 0  # a's prompts are another rank's
     assert trie.held_positions(a) == {1: 1, 2: 1, 3: 1, 8: 2}
     assert [tuple(e) for e in trie.remove(a, [1, 2, 8, 8])] == [(8, 8)]
     assert [tuple(e) for e in trie.remove(a, [1, 2, 3])] == []  # a's other prompt holds on
