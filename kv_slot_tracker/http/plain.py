@@ -180,12 +180,16 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
                 return None
             else:
                 o.token_ids = None
-            # worker_id, dp_rank, the prompt, and the optional fields given (as ``add_body``)
-            pairs += 6 - (
-                o.expected_prefill_ms,
-                o.track_prefill_tokens,
-                o.expected_output_tokens,
-            ).count(None)
+            # worker_id, dp_rank, the prompt, and the optional fields given (as ``add_body``;
+            # three tests here cost about 250 instructions per operation less than a tuple's
+            # ``count``)
+            pairs += 3
+            if o.expected_prefill_ms is not None:
+                pairs += 1
+            if o.track_prefill_tokens is not None:
+                pairs += 1
+            if o.expected_output_tokens is not None:
+                pairs += 1
             if o.lora_name is not None:
                 pairs += 2
             if o.new_isl_tokens is not zero:
