@@ -196,26 +196,6 @@ def batch_operations(raw: bytes) -> list[c.BatchOperation] | None:
                 pairs += 1
         elif kind is output and o.decay_fraction is not None:
             pairs += 1
-    if _batch_quotes(raw) != 2 * pairs:
+    if raw.count(b'"') != 2 * pairs:
         return None  # a key given twice in an operation, or a field given its default
     return ops
-
-
-def _batch_quotes(raw: bytes) -> int:
-    """How many ``"`` a batch body holds, as ``_quotes`` counts a single call's: counting runs
-    a few instructions per byte, a search at memchr speed, so the prompt lists (a ``[`` to the
-    next ``]`` after the operations' own ``[``: most of a body) are only searched for a quote
-    and the rest is counted. The spans cover the body exactly once whatever it holds (a ``[``
-    inside a string only makes a span that is counted), so the count is exact."""
-    find, count = raw.find, raw.count
-    pos = find(b"[") + 1  # past the operations' list (a plain body has one)
-    n = count(b'"', 0, pos)
-    while True:
-        lo = find(b"[", pos)
-        if lo < 0:
-            return n + count(b'"', pos)
-        hi = find(b"]", lo)  # a decoded body closes every list: found
-        n += count(b'"', pos, lo)
-        if find(b'"', lo, hi) >= 0:
-            n += count(b'"', lo, hi)
-        pos = hi

@@ -429,19 +429,3 @@ def test_negative_hashes_are_kept_as_given_on_both_paths() -> None:
             query = json.dumps({"model_name": "m", "sequence_hashes": hashes}).encode()
             assert t.overlaps(hashes) == {t.worker_for(rid): 2}
             assert ops.get("potential_loads")(query)[0] == 200
-
-
-def test_the_batch_quote_count_is_exact_whatever_the_strings_hold() -> None:
-    """``plain._batch_quotes`` searches the prompt lists and counts the rest: brackets inside
-    strings, empty lists and lists at either end leave the count exact."""
-    bodies = [
-        b'{"operations":[]}',
-        b'{"operations":[{"op":"free","model_name":"[","request_id":"]"}]}',
-        b'{"operations":[{"op":"add","model_name":"m[","request_id":"a]","worker_id":1,'
-        b'"dp_rank":0,"sequence_hashes":[1,-2]},{"op":"free","model_name":"]","request_id":"["}]}',
-        b'{"operations":[{"sequence_hashes":[],"op":"add","model_name":"m","request_id":"x"}]}',
-        b' {"operations" : [ {"token_ids":[1, 2] } ] } ',
-        b'{"operations":[{"op":"add","lora_name":"[["]]","token_ids":[3]}]}',
-    ]
-    for raw in bodies:
-        assert plain_body._batch_quotes(raw) == raw.count(b'"'), raw
