@@ -2,7 +2,9 @@
 
 The msgpack form matches serde's ``rmp_serde::to_vec_named``: structs are maps keyed by field name
 in declaration order, unit variants are strings, the struct variant is a one-entry map, and a
-``Duration`` is ``{"secs", "nanos"}``.
+``Duration`` is ``{"secs", "nanos"}``. A prompt's hashes travel unsigned (u64), the format
+records always had; the service's own signed form (``kv_slot_tracker.core.hashing``) converts
+here, in both directions, so instances of earlier versions read and write the same records.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from .hashing import signed_hashes, unsigned_hashes
 from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 
 
@@ -93,7 +96,9 @@ def event_to_wire(ev: ActiveSequenceEvent) -> dict[str, Any]:
         hint = d.prefill_load_hint
         data: Any = {
             "AddRequest": {
-                "token_sequence": d.token_sequence,
+                "token_sequence": None
+                if d.token_sequence is None
+                else unsigned_hashes(d.token_sequence),
                 "track_prefill_tokens": d.track_prefill_tokens,
                 "expected_output_tokens": d.expected_output_tokens,
                 "prefill_load_hint": None
@@ -150,6 +155,8 @@ def _add_from_wire(a: dict[str, Any]) -> AddRequest:
     seq = a.get("token_sequence")
     if seq is not None and (not isinstance(seq, list) or not all(_is_uint(h, 64) for h in seq)):
         raise EventDecodeError("invalid token_sequence")
+    if seq is not None:
+        seq = signed_hashes(seq)
     track = a.get("track_prefill_tokens", True)
     eot = a.get("expected_output_tokens")
     if not isinstance(track, bool) or (eot is not None and not _is_uint(eot, 32)):

@@ -1,4 +1,31 @@
-"""Dynamo-compatible block and sequence hashes of token ids (SPEC §1, Appendix A).
+"""Block hashes: their one representation inside the service, its conversions, and the
+Dynamo-compatible hashing of token ids (SPEC §1, Appendix A).
+
+**The rule.** Inside the service a block (sequence) hash is a Python int in ``[-2^63, 2^63)``:
+the API's wire form, a signed 64-bit integer, as the reference's JSON carries it. The HTTP edge
+hands hashes through as they were decoded, and everything computed here (hashes of token ids,
+random output blocks) is given in that form, so a prompt given as hashes and the same prompt
+given as tokens hold the same values. The unsigned u64 form of the same 64 bits lives only at
+the boundaries that need it:
+
+* replica records and stored snapshots carry prompts as unsigned u64 (msgpack uint64), as
+  they always did: an instance of an earlier version on the same stream, and snapshots stored
+  before, read and write the same records (``kv_slot_tracker.core.events``,
+  ``kv_slot_tracker.core.snapshot``);
+* engines' KV events may carry a block hash in either form, the same block either way
+  (``to_signed``);
+* the xxh3 scheme itself is defined on u64 (``compute_block_hash_for_seq`` and
+  ``compute_seq_hash_for_block`` keep the reference's unsigned values, tested against its
+  vectors); ``sequence_hashes_for_tokens`` converts once;
+* the selection service's index of cache contents and its approximate cache
+  (``kv_slot_tracker.core.selection``) still key blocks by the u64 form, as its KV events,
+  peers' index lines and selection records carry them: its prompts convert on the way in
+  (``to_unsigned``) and its answers on the way out (``to_signed``), with this module's
+  conversions.
+
+Why signed inside: routers send real hashes, about half of them negative; converting each at
+the edge cost about a fifth of a ``/batch`` operation, while records are written once per add
+and snapshots rarely. Lists convert in C (``array``), a single value with one comparison.
 
 Block hash: ``xxh3_64`` of the block's tokens as little-endian u32, seeded with 1337, or with
 ``1337 + xxh3_64(lora_name)`` (mod 2^64) for a non-empty LoRA name. Sequence hash: the first block's
@@ -9,13 +36,50 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Sequence
+from random import Random
 from sys import byteorder
 
 import xxhash
 
 XXH3_SEED = 1337
-_MASK64 = (1 << 64) - 1
+I64_MIN = -(1 << 63)
+_SIGN = 1 << 63
+_SPAN = 1 << 64
+_MASK64 = _SPAN - 1
 _PAIR = struct.Struct("<QQ")
+
+
+def to_signed(h: int) -> int:
+    """A 64-bit hash given in either form (signed i64 or unsigned u64) as the service keeps it:
+    the u64 values from 2^63 up become negative, the rest stay."""
+    return h - _SPAN if h >= _SIGN else h
+
+
+def to_unsigned(h: int) -> int:
+    """A hash as the service keeps it (signed) as the unsigned u64 of the same 64 bits."""
+    return h + _SPAN if h < 0 else h
+
+
+def signed_hashes(hashes: Sequence[int]) -> list[int]:
+    """Unsigned u64 hashes (as records and snapshots carry them) in the service's form; a list
+    of values below 2^63 is the same list. Raises OverflowError for a value outside u64."""
+    if not hashes or max(hashes) < _SIGN:
+        return list(hashes)
+    return array("q", array("Q", hashes).tobytes()).tolist()
+
+
+def unsigned_hashes(hashes: Sequence[int]) -> list[int]:
+    """The service's (signed) hashes as unsigned u64, for records and snapshots; a list with
+    no negative value is the same list."""
+    if not hashes or min(hashes) >= 0:
+        return list(hashes)
+    return array("Q", array("q", hashes).tobytes()).tolist()
+
+
+def random_hash(rng: Random) -> int:
+    """A uniformly random hash in the service's form (an output block's)."""
+    return rng.getrandbits(64) + I64_MIN
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -27,7 +91,8 @@ def lora_seed(lora_name: str | None) -> int:
 def compute_block_hash_for_seq(
     tokens: list[int], block_size: int, lora_name: str | None = None
 ) -> list[int]:
-    """One hash per full block of ``tokens`` (each token a u32)."""
+    """One hash per full block of ``tokens`` (each token a u32), unsigned as the reference
+    computes it."""
     if block_size <= 0:
         raise ValueError("block_size must be greater than 0")
     seed = lora_seed(lora_name)
@@ -44,7 +109,8 @@ def compute_block_hash_for_seq(
 
 
 def compute_seq_hash_for_block(block_hashes: list[int]) -> list[int]:
-    """Chain block hashes so that each sequence hash implies its whole prefix."""
+    """Chain block hashes so that each sequence hash implies its whole prefix (u64 in, u64
+    out, as the reference computes them)."""
     out: list[int] = []
     h = xxhash.xxh3_64_intdigest
     pack = _PAIR.pack
@@ -58,4 +124,8 @@ def compute_seq_hash_for_block(block_hashes: list[int]) -> list[int]:
 def sequence_hashes_for_tokens(
     tokens: list[int], block_size: int, lora_name: str | None = None
 ) -> list[int]:
-    return compute_seq_hash_for_block(compute_block_hash_for_seq(tokens, block_size, lora_name))
+    """The sequence hashes of ``tokens``' full blocks in the service's (signed) form: what a
+    client that hashed the same tokens sends as ``sequence_hashes``."""
+    return signed_hashes(
+        compute_seq_hash_for_block(compute_block_hash_for_seq(tokens, block_size, lora_name))
+    )

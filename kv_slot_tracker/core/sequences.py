@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .blocks import BlockTracker, FractionGroup
 from .errors import TooManyOutputBlocks
+from .hashing import random_hash
 from .limits import MAX_OUTPUT_BLOCKS_PER_REQUEST
 from .overlap import PromptTrie
 from .prefill import PrefillLoadTracker
@@ -247,7 +248,7 @@ class ActiveSequences:
         outputs = state._outputs
         if outputs is not None and len(outputs) >= self.max_output_blocks:
             raise TooManyOutputBlocks(request_id, self.max_output_blocks)
-        h = self._rng.getrandbits(64)
+        h = random_hash(self._rng)
         self.blocks.touch(h)
         if state._outputs is None:
             state._outputs = [h]

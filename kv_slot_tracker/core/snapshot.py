@@ -6,6 +6,10 @@ start time) and each rank's prefill load (prefills in insertion order with token
 duration, and the anchor's start). Output blocks are local to the instance that saw them and
 are left out, as are decay fractions (they only apply to output blocks of a finished prompt).
 
+Prompt hashes are exported unsigned (u64), the format snapshots always had (stored snapshots
+and instances of earlier versions keep working); the service's signed form
+(``kv_slot_tracker.core.hashing``) converts here both ways.
+
 Instants are exported as **wall-clock** nanoseconds (``to_wall``) because monotonic clocks of two
 processes share no origin; the importer maps them back onto its own clock (``from_wall``).
 Everything else restores exactly: a restored tracker answers ``active_blocks``,
@@ -30,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
+from .hashing import signed_hashes, unsigned_hashes
 from .sequences import ActiveSequences
 from .types import WorkerDpRange, WorkerWithDpRank
 
@@ -82,7 +87,14 @@ def export_tracker(tracker: Exported, to_wall: InstantMap) -> dict[str, Any]:
             if indexed:
                 covered.add(rid)
             requests.append(
-                [rid, prompt, to_wall(started_at), eot, indexed, lora_of(rid) if indexed else None]
+                [
+                    rid,
+                    unsigned_hashes(prompt),
+                    to_wall(started_at),
+                    eot,
+                    indexed,
+                    lora_of(rid) if indexed else None,
+                ]
             )
         anchor = rank.prefill.anchored()
         slots.append(
@@ -128,7 +140,7 @@ def restore_tracker(tracker: R, data: dict[str, Any], from_wall: InstantMap) -> 
         tracker.restore_rank(
             WorkerWithDpRank(*s["worker"]),
             [
-                (rid, list(prompt), from_wall(started), eot, indexed, lora)
+                (rid, signed_hashes(prompt), from_wall(started), eot, indexed, lora)
                 for rid, prompt, started, eot, indexed, lora in s["requests"]
             ],
             [tuple(p) for p in s["prefills"]],

@@ -53,12 +53,10 @@ def command(cls: type[C], b: Any) -> C:
 
 
 def prompt_command(cls: type[P], b: Any) -> P:
-    """``command`` of a model with a prompt, its form checked (``check_prompt``) and its
-    hashes made unsigned."""
+    """``command`` of a model with a prompt, its form checked (``check_prompt``); hashes pass
+    as given (``kv_slot_tracker.core.hashing``)."""
     check_prompt(b)
-    cmd = command(cls, b)
-    cmd.sequence_hashes = p.hashes_u64(cmd.sequence_hashes)  # type: ignore[arg-type, assignment]
-    return cmd
+    return command(cls, b)
 
 
 def add_command(b: Any) -> c.Add:

@@ -11,7 +11,7 @@ tagged by ``op``: a ``/batch`` body is a list of their union (``BatchOperation``
 A prompt is given either as ``sequence_hashes`` or as ``token_ids``, never both: while decoding
 the form not given is ``UNSET`` (a JSON null is invalid for either); the edge checks the form
 (with the reference's messages) and hands the service the other one as None, and the hashes
-already unsigned (it reinterprets the API's signed 64-bit values bit for bit). The ranges
+as given (signed 64-bit, the service's form: ``kv_slot_tracker.core.hashing``). The ranges
 beyond int64 (u64 ids and token counts) are checked by the edge after decoding.
 """
 

@@ -408,23 +408,24 @@ def test_booleans_and_keys_given_twice_leave_the_plain_path_however_long_the_pro
     assert plain_body.potential_loads_body(raw) is not None
 
 
-def test_negative_hashes_are_unsigned_whether_or_not_the_body_has_a_minus_sign() -> None:
-    """The plain paths skip the sign conversion for bodies without a ``-``; a body with one,
-    in a hash or elsewhere, still gets every negative hash reinterpreted as unsigned."""
-    top = 2**64 - 1
+def test_negative_hashes_are_kept_as_given_on_both_paths() -> None:
+    """Every path hands the hashes through as given (``kv_slot_tracker.core.hashing``: signed
+    inside the service), whether the body has a ``-`` in a hash, elsewhere, or none; a query
+    with the same hashes overlaps the whole prompt."""
     for negative, rid in ((False, "a"), (False, "a-1"), (True, "a"), (True, "a-1")):
         hashes = [-1, 5] if negative else [7, 5]
         add = {"model_name": "m", "request_id": rid, "worker_id": 1, "dp_rank": 0,
                "sequence_hashes": hashes}  # fmt: skip
-        expected = [top, 5] if negative else [7, 5]
-        single, batched = fresh(), fresh()
+        single, batched, validated = fresh(), fresh(), fresh()
         assert single.get("add")(json.dumps(add).encode())[0] == 201
         batch = {"operations": [{"op": "add", **add}]}
         assert batched.batch(json.dumps(batch).encode())[1] == b'{"results":[{"status":201}]}'
-        for ops in (single, batched):
+        spaced = json.dumps(add, indent=1).encode().replace(b"{", b'{"lora_name":null,', 1)
+        assert plain_body.add_body(spaced) is None  # the validating path
+        assert validated.get("add")(spaced)[0] == 201
+        for ops in (single, batched, validated):
             t = ops.service.registry.get(("m", "default"))
-            assert slots(t)[t.worker_for(rid)].requests[rid].prompt_blocks == expected
-            # a query with the same signed hashes overlaps the whole prompt
+            assert slots(t)[t.worker_for(rid)].requests[rid].prompt_blocks == hashes
             query = json.dumps({"model_name": "m", "sequence_hashes": hashes}).encode()
-            assert t.overlaps(expected) == {t.worker_for(rid): 2}
+            assert t.overlaps(hashes) == {t.worker_for(rid): 2}
             assert ops.get("potential_loads")(query)[0] == 200

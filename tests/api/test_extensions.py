@@ -316,9 +316,11 @@ async def test_lora_counts_per_routing_group(post: PostJson, client: httpx.Async
 
 
 def test_appendix_a_vectors_match_the_hashing_module() -> None:
-    assert sequence_hashes_for_tokens(TOKENS_1_8, 4) == SEQ_1_8
-    assert sequence_hashes_for_tokens(TOKENS_1_8, 4, "adapter-a") == SEQ_1_8_LORA
-    assert sequence_hashes_for_tokens(TOKENS_1_8, 4, "") == SEQ_1_8
+    assert sequence_hashes_for_tokens(TOKENS_1_8, 4) == [signed(h) for h in SEQ_1_8]
+    assert sequence_hashes_for_tokens(TOKENS_1_8, 4, "adapter-a") == [
+        signed(h) for h in SEQ_1_8_LORA
+    ]
+    assert sequence_hashes_for_tokens(TOKENS_1_8, 4, "") == [signed(h) for h in SEQ_1_8]
 
 
 async def test_token_ids_are_hashed_with_the_trackers_block_size(
@@ -328,7 +330,7 @@ async def test_token_ids_are_hashed_with_the_trackers_block_size(
     await ok(post, "/add", add("r1", token_ids=TOKENS_1_8 + [9, 10, 11]), 201)  # partial block
     tracker = app.state.service.trackers[("m", "default")]
     prompt = slots(tracker)[next(iter(slots(tracker)))].requests["r1"].prompt_blocks
-    assert prompt == SEQ_1_8
+    assert prompt == [signed(h) for h in SEQ_1_8]  # kept in the API's signed form
     assert (await load(client))["active_decode_blocks"] == 2
 
     # the same prompt given as (signed) sequence hashes overlaps completely
@@ -350,7 +352,7 @@ async def test_token_ids_are_hashed_with_the_trackers_block_size(
     tracker8 = app.state.service.trackers[("m8", "default")]
     prompt8 = slots(tracker8)[next(iter(slots(tracker8)))].requests["r1"].prompt_blocks
     assert prompt8 == sequence_hashes_for_tokens(TOKENS_1_8, 8)
-    assert len(prompt8) == 1 and prompt8[0] != SEQ_1_8[0]
+    assert len(prompt8) == 1 and prompt8[0] != signed(SEQ_1_8[0])
 
 
 async def test_token_ids_with_lora_use_the_lora_seed(
@@ -360,10 +362,12 @@ async def test_token_ids_with_lora_use_the_lora_seed(
     await ok(post, "/add", add("r1", token_ids=TOKENS_1_8, lora_name="adapter-a"), 201)
     tracker = app.state.service.trackers[("m", "default")]
     prompt = slots(tracker)[next(iter(slots(tracker)))].requests["r1"].prompt_blocks
-    assert prompt == SEQ_1_8_LORA
+    assert prompt == [signed(h) for h in SEQ_1_8_LORA]
     # empty LoRA name = no LoRA
     await ok(post, "/add", add("r2", token_ids=TOKENS_1_8, lora_name=""), 201)
-    assert slots(tracker)[next(iter(slots(tracker)))].requests["r2"].prompt_blocks == SEQ_1_8
+    assert slots(tracker)[next(iter(slots(tracker)))].requests["r2"].prompt_blocks == [
+        signed(h) for h in SEQ_1_8
+    ]
 
 
 async def test_fewer_tokens_than_a_block_hash_to_nothing(

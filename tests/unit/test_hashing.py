@@ -10,6 +10,7 @@ from kv_slot_tracker.core.hashing import (
     compute_seq_hash_for_block,
     lora_seed,
     sequence_hashes_for_tokens,
+    signed_hashes,
 )
 
 TOKENS_1_TO_8 = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -27,31 +28,35 @@ def test_vector_tokens_1_to_8_no_lora() -> None:
     assert compute_block_hash_for_seq(TOKENS_1_TO_8, 4) == NO_LORA_BLOCKS
     assert compute_block_hash_for_seq(TOKENS_1_TO_8, 4, None) == NO_LORA_BLOCKS
     assert compute_seq_hash_for_block(NO_LORA_BLOCKS) == NO_LORA_SEQ
-    assert sequence_hashes_for_tokens(TOKENS_1_TO_8, 4) == NO_LORA_SEQ
+    assert sequence_hashes_for_tokens(TOKENS_1_TO_8, 4) == signed_hashes(NO_LORA_SEQ)
 
 
 def test_vector_tokens_1_to_8_lora_adapter_a() -> None:
     assert compute_block_hash_for_seq(TOKENS_1_TO_8, 4, "adapter-a") == ADAPTER_A_BLOCKS
     assert compute_seq_hash_for_block(ADAPTER_A_BLOCKS) == ADAPTER_A_SEQ
-    assert sequence_hashes_for_tokens(TOKENS_1_TO_8, 4, "adapter-a") == ADAPTER_A_SEQ
+    assert sequence_hashes_for_tokens(TOKENS_1_TO_8, 4, "adapter-a") == signed_hashes(ADAPTER_A_SEQ)
 
 
 def test_vector_repeated_token_block_size_1() -> None:
     assert compute_block_hash_for_seq([7, 7, 7], 1) == [SEVEN] * 3
-    assert sequence_hashes_for_tokens([7, 7, 7], 1) == [
-        11011797887259449313,
-        5194970134674063120,
-        6904579805665688752,
-    ]
+    assert sequence_hashes_for_tokens([7, 7, 7], 1) == signed_hashes(
+        [
+            11011797887259449313,
+            5194970134674063120,
+            6904579805665688752,
+        ]
+    )
 
 
 def test_vector_7_7_8_block_size_1() -> None:
     assert compute_block_hash_for_seq([7, 7, 8], 1) == [SEVEN, SEVEN, EIGHT]
-    assert sequence_hashes_for_tokens([7, 7, 8], 1) == [
-        11011797887259449313,
-        5194970134674063120,
-        12884792542360926810,
-    ]
+    assert sequence_hashes_for_tokens([7, 7, 8], 1) == signed_hashes(
+        [
+            11011797887259449313,
+            5194970134674063120,
+            12884792542360926810,
+        ]
+    )
 
 
 def test_vector_empty_lora_name_is_no_lora() -> None:
@@ -63,13 +68,18 @@ def test_vector_empty_lora_name_is_no_lora() -> None:
 
 
 def test_http_signed_form_of_vector() -> None:
-    """Appendix A: the signed i64 the HTTP API needs for the first block hash."""
+    """Appendix A: the signed i64 the HTTP API needs for the first block hash, which is what
+    the service computes for tokens (its own form: signed)."""
     assert NO_LORA_BLOCKS[0] - 2**64 == -3803038269031200164
+    assert sequence_hashes_for_tokens(TOKENS_1_TO_8, 4) == [
+        -3803038269031200164,
+        4945711292740353085,
+    ]
 
 
 def test_partial_trailing_block_is_ignored() -> None:
     assert compute_block_hash_for_seq([*TOKENS_1_TO_8, 9, 10, 11], 4) == NO_LORA_BLOCKS
-    assert sequence_hashes_for_tokens([*TOKENS_1_TO_8, 9, 10, 11], 4) == NO_LORA_SEQ
+    assert sequence_hashes_for_tokens([*TOKENS_1_TO_8, 9, 10, 11], 4) == signed_hashes(NO_LORA_SEQ)
     assert compute_block_hash_for_seq([1, 2, 3], 4) == []
     assert sequence_hashes_for_tokens([1, 2, 3], 4) == []
 
@@ -88,11 +98,11 @@ def test_empty_inputs() -> None:
 def test_sequence_hash_is_a_prefix_chain() -> None:
     """Each sequence hash depends on the whole prefix, the first equals the first block hash."""
     first_block = sequence_hashes_for_tokens([1, 2, 3, 4], 4)
-    assert first_block == [NO_LORA_SEQ[0]]
+    assert first_block == signed_hashes([NO_LORA_SEQ[0]])
     # same second block under a different first block gives a different sequence hash
     other = sequence_hashes_for_tokens([9, 9, 9, 9, 5, 6, 7, 8], 4)
     assert compute_block_hash_for_seq([9, 9, 9, 9, 5, 6, 7, 8], 4)[1] == NO_LORA_BLOCKS[1]
-    assert other[1] != NO_LORA_SEQ[1]
+    assert other[1] != signed_hashes(NO_LORA_SEQ)[1]
 
 
 def test_lora_changes_block_hashes_but_not_chaining_seed() -> None:

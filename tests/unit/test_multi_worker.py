@@ -24,6 +24,7 @@ from kv_slot_tracker.core.events import (
     ActiveSequenceEvent,
     AddRequest,
 )
+from kv_slot_tracker.core.hashing import signed_hashes
 from kv_slot_tracker.core.publisher import ReplicaEffects
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
@@ -800,8 +801,9 @@ def test_m16_index_vs_naive_explicit_numbers(clock: FakeClock) -> None:
 
 
 def test_m17_unit_block_size_appendix_a_hashes(clock: FakeClock) -> None:
-    prompt_a = [11011797887259449313, 5194970134674063120, 6904579805665688752]
-    prompt_b = [11011797887259449313, 5194970134674063120, 12884792542360926810]
+    # the reference's u64 values, kept signed by the service
+    prompt_a = signed_hashes([11011797887259449313, 5194970134674063120, 6904579805665688752])
+    prompt_b = signed_hashes([11011797887259449313, 5194970134674063120, 12884792542360926810])
     assert seq_hashes_for_tokens([7, 7, 7], block_size=1) == prompt_a
     assert seq_hashes_for_tokens([7, 7, 8], block_size=1) == prompt_b
 
@@ -821,8 +823,8 @@ def test_m17_unit_block_size_appendix_a_hashes(clock: FakeClock) -> None:
 
 
 def test_m18_lora_hashes_do_not_cross_match_appendix_a(clock: FakeClock) -> None:
-    base = [14643705804678351452, 4945711292740353085]
-    lora = [11381080598872079209, 17518568667535815909]
+    base = signed_hashes([14643705804678351452, 4945711292740353085])  # u64, kept signed
+    lora = signed_hashes([11381080598872079209, 17518568667535815909])
     assert seq_hashes_for_tokens([1, 2, 3, 4, 5, 6, 7, 8]) == base
     assert seq_hashes_for_tokens([1, 2, 3, 4, 5, 6, 7, 8], "adapter-a") == lora
 

@@ -101,7 +101,8 @@ APPENDIX_B = [
         ActiveSequenceEvent(
             "q1",
             Q1_WORKER,
-            AddRequest([1, 18446744073709551614, 3], True, None, PrefillLoadHint(12, None)),
+            # the frame carries 2**64 - 2 (u64); the service keeps it signed
+            AddRequest([1, -2, 3], True, None, PrefillLoadHint(12, None)),
             ROUTER_ID,
             None,
         ),

@@ -4,8 +4,9 @@ Why: every selection route accepts either ``token_ids`` (hashed here with the pa
 size and the request's LoRA name) or the hash triple, with fixed validation order and texts
 (SELECTION.md §3). The hashing itself is ``kv_slot_tracker.core.hashing`` (the same scheme as the slot
 tracker, verified against the reference); this module only decides which input wins and checks
-the triple. Hashes are kept unsigned (u64); the wire's signed form converts with ``to_u64`` /
-``to_i64``.
+the triple. The selection's index and caches still key blocks by the unsigned u64 form (its
+KV events and records carry that form); the wire's signed form converts with ``to_u64`` /
+``to_i64``, which are ``kv_slot_tracker.core.hashing``'s conversions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
+from ..hashing import to_signed as to_i64
+from ..hashing import to_unsigned as to_u64
 from ..types import U64_MAX
 from .errors import (
     HashLengthMismatch,
@@ -23,25 +26,15 @@ from .errors import (
     ZeroIslTokens,
 )
 
-_I64_SIGN = 1 << 63
-_U64_SPAN = 1 << 64
-
-
-def to_u64(h: int) -> int:
-    """A wire hash (signed i64, or already unsigned) as the unsigned 64-bit value."""
-    return h & U64_MAX
+__all__ = ["to_i64", "to_u64"]  # re-exported for the selection package
 
 
 def _u64s(hashes: Sequence[int]) -> tuple[int, ...]:
-    """Wire hashes as u64; a list with no negative value is taken as it is."""
+    """Wire hashes (signed, or already unsigned) as u64; a list with no negative value is
+    taken as it is."""
     if not hashes or min(hashes) >= 0:
         return tuple(hashes)
     return tuple(h & U64_MAX for h in hashes)
-
-
-def to_i64(h: int) -> int:
-    """An unsigned 64-bit hash as the signed i64 the reference echoes."""
-    return h - _U64_SPAN if h >= _I64_SIGN else h
 
 
 @dataclass(frozen=True, slots=True)

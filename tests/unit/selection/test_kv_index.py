@@ -7,7 +7,11 @@ by a vLLM-format publisher; the numbers are the reference's ``/overlap_scores`` 
 
 from __future__ import annotations
 
-from kv_slot_tracker.core.hashing import compute_seq_hash_for_block, sequence_hashes_for_tokens
+from kv_slot_tracker.core.hashing import (
+    compute_seq_hash_for_block,
+    sequence_hashes_for_tokens,
+    unsigned_hashes,
+)
 from kv_slot_tracker.core.selection.kv_index import (
     DEVICE,
     DISK,
@@ -23,7 +27,7 @@ from kv_slot_tracker.core.types import WorkerWithDpRank as W
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks of four tokens
 LOCAL = local_hashes(TOKENS, BS, 6, BS)
-KEYS = sequence_hashes_for_tokens(TOKENS, BS)
+KEYS = unsigned_hashes(sequence_hashes_for_tokens(TOKENS, BS))  # the index's chain keys: u64
 A, B = W(1, 0), W(2, 0)
 
 
@@ -55,7 +59,7 @@ def test_store_and_prefix_overlap() -> None:
     assert ix.overlaps(KEYS) == {A: TierOverlap(4), B: TierOverlap(1)}
     assert len(ix) == 5
     # another prompt sharing nothing
-    assert ix.overlaps(sequence_hashes_for_tokens(list(range(8)), BS)) == {}
+    assert ix.overlaps(unsigned_hashes(sequence_hashes_for_tokens(list(range(8)), BS))) == {}
 
 
 def alt(i: int) -> int:
@@ -432,7 +436,11 @@ def test_a_rank_dumped_and_loaded_elsewhere_answers_the_same() -> None:
     assert src.store(A, DISK, 999, blocks([17], 5))  # parent unknown: an orphan, kept
     assert src.store(B, DEVICE, None, blocks([21, 22]))
     assert src.store(A, DEVICE, 11, blocks([31], 1))  # a second child of block 0
-    prompts = [KEYS, KEYS[:3], sequence_hashes_for_tokens(TOKENS[:4] + TOKENS[8:12], BS)]
+    prompts = [
+        KEYS,
+        KEYS[:3],
+        unsigned_hashes(sequence_hashes_for_tokens(TOKENS[:4] + TOKENS[8:12], BS)),
+    ]
     want = [src.overlaps(p) for p in prompts]
     for order in range(4):  # in dump order, then shuffled: each block waits for its parent
         dst = KvIndex()
