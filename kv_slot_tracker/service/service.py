@@ -20,7 +20,6 @@ from kv_slot_tracker.core.loads import RankLoadRow
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
-    NS_PER_MS,
     NS_PER_S,
     LifecycleCounts,
     WorkerDpRange,
@@ -229,34 +228,18 @@ class SlotTrackerService:
             raise TooManyHashes(len(hashes), self.max_hashes)
         return hashes
 
-    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``) or built
-    # them from the models: the service reads their fields, the tracker takes them by keyword.
+    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``)
+    # or built them from the models, and go on to the tracker as they are: an add is the core's
+    # struct (``kv_slot_tracker.core.commands.Add``), which ``add_on_rank`` reads itself.
 
     def add(self, cmd: c.Add) -> None:
-        key = (cmd.model_name, cmd.routing_group)
-        t = self.registry.get(key)
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
         hashes, tokens = cmd.sequence_hashes, cmd.token_ids
         if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
             pass  # what ``_hashes`` returns for them, without the call
         else:
             hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
-        isl = cmd.new_isl_tokens
-        track = cmd.track_prefill_tokens
-        ms = cmd.expected_prefill_ms
-        # positionally, in ``add_on_rank``'s order: 11 keywords cost about 750 instructions
-        # more per call than positions (``bench/RESULTS.md``)
-        t.add_on_rank(
-            cmd.request_id,
-            cmd.worker_id,
-            cmd.dp_rank,
-            hashes,
-            isl > 0 if track is None else track,
-            cmd.expected_output_tokens,
-            isl,
-            round(ms * NS_PER_MS) if isl > 0 and ms is not None else None,
-            cmd.lora_name,
-            self.clock(),
-        )
+        t.add_on_rank(cmd, hashes, self.clock())
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
