@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from kv_slot_tracker.core.types import WorkerDpRange
 from kv_slot_tracker.http import plain as p
 from kv_slot_tracker.http import schemas as s
 from kv_slot_tracker.http.body import parse_json, parse_object, repeated_fields
@@ -149,15 +150,18 @@ class Operations:
 
     def reconcile(self, raw: bytes) -> Result:
         b = parse_json(raw, s.ReconcileBody)
-        added, removed = self.service.reconcile(
+        change = self.service.reconcile(
             c.Reconcile(
                 model_name=b.model_name,
                 routing_group=b.routing_group,
                 block_size=b.block_size,
-                workers=[(w.worker_id, w.dp_start, w.dp_size) for w in b.workers],
+                workers=[
+                    WorkerDpRange(worker_id=w.worker_id, dp_start=w.dp_start, dp_size=w.dp_size)
+                    for w in b.workers
+                ],
             )
         )
-        return 200, orjson.dumps({"added": _ranks(added), "removed": _ranks(removed)})
+        return 200, orjson.dumps({"added": _ranks(change.added), "removed": _ranks(change.removed)})
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from msgspec import Meta
 
 from kv_slot_tracker.core import commands as core
 from kv_slot_tracker.core.commands import DEFAULT_ROUTING_GROUP, U64, Id, Key, Keyed, Prompt
+from kv_slot_tracker.core.types import WorkerDpRange
 
 __all__ = ["DEFAULT_ROUTING_GROUP", "Key", "Keyed", "Prompt"]  # re-exported: defined in the core
 
@@ -53,6 +54,11 @@ class Register(Command):
     dp_start: int = 0
     dp_size: int = 1
 
+    @property
+    def ranks(self) -> WorkerDpRange:
+        """The registration as the tracker and the replica records take it."""
+        return WorkerDpRange(worker_id=self.worker_id, dp_start=self.dp_start, dp_size=self.dp_size)
+
 
 @dataclass(slots=True, kw_only=True)
 class Upsert(Register):
@@ -73,10 +79,10 @@ class Heartbeat(Command):
 
 @dataclass(slots=True, kw_only=True)
 class Reconcile(Command):
-    """Make ``workers`` (``(worker_id, dp_start, dp_size)``) the whole topology of a tracker."""
+    """Make ``workers`` (each a registration of its ranks) the whole topology of a tracker."""
 
     block_size: int
-    workers: list[tuple[int, int, int]]
+    workers: list[WorkerDpRange]
 
 
 # -- lifecycle and queries --------------------------------------------------------------------

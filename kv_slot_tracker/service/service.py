@@ -18,11 +18,11 @@ from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
 from kv_slot_tracker.core.loads import RankLoadRow
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
+from kv_slot_tracker.core.topology import TopologyChange
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     NS_PER_S,
     LifecycleCounts,
-    WorkerDpRange,
     WorkerWithDpRank,
 )
 from kv_slot_tracker.replication.port import Batch
@@ -111,9 +111,10 @@ class SlotTrackerService:
         check_capacity(key, (t.num_ranks() if t is not None else 0) + cmd.dp_size)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
-        t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        r = cmd.ranks
+        t.register_worker(r)
         self.registry.leases.renew(key, cmd.worker_id, self.clock())
-        self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+        self.replica.emit_upsert(key, cmd.block_size, r)
 
     def upsert(self, cmd: c.Upsert) -> bool:
         """Register or replace one worker's ranks; True when the worker id was new."""
@@ -124,11 +125,12 @@ class SlotTrackerService:
         created = t is None or not t.has_worker(cmd.worker_id)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
-        change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        r = cmd.ranks
+        change = t.upsert_worker(r)
         leases = self.registry.leases
         leases.renew(key, cmd.worker_id, self.clock())
         if not change.is_empty() or created:
-            self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+            self.replica.emit_upsert(key, cmd.block_size, r)
         elif leases.enabled:  # nothing changed but the lease: peers renew it too
             self.replica.emit_renew(key, cmd.block_size, cmd.worker_id)
         return created
@@ -170,20 +172,21 @@ class SlotTrackerService:
         self.registry.drop_if_empty(key)
         self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
 
-    def reconcile(self, cmd: c.Reconcile) -> tuple[list[WorkerWithDpRank], list[WorkerWithDpRank]]:
-        """Make the listed workers the whole topology of the key; returns (added, removed)."""
+    def reconcile(self, cmd: c.Reconcile) -> TopologyChange:
+        """Make the listed workers the whole topology of the key; returns the ranks added and
+        removed."""
         key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
         check_reconcile(key, block_size, workers)
         t = self._tracker_for_topology(key, block_size)
         if t is None:
             if not workers:
-                return [], []
+                return TopologyChange()
             t = self.registry.create(key, block_size)
-        change = t.reconcile_workers([WorkerDpRange(*w) for w in workers])
+        change = t.reconcile_workers(workers)
         renew_listed(self.registry.leases, key, workers, change.removed, self.clock())
         self.registry.drop_if_empty(key)
         self.replica.emit_reconcile(key, block_size, workers)
-        return change.added, change.removed
+        return change
 
     def workers(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
         rows = []
