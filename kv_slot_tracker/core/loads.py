@@ -7,6 +7,8 @@ plain tuples, one pass per call. No per-rank object is built.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .errors import MissingExpectedDuration
 from .sequences import ActiveSequences
 from .types import WorkerWithDpRank
@@ -18,6 +20,18 @@ PotentialLoadRow = tuple[int, int, int, int, int]
 RankLoadRow = tuple[int, int, int, int, int, int | None]
 
 Slots = dict[WorkerWithDpRank, ActiveSequences]
+
+
+class Columns(NamedTuple):
+    """Per rank, in rank order, as parallel lists: ``ranks`` (the tracker's sorted rank list,
+    replaced, never changed, when its topology changes) and each rank's ``prefill`` tokens,
+    ``decode`` blocks and active ``requests``. Named, so that no reader takes two of the three
+    ``list[int]`` columns for each other by position."""
+
+    ranks: list[WorkerWithDpRank]
+    prefill: list[int]
+    decode: list[int]
+    requests: list[int]
 
 
 def rank_rows(workers: list[WorkerWithDpRank], slots: Slots, now: int) -> list[RankLoadRow]:
@@ -84,7 +98,7 @@ class LoadColumns:
 
     def columns(
         self, overlaps: dict[WorkerWithDpRank, int], q_len: int, extra_tokens: int, now: int
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """The sorted ranks, their prefill tokens plus ``extra_tokens``, their active blocks
         plus the prompt's blocks not active there (prefix rule: ``q_len - overlaps[rank]``),
         and their active requests (call ``refresh`` first)."""
@@ -95,7 +109,7 @@ class LoadColumns:
         index = self.index
         for w, k in overlaps.items():
             decode[index[w]] -= k
-        return self.workers, prefill, decode, self.requests[:]
+        return Columns(self.workers, prefill, decode, self.requests[:])
 
     def assert_fresh(self, slots: Slots) -> None:
         """Every rank not marked changed holds its current values (a missed mark fails here)."""

@@ -21,7 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
-from .loads import LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
+from .loads import Columns, LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     NoopSequencePublisher,
@@ -532,7 +532,7 @@ class ActiveSequencesMultiWorker:
         token_sequence: list[int] | None,
         deltas: PrefillTokenDeltas | int | None,
         decay_now: int,
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """Per rank, sorted, as parallel lists: the ranks, and each one's prefill tokens,
         KV blocks and active requests if a prompt of ``token_sequence`` went there (its blocks
         not already active there by the prefix rule are added; prefill tokens saturate at
@@ -541,7 +541,8 @@ class ActiveSequencesMultiWorker:
             by_worker, default = None, deltas or 0
         else:
             by_worker, default = deltas.by_worker, deltas.default_tokens
-        workers, prefill, decode, requests = self.load_columns(token_sequence, decay_now, default)
+        columns = self.load_columns(token_sequence, decay_now, default)
+        prefill = columns.prefill  # a copy of the kept columns: changed in place
         if by_worker:
             index = self._columns.index
             for w, tokens in by_worker.items():
@@ -549,8 +550,8 @@ class ActiveSequencesMultiWorker:
                 if i is not None:
                     prefill[i] += tokens - default
         if prefill and max(prefill) > U64_MAX:
-            prefill = [t if t <= U64_MAX else U64_MAX for t in prefill]
-        return workers, prefill, decode, requests
+            prefill[:] = [t if t <= U64_MAX else U64_MAX for t in prefill]
+        return columns
 
     def potential_loads(
         self,
@@ -560,17 +561,15 @@ class ActiveSequencesMultiWorker:
     ) -> list[PotentialLoadRow]:
         """``potential_columns`` as rows ``(worker_id, dp_rank, potential_prefill_tokens,
         potential_decode_blocks, active_requests)``."""
-        workers, prefill, decode, requests = self.potential_columns(
-            token_sequence, deltas, decay_now
-        )
+        c = self.potential_columns(token_sequence, deltas, decay_now)
         return [
             (w[0], w[1], p, d, r)
-            for w, p, d, r in zip(workers, prefill, decode, requests, strict=True)
+            for w, p, d, r in zip(c.ranks, c.prefill, c.decode, c.requests, strict=True)
         ]
 
     def load_columns(
         self, token_sequence: list[int] | None, decay_now: int, extra_tokens: int = 0
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """The sorted ranks and, as parallel lists, each one's prefill tokens plus
         ``extra_tokens`` (not saturated), its KV blocks with the prompt's blocks not active
         there (prefix rule) and its active requests (``loads.LoadColumns``): what a selection

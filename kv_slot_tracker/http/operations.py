@@ -197,7 +197,7 @@ class Operations:
         if cmd is None:  # not plain: the validating path, with its messages
             b = parse_json(raw, s.PotentialLoadsBody)
             cmd = prompt_command(c.PotentialLoads, b)
-        return 200, load_columns_json(*self.service.potential_loads(cmd))
+        return 200, load_columns_json(self.service.potential_loads(cmd))
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(

@@ -16,14 +16,13 @@ from msgspec import UNSET, UnsetType
 
 from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
-from kv_slot_tracker.core.loads import RankLoadRow
+from kv_slot_tracker.core.loads import Columns, RankLoadRow
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.topology import TopologyChange
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
     NS_PER_S,
     LifecycleCounts,
-    WorkerWithDpRank,
 )
 from kv_slot_tracker.replication.port import Batch
 from kv_slot_tracker.service import commands as c
@@ -291,9 +290,7 @@ class SlotTrackerService:
             for wid, rank, tokens, blocks, requests, modeled in rows
         ]
 
-    def potential_loads(
-        self, cmd: c.PotentialLoads
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    def potential_loads(self, cmd: c.PotentialLoads) -> Columns:
         """Per rank, sorted, as parallel lists: the ranks and their potential prefill tokens,
         potential decode blocks and active requests (``tracker.potential_columns``)."""
         t, hashes = self.prompt_hashes(cmd)
