@@ -15,9 +15,19 @@ from .types import WorkerWithDpRank
 
 # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
 PotentialLoadRow = tuple[int, int, int, int, int]
-# (worker_id, dp_rank, active_prefill_tokens, active_decode_blocks, active_requests,
-#  modeled_remaining_prefill_ms | None)
-RankLoadRow = tuple[int, int, int, int, int, int | None]
+
+
+class RankLoadRow(NamedTuple):
+    """One rank's load now (what ``/loads`` and the metrics read, by name: four ints in a
+    row are easily swapped by position)."""
+
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    active_requests: int
+    modeled_remaining_prefill_ms: int | None
+
 
 Slots = dict[WorkerWithDpRank, ActiveSequences]
 
@@ -43,13 +53,13 @@ def rank_rows(workers: list[WorkerWithDpRank], slots: Slots, now: int) -> list[R
         except MissingExpectedDuration:
             modeled = None
         rows.append(
-            (
-                w.worker_id,
-                w.dp_rank,
-                s.prefill.active_tokens(now),
-                s.blocks.active_blocks(),
-                len(s.requests),
-                modeled,
+            RankLoadRow(
+                worker_id=w.worker_id,
+                dp_rank=w.dp_rank,
+                active_prefill_tokens=s.prefill.active_tokens(now),
+                active_decode_blocks=s.blocks.active_blocks(),
+                active_requests=len(s.requests),
+                modeled_remaining_prefill_ms=modeled,
             )
         )
     return rows

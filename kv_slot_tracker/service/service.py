@@ -275,19 +275,11 @@ class SlotTrackerService:
         ]
 
     def loads(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        """Per rank of the matching keys: its key and its load, the ``RankLoadRow``'s fields."""
         return [
-            {
-                "model_name": key[0],
-                "routing_group": key[1],
-                "worker_id": wid,
-                "dp_rank": rank,
-                "active_prefill_tokens": tokens,
-                "active_decode_blocks": blocks,
-                "active_requests": requests,
-                "modeled_remaining_prefill_ms": modeled,
-            }
+            {"model_name": key[0], "routing_group": key[1], **row._asdict()}
             for key, rows in self.rank_loads(model_name, routing_group)
-            for wid, rank, tokens, blocks, requests, modeled in rows
+            for row in rows
         ]
 
     def potential_loads(self, cmd: c.PotentialLoads) -> Columns:
