@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 
+from kv_slot_tracker.core.commands import Add
 from kv_slot_tracker.core.events import (
     FREE,
     MARK_PREFILL_COMPLETED,
@@ -23,12 +24,22 @@ from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffe
 from kv_slot_tracker.core.types import (
     PrefillLoadHint,
     PrefillTokenDeltas,
-    SequenceRequest,
     WorkerWithDpRank,
 )
 
 WORKERS = {w: (0, 4) for w in range(16)}  # 16 workers x 4 ranks = 64 ranks
 RANKS = [WorkerWithDpRank(w, r) for w in range(16) for r in range(4)]
+
+
+def add(rid: str, rank: WorkerWithDpRank, tokens: int) -> Add:
+    """The add command the service hands the tracker (prefill tokens tracked)."""
+    return Add(
+        model_name="bench",
+        request_id=rid,
+        worker_id=rank.worker_id,
+        dp_rank=rank.dp_rank,
+        new_isl_tokens=tokens,
+    )
 
 
 def make_tracker() -> ActiveSequencesMultiWorker:
@@ -46,9 +57,7 @@ def fill(t: ActiveSequencesMultiWorker, rng: random.Random, n: int, length: int)
     now = time.monotonic_ns()
     for i in range(n):
         p = prompt(rng, rng.choice(prefixes), length)
-        t.add_request_if_registered(
-            SequenceRequest(f"bg-{i}", rng.choice(RANKS), p, True, None, PrefillLoadHint(64)), now
-        )
+        t.add_on_rank(add(f"bg-{i}", rng.choice(RANKS), 64), p, now)
     return prefixes
 
 
@@ -69,15 +78,12 @@ def bench_add_free() -> float:
     prefixes = fill(t, rng, 500, 32)
     prompts = [prompt(rng, rng.choice(prefixes), 32) for _ in range(64)]
     state = {"i": 0}
-    hint = PrefillLoadHint(512)
 
     def op() -> None:
         i = state["i"] = state["i"] + 1
         now = time.monotonic_ns()
         rid = f"r{i}"
-        t.add_request_if_registered(
-            SequenceRequest(rid, RANKS[i % 64], prompts[i % 64], True, None, hint), now
-        )
+        t.add_on_rank(add(rid, RANKS[i % 64], 512), prompts[i % 64], now)
         t.free(rid, now)
 
     return per_op(op, 7, 2000)

@@ -65,11 +65,11 @@ class TrackerCollector(Collector):
         )
         per_key = svc.rank_loads(None, None)
         for (model, group), rows in per_key:
-            for worker_id, dp_rank, n_tokens, n_blocks, n_requests, _ in rows:
-                labels = [model, group, str(worker_id), str(dp_rank)]
-                blocks.add_metric(labels, n_blocks)
-                tokens.add_metric(labels, n_tokens)
-                requests.add_metric(labels, n_requests)
+            for row in rows:
+                labels = [model, group, str(row.worker_id), str(row.dp_rank)]
+                blocks.add_metric(labels, row.active_decode_blocks)
+                tokens.add_metric(labels, row.active_prefill_tokens)
+                requests.add_metric(labels, row.active_requests)
                 registered.add_metric(labels, 1)
         yield from (blocks, tokens, requests, registered)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kv_slot_tracker.core.types import WorkerDpRange
 from kv_slot_tracker.service import commands as c
 from kv_slot_tracker.service.commands import Key
 
@@ -66,7 +67,8 @@ def unregister(svc: Any, key: Key, worker_id: int) -> None:
 
 
 def reconcile(svc: Any, key: Key, block_size: int, workers: list[tuple[int, int, int]]) -> Any:
-    return svc.reconcile(c.Reconcile(**_k(key), block_size=block_size, workers=workers))
+    ranges = [WorkerDpRange(*w) for w in workers]
+    return svc.reconcile(c.Reconcile(**_k(key), block_size=block_size, workers=ranges))
 
 
 def free(svc: Any, key: Key, request_id: str) -> None:

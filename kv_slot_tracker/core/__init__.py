@@ -1,4 +1,5 @@
-"""The tracker core: pure, synchronous, time passed in. No I/O, no framework imports."""
+"""The tracker core: pure, synchronous, time passed in. No I/O, no framework imports (the add
+command is a msgspec struct, read here only as a record: ``commands``)."""
 
 from .errors import (
     DuplicateRequest,
@@ -23,7 +24,6 @@ from .types import (
     ActiveLoad,
     PrefillLoadHint,
     PrefillTokenDeltas,
-    SequenceRequest,
     WorkerDpRange,
     WorkerLoadProjection,
     WorkerWithDpRank,
@@ -44,7 +44,6 @@ __all__ = [
     "RequestNotFound",
     "SequenceError",
     "SequencePublisher",
-    "SequenceRequest",
     "TrackerError",
     "WorkerDpRange",
     "WorkerIdNotRegistered",

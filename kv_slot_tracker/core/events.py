@@ -18,6 +18,12 @@ from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
+    """A peer's add as the seeds' replica event carries it (``ActiveSequenceEventData::
+    AddRequest``), not a second add command: what the producing tracker resolved from the
+    command (``kv_slot_tracker.core.commands.Add``): the prompt as block hashes, whether prefill
+    tokens are tracked, the prefill hint in nanoseconds. A peer applies these as they are,
+    and the wire form stays the reference's."""
+
     token_sequence: list[int] | None = None
     track_prefill_tokens: bool = True
     expected_output_tokens: int | None = None

@@ -7,17 +7,41 @@ plain tuples, one pass per call. No per-rank object is built.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .errors import MissingExpectedDuration
 from .sequences import ActiveSequences
 from .types import WorkerWithDpRank
 
 # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
 PotentialLoadRow = tuple[int, int, int, int, int]
-# (worker_id, dp_rank, active_prefill_tokens, active_decode_blocks, active_requests,
-#  modeled_remaining_prefill_ms | None)
-RankLoadRow = tuple[int, int, int, int, int, int | None]
+
+
+class RankLoadRow(NamedTuple):
+    """One rank's load now (what ``/loads`` and the metrics read, by name: four ints in a
+    row are easily swapped by position)."""
+
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+    active_requests: int
+    modeled_remaining_prefill_ms: int | None
+
 
 Slots = dict[WorkerWithDpRank, ActiveSequences]
+
+
+class Columns(NamedTuple):
+    """Per rank, in rank order, as parallel lists: ``ranks`` (the tracker's sorted rank list,
+    replaced, never changed, when its topology changes) and each rank's ``prefill`` tokens,
+    ``decode`` blocks and active ``requests``. Named, so that no reader takes two of the three
+    ``list[int]`` columns for each other by position."""
+
+    ranks: list[WorkerWithDpRank]
+    prefill: list[int]
+    decode: list[int]
+    requests: list[int]
 
 
 def rank_rows(workers: list[WorkerWithDpRank], slots: Slots, now: int) -> list[RankLoadRow]:
@@ -29,13 +53,13 @@ def rank_rows(workers: list[WorkerWithDpRank], slots: Slots, now: int) -> list[R
         except MissingExpectedDuration:
             modeled = None
         rows.append(
-            (
-                w.worker_id,
-                w.dp_rank,
-                s.prefill.active_tokens(now),
-                s.blocks.active_blocks(),
-                len(s.requests),
-                modeled,
+            RankLoadRow(
+                worker_id=w.worker_id,
+                dp_rank=w.dp_rank,
+                active_prefill_tokens=s.prefill.active_tokens(now),
+                active_decode_blocks=s.blocks.active_blocks(),
+                active_requests=len(s.requests),
+                modeled_remaining_prefill_ms=modeled,
             )
         )
     return rows
@@ -84,7 +108,7 @@ class LoadColumns:
 
     def columns(
         self, overlaps: dict[WorkerWithDpRank, int], q_len: int, extra_tokens: int, now: int
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """The sorted ranks, their prefill tokens plus ``extra_tokens``, their active blocks
         plus the prompt's blocks not active there (prefix rule: ``q_len - overlaps[rank]``),
         and their active requests (call ``refresh`` first)."""
@@ -95,7 +119,7 @@ class LoadColumns:
         index = self.index
         for w, k in overlaps.items():
             decode[index[w]] -= k
-        return self.workers, prefill, decode, self.requests[:]
+        return Columns(self.workers, prefill, decode, self.requests[:])
 
     def assert_fresh(self, slots: Slots) -> None:
         """Every rank not marked changed holds its current values (a missed mark fails here)."""

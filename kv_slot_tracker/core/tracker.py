@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, KeysView
 from typing import Any
 
 from . import invariants
+from .commands import Add
 from .errors import (
     DuplicateRequest,
     PrefillTokensOverflow,
@@ -20,7 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
-from .loads import LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
+from .loads import Columns, LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
     NoopSequencePublisher,
@@ -33,13 +34,13 @@ from .sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS, ActiveSequ
 from .snapshot import export_tracker, restore_tracker
 from .topology import TopologyChange, WorkerTable, validate_range
 from .types import (
+    NS_PER_MS,
     U64_MAX,
     ActiveLoad,
     LifecycleCounts,
     PrefillLoadHint,
     PrefillTokenDeltas,
     SequenceMutationOutcome,
-    SequenceRequest,
     WorkerDpRange,
     WorkerLoadProjection,
     WorkerWithDpRank,
@@ -246,61 +247,36 @@ class ActiveSequencesMultiWorker:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def add_request_if_registered(self, req: SequenceRequest, decay_now: int) -> None:
-        """``add_on_rank`` from a request object: only on an existing rank, else WorkerNotFound."""
-        hint = req.prefill_load_hint
-        self.add_on_rank(
-            request_id=req.request_id,
-            worker_id=req.worker.worker_id,
-            dp_rank=req.worker.dp_rank,
-            token_sequence=req.token_sequence,
-            track_prefill_tokens=req.track_prefill_tokens,
-            expected_output_tokens=req.expected_output_tokens,
-            prefill_tokens=hint.initial_effective_prefill_tokens if hint is not None else 0,
-            expected_prefill_duration_ns=(
-                hint.expected_prefill_duration_ns if hint is not None else None
-            ),
-            lora_name=req.lora_name,
-            decay_now=decay_now,
-            hint=hint,
-        )
+    def add_on_rank(self, add: Add, prompt: list[int] | None, decay_now: int) -> None:
+        """Add ``add``'s request on its rank, which must exist (else WorkerNotFound): the
+        seeds' ``add_request`` on a registered rank. ``add`` is the command as the edge decoded
+        it (or the selection service built it), read here and never kept; ``prompt`` is its
+        prompt as block hashes (the service hashes token ids and enforces its limits).
 
-    def add_on_rank(
-        self,
-        request_id: str,
-        worker_id: int,
-        dp_rank: int,
-        token_sequence: list[int] | None,
-        track_prefill_tokens: bool,
-        expected_output_tokens: int | None,
-        prefill_tokens: int,
-        expected_prefill_duration_ns: int | None,
-        lora_name: str | None,
-        decay_now: int,
-        hint: PrefillLoadHint | None = None,
-    ) -> None:
-        """``add_request_if_registered`` from the request's fields (the lifecycle hot path: no
-        request object; the service passes them by position, which costs less). The prefill
-        hint is ``prefill_tokens`` with its duration, none when ``prefill_tokens`` is 0;
-        ``hint``, when given, is the same hint as sent (it replicates)."""
-        worker = self._rank_keys.get((worker_id, dp_rank))
+        Prefill tokens (``new_isl_tokens``) are tracked when ``track_prefill_tokens`` says so,
+        or, when it is None, when there are any; the prefill load hint, which replicates, is
+        the tokens with ``expected_prefill_ms`` in nanoseconds, none when there are none."""
+        worker = self._rank_keys.get((add.worker_id, add.dp_rank))
         if worker is None:
-            raise WorkerNotFound(WorkerWithDpRank(worker_id, dp_rank))
+            raise WorkerNotFound(WorkerWithDpRank(add.worker_id, add.dp_rank))
         slot = self._slots[worker]
-        if (
-            track_prefill_tokens
-            and prefill_tokens > 0
-            and slot.prefill.full_sum + prefill_tokens > U64_MAX
-        ):
+        tokens = add.new_isl_tokens
+        track = add.track_prefill_tokens
+        if track is None:
+            track = tokens > 0
+        if track and tokens > 0 and slot.prefill.full_sum + tokens > U64_MAX:
             raise PrefillTokensOverflow(worker)
+        request_id = add.request_id
         requests = self._requests
         existing = requests.workers.get(request_id)
         if existing is not None:
             raise DuplicateRequest(request_id, existing)
-        requests.add(request_id, worker, lora_name)
+        requests.add(request_id, worker, add.lora_name)
+        ms = add.expected_prefill_ms
+        duration_ns = round(ms * NS_PER_MS) if tokens > 0 and ms is not None else None
         if request_id in slot.requests:  # the slot logs and ignores it; keep the index as is
             slot.add_request_with_prefill_tracking(
-                request_id, token_sequence, expected_output_tokens, False, None, decay_now
+                request_id, prompt, add.expected_output_tokens, False, None, decay_now
             )
         else:
             now = self.clock()
@@ -308,10 +284,10 @@ class ActiveSequencesMultiWorker:
                 self._after_expiry(worker, slot.force_expiry())
             slot.admit(
                 request_id,
-                list(token_sequence) if token_sequence else [],
-                expected_output_tokens,
-                prefill_tokens if track_prefill_tokens else 0,
-                expected_prefill_duration_ns,
+                list(prompt) if prompt else [],
+                add.expected_output_tokens,
+                tokens if track else 0,
+                duration_ns,
                 decay_now,
                 now,
             )
@@ -319,20 +295,18 @@ class ActiveSequencesMultiWorker:
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
         if self.replica_sync:
-            if hint is None and prefill_tokens > 0:
-                hint = PrefillLoadHint(prefill_tokens, expected_prefill_duration_ns)
             self._enqueue(
                 ActiveSequenceEvent(
                     request_id,
                     worker,
                     AddRequest(
-                        list(token_sequence) if token_sequence is not None else None,
-                        track_prefill_tokens,
-                        expected_output_tokens,
-                        hint,
+                        list(prompt) if prompt is not None else None,
+                        track,
+                        add.expected_output_tokens,
+                        PrefillLoadHint(tokens, duration_ns) if tokens > 0 else None,
                     ),
                     self.router_id,
-                    lora_name,
+                    add.lora_name,
                 )
             )
         self.counts.added += 1
@@ -558,7 +532,7 @@ class ActiveSequencesMultiWorker:
         token_sequence: list[int] | None,
         deltas: PrefillTokenDeltas | int | None,
         decay_now: int,
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """Per rank, sorted, as parallel lists: the ranks, and each one's prefill tokens,
         KV blocks and active requests if a prompt of ``token_sequence`` went there (its blocks
         not already active there by the prefix rule are added; prefill tokens saturate at
@@ -567,7 +541,8 @@ class ActiveSequencesMultiWorker:
             by_worker, default = None, deltas or 0
         else:
             by_worker, default = deltas.by_worker, deltas.default_tokens
-        workers, prefill, decode, requests = self.load_columns(token_sequence, decay_now, default)
+        columns = self.load_columns(token_sequence, decay_now, default)
+        prefill = columns.prefill  # a copy of the kept columns: changed in place
         if by_worker:
             index = self._columns.index
             for w, tokens in by_worker.items():
@@ -575,8 +550,8 @@ class ActiveSequencesMultiWorker:
                 if i is not None:
                     prefill[i] += tokens - default
         if prefill and max(prefill) > U64_MAX:
-            prefill = [t if t <= U64_MAX else U64_MAX for t in prefill]
-        return workers, prefill, decode, requests
+            prefill[:] = [t if t <= U64_MAX else U64_MAX for t in prefill]
+        return columns
 
     def potential_loads(
         self,
@@ -586,17 +561,15 @@ class ActiveSequencesMultiWorker:
     ) -> list[PotentialLoadRow]:
         """``potential_columns`` as rows ``(worker_id, dp_rank, potential_prefill_tokens,
         potential_decode_blocks, active_requests)``."""
-        workers, prefill, decode, requests = self.potential_columns(
-            token_sequence, deltas, decay_now
-        )
+        c = self.potential_columns(token_sequence, deltas, decay_now)
         return [
             (w[0], w[1], p, d, r)
-            for w, p, d, r in zip(workers, prefill, decode, requests, strict=True)
+            for w, p, d, r in zip(c.ranks, c.prefill, c.decode, c.requests, strict=True)
         ]
 
     def load_columns(
         self, token_sequence: list[int] | None, decay_now: int, extra_tokens: int = 0
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    ) -> Columns:
         """The sorted ranks and, as parallel lists, each one's prefill tokens plus
         ``extra_tokens`` (not saturated), its KV blocks with the prompt's blocks not active
         there (prefix rule) and its active requests (``loads.LoadColumns``): what a selection

@@ -53,17 +53,6 @@ class PrefillLoadHint:
 
 
 @dataclass(frozen=True, slots=True)
-class SequenceRequest:
-    request_id: RequestId
-    worker: WorkerWithDpRank
-    token_sequence: list[SequenceHash] | None = None
-    track_prefill_tokens: bool = True
-    expected_output_tokens: int | None = None
-    prefill_load_hint: PrefillLoadHint | None = None
-    lora_name: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ActiveLoad:
     """What a tracker publishes after each operation (kv_used_blocks is for engine loads only)."""
 

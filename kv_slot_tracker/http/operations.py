@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from kv_slot_tracker.core.types import WorkerDpRange
 from kv_slot_tracker.http import plain as p
 from kv_slot_tracker.http import schemas as s
 from kv_slot_tracker.http.body import parse_json, parse_object, repeated_fields
@@ -147,15 +148,18 @@ class Operations:
 
     def reconcile(self, raw: bytes) -> Result:
         b = parse_json(raw, s.ReconcileBody)
-        added, removed = self.service.reconcile(
+        change = self.service.reconcile(
             c.Reconcile(
                 model_name=b.model_name,
                 routing_group=b.routing_group,
                 block_size=b.block_size,
-                workers=[(w.worker_id, w.dp_start, w.dp_size) for w in b.workers],
+                workers=[
+                    WorkerDpRange(worker_id=w.worker_id, dp_start=w.dp_start, dp_size=w.dp_size)
+                    for w in b.workers
+                ],
             )
         )
-        return 200, orjson.dumps({"added": _ranks(added), "removed": _ranks(removed)})
+        return 200, orjson.dumps({"added": _ranks(change.added), "removed": _ranks(change.removed)})
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -191,7 +195,7 @@ class Operations:
         if cmd is None:  # not plain: the validating path, with its messages
             b = parse_json(raw, s.PotentialLoadsBody)
             cmd = prompt_command(c.PotentialLoads, b)
-        return 200, load_columns_json(*self.service.potential_loads(cmd))
+        return 200, load_columns_json(self.service.potential_loads(cmd))
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(

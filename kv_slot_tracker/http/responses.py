@@ -10,6 +10,7 @@ import orjson
 from fastapi import Response
 from starlette.types import Send
 
+from kv_slot_tracker.core.loads import Columns
 from kv_slot_tracker.core.types import WorkerWithDpRank
 
 JSON = "application/json"
@@ -57,12 +58,11 @@ def load_rows_json(rows: Iterable[tuple[int, int, int, int, int]]) -> bytes:
     return b"[" + b",".join([_LOAD_ROW % row for row in rows]) + b"]"
 
 
-def load_columns_json(
-    ranks: list[WorkerWithDpRank], prefill: list[int], decode: list[int], requests: list[int]
-) -> bytes:
+def load_columns_json(columns: Columns) -> bytes:
     """``load_rows_json`` of parallel columns. ``ranks`` is a tracker's sorted rank list, which
     it replaces (never changes) when its topology changes: its rows' fixed parts are formatted
     once into a template, and each call fills in the three numbers per rank in one step."""
+    ranks = columns.ranks
     cached = _TEMPLATES.get(id(ranks))
     if cached is None or cached[0] is not ranks:
         if len(_TEMPLATES) >= _TEMPLATES_KEPT:
@@ -70,7 +70,7 @@ def load_columns_json(
         template = b"[" + b",".join([_ROW_HEAD % w + _ROW_TAIL for w in ranks]) + b"]"
         cached = _TEMPLATES[id(ranks)] = (ranks, template)
     values: list[int] = [0] * (3 * len(ranks))
-    values[0::3] = prefill
-    values[1::3] = decode
-    values[2::3] = requests
+    values[0::3] = columns.prefill
+    values[1::3] = columns.decode
+    values[2::3] = columns.requests
     return cached[1] % tuple(values)

@@ -8,11 +8,10 @@ document and the reference's error texts; ``tests/api/test_commands.py`` checks 
 these structs field for field (names, types, bounds, defaults). The lifecycle commands are
 tagged by ``op``: a ``/batch`` body is a list of their union (``BatchOperation``).
 
-A prompt is given either as ``sequence_hashes`` or as ``token_ids``, never both: while decoding
-the form not given is ``UNSET`` (a JSON null is invalid for either); the edge checks the form
-(with the reference's messages) and hands the service the other one as None, and the hashes
-as given (signed 64-bit, the service's form: ``kv_slot_tracker.core.hashing``). The ranges
-beyond int64 (u64 ids and token counts) are checked by the edge after decoding.
+The add command and what it builds on (``Keyed``, ``Prompt``, the API's types) are defined in
+``kv_slot_tracker.core.commands``, because the tracker takes an add as it is (one definition of
+an add's fields, read by the tracker without a copy or a positional tuple, and the core imports
+nothing from the service); this module re-exports them and builds the other commands on them.
 """
 
 from __future__ import annotations
@@ -20,26 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-import msgspec
-from msgspec import UNSET, Meta, UnsetType
+from msgspec import Meta
 
-from kv_slot_tracker.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_PREFILL_MS
-from kv_slot_tracker.core.types import I64_MAX, I64_MIN, U32_MAX
+from kv_slot_tracker.core import commands as core
+from kv_slot_tracker.core.commands import DEFAULT_ROUTING_GROUP, U64, Id, Key, Keyed, Prompt
+from kv_slot_tracker.core.types import WorkerDpRange
 
-DEFAULT_ROUTING_GROUP = "default"
+__all__ = ["DEFAULT_ROUTING_GROUP", "Key", "Keyed", "Prompt"]  # re-exported: defined in the core
 
-Key = tuple[str, str]
-
-# The API's types, as the structs' fields declare them.
-Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
-Id = Annotated[str, Meta(max_length=MAX_ID_LENGTH)]  # request ids
-Hash = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
-U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
-U64 = Annotated[int, Meta(ge=0)]  # and <= U64_MAX, checked by the edge after decoding
-Ms = (
-    Annotated[int, Meta(ge=0, le=int(MAX_PREFILL_MS))]
-    | Annotated[float, Meta(ge=0, le=MAX_PREFILL_MS)]
-)
 Fraction = Annotated[int, Meta(ge=0, le=1)] | Annotated[float, Meta(ge=0, le=1)]
 
 
@@ -67,6 +54,11 @@ class Register(Command):
     dp_start: int = 0
     dp_size: int = 1
 
+    @property
+    def ranks(self) -> WorkerDpRange:
+        """The registration as the tracker and the replica records take it."""
+        return WorkerDpRange(worker_id=self.worker_id, dp_start=self.dp_start, dp_size=self.dp_size)
+
 
 @dataclass(slots=True, kw_only=True)
 class Upsert(Register):
@@ -87,40 +79,18 @@ class Heartbeat(Command):
 
 @dataclass(slots=True, kw_only=True)
 class Reconcile(Command):
-    """Make ``workers`` (``(worker_id, dp_start, dp_size)``) the whole topology of a tracker."""
+    """Make ``workers`` (each a registration of its ranks) the whole topology of a tracker."""
 
     block_size: int
-    workers: list[tuple[int, int, int]]
+    workers: list[WorkerDpRange]
 
 
 # -- lifecycle and queries --------------------------------------------------------------------
 
 
-class Keyed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_name: Name
-    routing_group: Name = DEFAULT_ROUTING_GROUP
-
-    @property
-    def key(self) -> Key:
-        return (self.model_name, self.routing_group)
-
-
-class Prompt(Keyed, kw_only=True):
-    """A prompt as block hashes or as token ids (hashed with the tracker's block size)."""
-
-    sequence_hashes: list[Hash] | UnsetType = UNSET
-    token_ids: list[U32] | UnsetType = UNSET
-    lora_name: Name | None = None
-
-
-class Add(Prompt, tag_field="op", tag="add", kw_only=True):
-    request_id: Id
-    worker_id: U64
-    dp_rank: U32
-    new_isl_tokens: U64 = 0
-    expected_prefill_ms: Ms | None = None
-    track_prefill_tokens: bool | None = None  # None: track when new_isl_tokens > 0
-    expected_output_tokens: U32 | None = None
+class Add(core.Add, tag_field="op", tag="add", kw_only=True):
+    """The core's add (``kv_slot_tracker.core.commands.Add``: every field is declared there),
+    tagged ``op: add`` for ``/batch``'s union."""
 
 
 class PrefillComplete(Keyed, tag_field="op", tag="prefill_complete", kw_only=True):

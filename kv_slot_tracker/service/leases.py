@@ -14,6 +14,7 @@ never a scan of every worker.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key
@@ -69,7 +70,7 @@ class Leases:
 def renew_listed(
     leases: Leases,
     key: Key,
-    workers: list[tuple[int, int, int]],
+    workers: Iterable[tuple[int, int, int]],
     removed: list[WorkerWithDpRank],
     at: int,
 ) -> None:

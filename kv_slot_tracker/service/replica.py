@@ -37,7 +37,7 @@ instants as wall-clock time, the early calls, and the selection state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_slot_tracker.core.errors import TrackerError
@@ -204,13 +204,16 @@ class ReplicaRecords:
         if self.replicator is not None:
             self.replicator.publish(record)
 
-    def emit_upsert(
-        self, key: Key, block_size: int, worker_id: int, dp_start: int, dp_size: int
-    ) -> None:
+    def emit_upsert(self, key: Key, block_size: int, r: WorkerDpRange) -> None:
         self._emit_topology(
             key,
             block_size,
-            {"op": "upsert", "worker_id": worker_id, "dp_start": dp_start, "dp_size": dp_size},
+            {
+                "op": "upsert",
+                "worker_id": r.worker_id,
+                "dp_start": r.dp_start,
+                "dp_size": r.dp_size,
+            },
         )
 
     def emit_renew(self, key: Key, block_size: int, worker_id: int) -> None:
@@ -220,7 +223,7 @@ class ReplicaRecords:
         self._emit_topology(key, block_size, {"op": "unregister", "worker_id": worker_id})
 
     def emit_reconcile(
-        self, key: Key, block_size: int, workers: list[tuple[int, int, int]]
+        self, key: Key, block_size: int, workers: Iterable[tuple[int, int, int]]
     ) -> None:
         self._emit_topology(
             key, block_size, {"op": "reconcile", "workers": [list(w) for w in workers]}

@@ -16,15 +16,13 @@ from msgspec import UNSET, UnsetType
 
 from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
-from kv_slot_tracker.core.loads import RankLoadRow
+from kv_slot_tracker.core.loads import Columns, RankLoadRow
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
+from kv_slot_tracker.core.topology import TopologyChange
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import (
-    NS_PER_MS,
     NS_PER_S,
     LifecycleCounts,
-    WorkerDpRange,
-    WorkerWithDpRank,
 )
 from kv_slot_tracker.replication.port import Batch
 from kv_slot_tracker.service import commands as c
@@ -112,9 +110,10 @@ class SlotTrackerService:
         check_capacity(key, (t.num_ranks() if t is not None else 0) + cmd.dp_size)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
-        t.register_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        r = cmd.ranks
+        t.register_worker(r)
         self.registry.leases.renew(key, cmd.worker_id, self.clock())
-        self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+        self.replica.emit_upsert(key, cmd.block_size, r)
 
     def upsert(self, cmd: c.Upsert) -> bool:
         """Register or replace one worker's ranks; True when the worker id was new."""
@@ -125,11 +124,12 @@ class SlotTrackerService:
         created = t is None or not t.has_worker(cmd.worker_id)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
-        change = t.upsert_worker(WorkerDpRange(cmd.worker_id, cmd.dp_start, cmd.dp_size))
+        r = cmd.ranks
+        change = t.upsert_worker(r)
         leases = self.registry.leases
         leases.renew(key, cmd.worker_id, self.clock())
         if not change.is_empty() or created:
-            self.replica.emit_upsert(key, cmd.block_size, cmd.worker_id, cmd.dp_start, cmd.dp_size)
+            self.replica.emit_upsert(key, cmd.block_size, r)
         elif leases.enabled:  # nothing changed but the lease: peers renew it too
             self.replica.emit_renew(key, cmd.block_size, cmd.worker_id)
         return created
@@ -171,20 +171,21 @@ class SlotTrackerService:
         self.registry.drop_if_empty(key)
         self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
 
-    def reconcile(self, cmd: c.Reconcile) -> tuple[list[WorkerWithDpRank], list[WorkerWithDpRank]]:
-        """Make the listed workers the whole topology of the key; returns (added, removed)."""
+    def reconcile(self, cmd: c.Reconcile) -> TopologyChange:
+        """Make the listed workers the whole topology of the key; returns the ranks added and
+        removed."""
         key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
         check_reconcile(key, block_size, workers)
         t = self._tracker_for_topology(key, block_size)
         if t is None:
             if not workers:
-                return [], []
+                return TopologyChange()
             t = self.registry.create(key, block_size)
-        change = t.reconcile_workers([WorkerDpRange(*w) for w in workers])
+        change = t.reconcile_workers(workers)
         renew_listed(self.registry.leases, key, workers, change.removed, self.clock())
         self.registry.drop_if_empty(key)
         self.replica.emit_reconcile(key, block_size, workers)
-        return change.added, change.removed
+        return change
 
     def workers(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
         rows = []
@@ -229,34 +230,18 @@ class SlotTrackerService:
             raise TooManyHashes(len(hashes), self.max_hashes)
         return hashes
 
-    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``) or built
-    # them from the models: the service reads their fields, the tracker takes them by keyword.
+    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``)
+    # or built them from the models, and go on to the tracker as they are: an add is the core's
+    # struct (``kv_slot_tracker.core.commands.Add``), which ``add_on_rank`` reads itself.
 
     def add(self, cmd: c.Add) -> None:
-        key = (cmd.model_name, cmd.routing_group)
-        t = self.registry.get(key)
+        t = self.registry.get((cmd.model_name, cmd.routing_group))
         hashes, tokens = cmd.sequence_hashes, cmd.token_ids
         if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
             pass  # what ``_hashes`` returns for them, without the call
         else:
             hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
-        isl = cmd.new_isl_tokens
-        track = cmd.track_prefill_tokens
-        ms = cmd.expected_prefill_ms
-        # positionally, in ``add_on_rank``'s order: 11 keywords cost about 750 instructions
-        # more per call than positions (``bench/RESULTS.md``)
-        t.add_on_rank(
-            cmd.request_id,
-            cmd.worker_id,
-            cmd.dp_rank,
-            hashes,
-            isl > 0 if track is None else track,
-            cmd.expected_output_tokens,
-            isl,
-            round(ms * NS_PER_MS) if isl > 0 and ms is not None else None,
-            cmd.lora_name,
-            self.clock(),
-        )
+        t.add_on_rank(cmd, hashes, self.clock())
 
     def prefill_complete(self, cmd: c.PrefillComplete) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
@@ -290,24 +275,14 @@ class SlotTrackerService:
         ]
 
     def loads(self, model_name: str | None, routing_group: str | None) -> list[dict[str, Any]]:
+        """Per rank of the matching keys: its key and its load, the ``RankLoadRow``'s fields."""
         return [
-            {
-                "model_name": key[0],
-                "routing_group": key[1],
-                "worker_id": wid,
-                "dp_rank": rank,
-                "active_prefill_tokens": tokens,
-                "active_decode_blocks": blocks,
-                "active_requests": requests,
-                "modeled_remaining_prefill_ms": modeled,
-            }
+            {"model_name": key[0], "routing_group": key[1], **row._asdict()}
             for key, rows in self.rank_loads(model_name, routing_group)
-            for wid, rank, tokens, blocks, requests, modeled in rows
+            for row in rows
         ]
 
-    def potential_loads(
-        self, cmd: c.PotentialLoads
-    ) -> tuple[list[WorkerWithDpRank], list[int], list[int], list[int]]:
+    def potential_loads(self, cmd: c.PotentialLoads) -> Columns:
         """Per rank, sorted, as parallel lists: the ranks and their potential prefill tokens,
         potential decode blocks and active requests (``tracker.potential_columns``)."""
         t, hashes = self.prompt_hashes(cmd)

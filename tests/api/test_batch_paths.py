@@ -318,8 +318,11 @@ def test_single_calls_with_duplicate_or_escaped_fields_take_the_validating_path(
 def validating_potential(ops: Operations, raw: bytes) -> tuple[int, bytes]:
     try:
         b = parse_json(raw, s.PotentialLoadsBody)
-        ranks, *columns = ops.service.potential_loads(prompt_command(c.PotentialLoads, b))
-        rows = [(w.worker_id, w.dp_rank, *row) for w, *row in zip(ranks, *columns, strict=True)]
+        cols = ops.service.potential_loads(prompt_command(c.PotentialLoads, b))
+        rows = [
+            (w.worker_id, w.dp_rank, p, d, r)
+            for w, p, d, r in zip(cols.ranks, cols.prefill, cols.decode, cols.requests, strict=True)
+        ]
     except EXPECTED as e:
         return error_result(e)
     keys = ("worker_id", "dp_rank", "potential_prefill_tokens", "potential_decode_blocks",

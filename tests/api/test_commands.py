@@ -20,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from kv_slot_tracker.core import commands as core
 from kv_slot_tracker.core.types import U64_MAX
 from kv_slot_tracker.http import schemas as s
 from kv_slot_tracker.service import commands as c
@@ -118,6 +119,7 @@ def struct_fields(cmd: type[msgspec.Struct]) -> dict[str, tuple[Kind, bool, Any]
 
 PAIRS = [
     (s.AddBody, c.Add),
+    (s.AddBody, core.Add),
     (s.RequestBody, c.Free),
     (s.RequestBody, c.PrefillComplete),
     (s.OutputBlockBody, c.OutputBlock),
@@ -135,6 +137,15 @@ def test_the_model_and_the_command_declare_the_same_fields(
     model: type[BaseModel], cmd: type[msgspec.Struct]
 ) -> None:
     assert model_fields(model) == struct_fields(cmd)
+
+
+def test_an_add_is_declared_once_in_the_core() -> None:
+    """The service's add is the core's struct, tagged for ``/batch``: it declares no field of
+    its own, so the tracker reads the command the edge decoded, with no copy per call."""
+    assert issubclass(c.Add, core.Add)
+    assert c.Add.__struct_fields__ == core.Add.__struct_fields__
+    assert set(vars(c.Add)) & set(core.Add.__struct_fields__) == set()
+    assert c.Keyed is core.Keyed and c.Prompt is core.Prompt
 
 
 def test_prompt_forms_default_to_unset_and_refuse_null() -> None:

@@ -15,7 +15,6 @@ from kv_slot_tracker.core.snapshot import export_tracker, wall_mapping
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
 from kv_slot_tracker.core.types import (
     PrefillLoadHint,
-    SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -24,6 +23,7 @@ from kv_slot_tracker.service.record_check import RejectedRecord
 from tests.calls import AddCall, import_tracker, potential_loads, register
 from tests.fakes import NS_PER_SECOND, FakeClock
 from tests.support.tracker import (
+    SequenceRequest,
     add_request,
     modeled_remaining_prefill_time_loads_at,
     new_tracker,

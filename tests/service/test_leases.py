@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.core.types import NS_PER_S, WorkerDpRange
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service import commands as c
 from kv_slot_tracker.service.errors import UnknownWorker
@@ -82,7 +82,11 @@ def test_upsert_and_reconcile_renew_and_unregister_forgets(clock: FakeClock) -> 
     svc.register(reg(3))
     clock.advance(25)
     svc.upsert(c.Upsert(model_name="m", worker_id=1, block_size=4))  # unchanged: still renews
-    svc.reconcile(c.Reconcile(model_name="m", block_size=4, workers=[(2, 0, 1), (1, 0, 1)]))
+    svc.reconcile(
+        c.Reconcile(
+            model_name="m", block_size=4, workers=[WorkerDpRange(2, 0, 1), WorkerDpRange(1, 0, 1)]
+        )
+    )
     assert svc.registry.leases.deadline(K, 3) is None  # removed by the reconcile
     clock.advance(29)
     assert svc.expire_leases() == []

@@ -8,11 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kv_slot_tracker.core.commands import Add
 from kv_slot_tracker.core.errors import MissingExpectedDuration
 from kv_slot_tracker.core.loads import LoadColumns
 from kv_slot_tracker.core.sequences import ActiveSequences
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
-from kv_slot_tracker.core.types import PrefillTokenDeltas, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.types import (
+    NS_PER_MS,
+    PrefillLoadHint,
+    PrefillTokenDeltas,
+    RequestId,
+    SequenceHash,
+    WorkerWithDpRank,
+)
 
 WORKER_TYPE = "test"  # the worker_type label of the tests' trackers
 
@@ -37,10 +45,54 @@ def new_without_expiry(*args: Any, **kwargs: Any) -> ActiveSequencesMultiWorker:
 # -- the seeds' request-object API ---------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceRequest:
+    """The seeds' ``SequenceRequest``, as their tests build it (positions included). The
+    tracker takes an add as the API's command (``kv_slot_tracker.core.commands.Add``); ``as_add``
+    writes one as the other."""
+
+    request_id: RequestId
+    worker: WorkerWithDpRank
+    token_sequence: list[SequenceHash] | None = None
+    track_prefill_tokens: bool = True
+    expected_output_tokens: int | None = None
+    prefill_load_hint: PrefillLoadHint | None = None
+    lora_name: str | None = None
+
+    def as_add(self) -> Add:
+        """The command: the hint's tokens as ``new_isl_tokens``, its duration in ms (exact: an
+        int when whole, else a float the tracker rounds back to the same nanoseconds)."""
+        hint = self.prefill_load_hint
+        tokens, ms = 0, None
+        if hint is not None:
+            tokens = hint.initial_effective_prefill_tokens
+            ns = hint.expected_prefill_duration_ns
+            if ns is not None:
+                ms = ns // NS_PER_MS if ns % NS_PER_MS == 0 else ns / NS_PER_MS
+        return Add(
+            model_name="test",
+            request_id=self.request_id,
+            worker_id=self.worker.worker_id,
+            dp_rank=self.worker.dp_rank,
+            lora_name=self.lora_name,
+            new_isl_tokens=tokens,
+            expected_prefill_ms=ms,
+            track_prefill_tokens=self.track_prefill_tokens,
+            expected_output_tokens=self.expected_output_tokens,
+        )
+
+
+def add_request_if_registered(
+    t: ActiveSequencesMultiWorker, req: SequenceRequest, decay_now: int
+) -> None:
+    """The seeds' ``add_request_if_registered``: only on an existing rank, else WorkerNotFound."""
+    t.add_on_rank(req.as_add(), req.token_sequence, decay_now)
+
+
 def add_request(t: ActiveSequencesMultiWorker, req: SequenceRequest, decay_now: int) -> None:
     """The seeds' ``add_request``: create the rank if it is missing (LazyRegister), then add."""
     t.ensure_rank(req.worker)
-    t.add_request_if_registered(req, decay_now)
+    add_request_if_registered(t, req, decay_now)
 
 
 def potential_blocks_and_tokens(

@@ -25,13 +25,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kv_slot_tracker.core.sequences import ActiveSequences
 from kv_slot_tracker.core.types import (
-    SequenceRequest,
     WorkerWithDpRank,
     round_half_away_from_zero_usize,
 )
 from tests.fakes import FakeClock
 from tests.support import sequences as seed
-from tests.support.tracker import add_request, new_without_expiry, slots
+from tests.support.tracker import SequenceRequest, add_request, new_without_expiry, slots
 
 RANKS = [WorkerWithDpRank(1, 0), WorkerWithDpRank(1, 1), WorkerWithDpRank(2, 0)]
 LINEAGE = list(range(1001, 1013))

@@ -16,9 +16,9 @@ import pytest
 from kv_slot_tracker.core.blocks import BlockTracker
 from kv_slot_tracker.core.prefill import PrefillLoadState, PrefillLoadTracker
 from kv_slot_tracker.core.sequences import ActiveSequences
-from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 from tests.fakes import FakeClock
-from tests.support.tracker import add_request, new_tracker
+from tests.support.tracker import SequenceRequest, add_request, new_tracker
 
 
 class CountingId(str):

@@ -4,6 +4,8 @@ time. Every answer here is also what a fresh computation from the sequences give
 
 from __future__ import annotations
 
+from kv_slot_tracker.core.commands import Add
+from kv_slot_tracker.core.loads import Columns
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import U64_MAX, PrefillTokenDeltas, WorkerDpRange, WorkerWithDpRank
 from tests.fakes import FakeClock
@@ -18,19 +20,15 @@ def tracker() -> tuple[ActiveSequencesMultiWorker, FakeClock]:
 
 
 def add(t: ActiveSequencesMultiWorker, rid: str, w: WorkerWithDpRank, hashes, tokens=0, ms=None):
-    duration = None if ms is None else ms * 1_000_000
-    t.add_on_rank(
+    cmd = Add(
+        model_name="m",
         request_id=rid,
         worker_id=w.worker_id,
         dp_rank=w.dp_rank,
-        token_sequence=hashes,
-        track_prefill_tokens=tokens > 0,
-        expected_output_tokens=None,
-        prefill_tokens=tokens,
-        expected_prefill_duration_ns=duration,
-        lora_name=None,
-        decay_now=t.clock(),
+        new_isl_tokens=tokens,
+        expected_prefill_ms=ms,
     )
+    t.add_on_rank(cmd, hashes, t.clock())
 
 
 def test_a_query_refreshes_only_the_ranks_changed_since_the_last_one() -> None:
@@ -83,6 +81,6 @@ def test_per_rank_deltas_and_saturation() -> None:
     add(t, "a", W0, [1], tokens=U64_MAX - 5)
     deltas = PrefillTokenDeltas(10, {W1: 3, WorkerWithDpRank(9, 9): 4})
     assert [r[2] for r in t.potential_loads(None, deltas, clock.now())] == [U64_MAX, 3, 10]
-    workers, prefill, decode, requests = t.potential_columns([1, 2], 6, clock.now())
-    assert (workers, prefill, decode, requests) == ([W0, W1, W2], [U64_MAX, 6, 6], [2, 2, 2],
-                                                     [1, 0, 0])  # fmt: skip
+    assert t.potential_columns([1, 2], 6, clock.now()) == Columns(
+        ranks=[W0, W1, W2], prefill=[U64_MAX, 6, 6], decode=[2, 2, 2], requests=[1, 0, 0]
+    )

@@ -32,7 +32,6 @@ from kv_slot_tracker.core.types import (
     LifecycleCounts,
     PrefillLoadHint,
     PrefillTokenDeltas,
-    SequenceRequest,
     WorkerDpRange,
     WorkerLoadProjection,
     WorkerWithDpRank,
@@ -46,7 +45,9 @@ from tests.support.recording import (
     tracking_hint,
 )
 from tests.support.tracker import (
+    SequenceRequest,
     add_request,
+    add_request_if_registered,
     any_worker_matches_active_tokens,
     assert_completely_drained,
     is_membership_empty,
@@ -403,8 +404,8 @@ def test_strict_add_after_worker_removal_cannot_recreate_worker(clock: FakeClock
 
     sequences.reconcile_workers([])
     with pytest.raises(WorkerNotFound) as err:
-        sequences.add_request_if_registered(
-            req("req-1", worker, [1, 2, 3], None, track=False), clock.now()
+        add_request_if_registered(
+            sequences, req("req-1", worker, [1, 2, 3], None, track=False), clock.now()
         )
 
     assert err.value.worker == worker
@@ -684,14 +685,14 @@ def test_m11_strict_add_never_creates_slots(clock: FakeClock) -> None:
     sequences = make(clock, {1: (0, 1)})
 
     with pytest.raises(WorkerNotFound) as err:
-        sequences.add_request_if_registered(req("r", w(1, 1), [1, 2, 3]), clock.now())
+        add_request_if_registered(sequences, req("r", w(1, 1), [1, 2, 3]), clock.now())
     assert str(err.value) == "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 1 } not found"
     assert set(sequences.active_blocks()) == {w(1, 0)}
     assert not request_ranks(sequences)
 
     sequences.reconcile_workers([])
     with pytest.raises(WorkerNotFound) as err:
-        sequences.add_request_if_registered(req("r", w(1, 0), [1, 2, 3]), clock.now())
+        add_request_if_registered(sequences, req("r", w(1, 0), [1, 2, 3]), clock.now())
     assert str(err.value) == "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 0 } not found"
     assert sequences.num_ranks() == 0
     assert not request_ranks(sequences)

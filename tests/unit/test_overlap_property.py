@@ -31,7 +31,6 @@ from kv_slot_tracker.core.errors import (
 from kv_slot_tracker.core.types import (
     NS_PER_S,
     PrefillTokenDeltas,
-    SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -45,7 +44,9 @@ from tests.support.recording import (
     tracking_hint,
 )
 from tests.support.tracker import (
+    SequenceRequest,
     add_request,
+    add_request_if_registered,
     assert_completely_drained,
     assert_trie_consistent,
     new_tracker,
@@ -169,14 +170,14 @@ class OverlapMachine(RuleBasedStateMachine):
         self.pub.clear()
         if strict and worker not in self.slots:
             with pytest.raises(WorkerNotFound) as err:
-                self.tracker.add_request_if_registered(request, decay_now)
+                add_request_if_registered(self.tracker, request, decay_now)
             assert err.value.worker == worker
             assert self.pub.registered == []
             return
         if worker not in self.slots:
             self.slots.add(worker)  # lazy creation, kept even if the add then fails
         if strict:
-            add = self.tracker.add_request_if_registered
+            add = functools.partial(add_request_if_registered, self.tracker)
         else:
             add = functools.partial(add_request, self.tracker)
         if duplicate:

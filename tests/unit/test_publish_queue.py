@@ -20,7 +20,7 @@ from kv_slot_tracker.core.events import (
     MarkPrefillCompleted,
 )
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, SequencePublisher
-from kv_slot_tracker.core.types import SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.replication.queue import (
     REPLICA_EVENT_CHANNEL_CAPACITY,
     EventQueue,
@@ -35,7 +35,7 @@ from tests.support.replica_runtime import (
     drain,
     run_singleton_publisher,
 )
-from tests.support.tracker import add_request, new_tracker
+from tests.support.tracker import SequenceRequest, add_request, new_tracker
 from tests.support.wire import decode_batch, encode_batch
 
 WORKER = WorkerWithDpRank(1, 0)

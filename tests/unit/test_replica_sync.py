@@ -13,6 +13,7 @@ from collections import deque
 
 import pytest
 
+from kv_slot_tracker.core.commands import Add
 from kv_slot_tracker.core.errors import DuplicateRequest, RequestNotFound, WorkerNotFound
 from kv_slot_tracker.core.events import (
     FREE,
@@ -28,7 +29,6 @@ from kv_slot_tracker.core.tracker import (
 from kv_slot_tracker.core.types import (
     ActiveLoad,
     PrefillLoadHint,
-    SequenceRequest,
     WorkerDpRange,
     WorkerWithDpRank,
 )
@@ -44,7 +44,9 @@ from tests.support.replica_runtime import (
 )
 from tests.support.tracker import (
     ModeledPrefillTimeLoad,
+    SequenceRequest,
     add_request,
+    add_request_if_registered,
     is_membership_empty,
     modeled_remaining_prefill_time_loads_at,
     new_tracker,
@@ -529,7 +531,7 @@ def test_failed_operations_and_disabled_sync_emit_nothing() -> None:
     with pytest.raises(DuplicateRequest):
         add_request(tracker, SequenceRequest("r", W1, [2]), t)
     with pytest.raises(WorkerNotFound):
-        tracker.add_request_if_registered(SequenceRequest("s", WorkerWithDpRank(1, 1), [3]), t)
+        add_request_if_registered(tracker, SequenceRequest("s", WorkerWithDpRank(1, 1), [3]), t)
     tracker.free("unknown", t)
     assert publisher.events == []
     assert publisher.single_loads == []
@@ -550,8 +552,8 @@ def test_events_carry_lora_and_strict_add_emits() -> None:
     tracker, publisher = make_emitting_tracker(clock)
     t = clock.now()
 
-    tracker.add_request_if_registered(
-        SequenceRequest("r", W1, [1, 2], expected_output_tokens=5, lora_name="adapter"), t
+    add_request_if_registered(
+        tracker, SequenceRequest("r", W1, [1, 2], expected_output_tokens=5, lora_name="adapter"), t
     )
     tracker.mark_prefill_completed("r", t)
     tracker.free("r", t)
@@ -561,6 +563,43 @@ def test_events_carry_lora_and_strict_add_emits() -> None:
         ActiveSequenceEvent("r", W1, MARK_PREFILL_COMPLETED, 7, "adapter"),
         ActiveSequenceEvent("r", W1, FREE, 7, "adapter"),
     ]
+
+
+def test_an_add_command_is_read_as_given_and_replicates_its_resolved_values() -> None:
+    """The tracker reads the API's add command itself: ``track_prefill_tokens`` None tracks
+    the tokens when there are any, ``expected_prefill_ms`` replicates in nanoseconds, and
+    prefill tokens not tracked still replicate as the hint sent (as the seeds' event carries)."""
+    clock = FakeClock()
+    tracker, publisher = make_emitting_tracker(clock)
+    t = clock.now()
+    auto = Add(
+        model_name="m", request_id="a", worker_id=1, dp_rank=0, new_isl_tokens=12,
+        expected_prefill_ms=1.5,
+    )  # fmt: skip
+    untracked = Add(
+        model_name="m", request_id="u", worker_id=1, dp_rank=0, new_isl_tokens=30,
+        expected_prefill_ms=2, track_prefill_tokens=False, expected_output_tokens=9,
+        lora_name="adapter",
+    )  # fmt: skip
+    nothing = Add(model_name="m", request_id="n", worker_id=1, dp_rank=0, expected_prefill_ms=4)
+    tracker.add_on_rank(auto, [1, 2], t)
+    tracker.add_on_rank(untracked, [1, 3], t)
+    tracker.add_on_rank(nothing, None, t)
+
+    assert tracker.active_tokens(t) == {W1: 12}  # only the tracked request's tokens
+    assert publisher.events == [
+        ActiveSequenceEvent(
+            "a", W1, AddRequest([1, 2], True, None, PrefillLoadHint(12, 1_500_000)), 7
+        ),
+        ActiveSequenceEvent(
+            "u", W1, AddRequest([1, 3], False, 9, PrefillLoadHint(30, 2_000_000)), 7, "adapter"
+        ),
+        ActiveSequenceEvent("n", W1, AddRequest(None, False, None, None), 7),
+    ]
+    with pytest.raises(WorkerNotFound):  # the command's rank must exist
+        tracker.add_on_rank(
+            Add(model_name="m", request_id="x", worker_id=1, dp_rank=1), [1], clock.now()
+        )
 
 
 class StateCapturingPublisher(SequencePublisher):

@@ -27,7 +27,7 @@ from kv_slot_tracker.core.events import (
     event_to_wire,
 )
 from kv_slot_tracker.core.tracker import SequencePublisher
-from kv_slot_tracker.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.types import PrefillLoadHint, WorkerWithDpRank
 from kv_slot_tracker.replication.queue import EventQueue
 from tests.fakes import FakeClock
 from tests.support.recording import tracking_hint
@@ -38,7 +38,13 @@ from tests.support.replica_runtime import (
     run_singleton_publisher,
     start_replica_sync,
 )
-from tests.support.tracker import add_request, assert_completely_drained, new_tracker, request_ranks
+from tests.support.tracker import (
+    SequenceRequest,
+    add_request,
+    assert_completely_drained,
+    new_tracker,
+    request_ranks,
+)
 from tests.support.wire import decode_batch, decode_event, encode_batch, encode_event
 
 # -- Q07 --------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
+from kv_slot_tracker.core.commands import Add
 from kv_slot_tracker.core.limits import MAX_RANKS_PER_TRACKER
 from kv_slot_tracker.core.selection import (
     ApproximateCache,
@@ -74,7 +75,7 @@ from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
 from kv_slot_tracker.core.selection.selector import select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
-from kv_slot_tracker.core.types import PrefillLoadHint, SequenceRequest, WorkerWithDpRank
+from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
 from kv_slot_tracker.service.registry import TrackerRegistry
@@ -180,17 +181,18 @@ class SelectionService:
     def _apply_book(self, b: m.Book, now: int) -> None:
         key = b.key
         t = self.registry.get(key)
-        prefill = b.prefill_tokens
-        t.add_request_if_registered(
-            SequenceRequest(
-                b.selection_id,
-                b.worker,
-                list(b.sequence_hashes),
-                prefill > 0,
-                b.expected_output_tokens,
-                PrefillLoadHint(prefill) if prefill > 0 else None,
-                b.lora_name,
+        t.add_on_rank(
+            Add(
+                model_name=key[0],
+                routing_group=key[1],
+                request_id=b.selection_id,
+                worker_id=b.worker.worker_id,
+                dp_rank=b.worker.dp_rank,
+                lora_name=b.lora_name,
+                new_isl_tokens=b.prefill_tokens,
+                expected_output_tokens=b.expected_output_tokens,
             ),
+            list(b.sequence_hashes),
             now,
         )
         self.reservations.hold(b.selection_id, Reservation(key, b.worker, now))
