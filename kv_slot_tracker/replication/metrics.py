@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
+from kv_slot_tracker.replication.port import Batch, OwnReadBack
+
 LAG_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0,
@@ -122,3 +125,20 @@ def register_collector(
 ) -> None:
     """The counters and gauges, read at scrape time (and once now: the registry describes it)."""
     registry.register(_Collector(counters, outbox_depth, connected, rejected))
+
+
+def count_applied(
+    batch: Batch, now_ns: int, counters: ReplicationCounters, observe: Callable[[float], None]
+) -> float | None:
+    """Count the peers' records of an applied ``batch`` (control messages are not records) and
+    observe each one's lag from its producer's time to ``now_ns``; returns the last one's lag
+    in ms (None: the batch held no record). For every transport's read path."""
+    applied, lag_ns = 0, 0
+    for record in batch:
+        if isinstance(record, OwnReadBack):
+            continue
+        applied += 1
+        lag_ns = max(0, now_ns - record["ts"])
+        observe(lag_ns / NS_PER_S)
+    counters.applied += applied
+    return lag_ns / NS_PER_MS if applied else None

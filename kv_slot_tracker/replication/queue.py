@@ -159,3 +159,28 @@ async def collect_batch(
             break
         await wait(queue, remaining)
     return batch, False
+
+
+Acks = deque[tuple[int, "asyncio.Future[bool]"]]
+"""Calls waiting for their records to be acknowledged: (sequence number, the call's future),
+in sequence order."""
+
+
+async def wait_acknowledged(acks: Acks, seq: int, timeout_s: float) -> bool:
+    """Wait until the future queued in ``acks`` for ``seq`` is resolved (True: acknowledged),
+    at most ``timeout_s`` (False); for any transport's outbox, which resolves them."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bool] = loop.create_future()
+    acks.append((seq, done))
+    # a timer rather than wait_for, which would wrap each waiting call in a task
+    timer = loop.call_later(timeout_s, resolve, done, False)
+    try:
+        return await done
+    finally:
+        timer.cancel()
+
+
+def resolve(done: asyncio.Future[bool], value: bool) -> None:
+    """Resolve a waiting call's future unless it already was (by its timer or a close)."""
+    if not done.done():
+        done.set_result(value)

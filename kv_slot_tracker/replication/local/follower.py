@@ -32,10 +32,10 @@ from itertools import count
 import msgpack
 from prometheus_client import Histogram
 
-from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
+from kv_slot_tracker.core.types import NS_PER_S
 from kv_slot_tracker.replication.local import framing as f
 from kv_slot_tracker.replication.local.outbox import LocalOutbox
-from kv_slot_tracker.replication.metrics import ReplicationCounters
+from kv_slot_tracker.replication.metrics import ReplicationCounters, count_applied
 from kv_slot_tracker.replication.port import Batch, OwnReadBack, ReplicatedState
 from kv_slot_tracker.replication.records import SeqLedger, as_replayed
 
@@ -202,18 +202,9 @@ class Follower:
     def _apply(self, batch: Batch, position: int) -> None:
         if batch and self.target is not None:
             self.target.apply_remote(batch)
-            now = self.wall_clock()
-            applied, lag_ns = 0, 0
-            observe = self.lag.observe
-            for record in batch:
-                if isinstance(record, OwnReadBack):
-                    continue
-                applied += 1
-                lag_ns = max(0, now - record["ts"])
-                observe(lag_ns / NS_PER_S)
-            self.counters.applied += applied
-            if applied:
-                self.last_lag_ms = lag_ns / NS_PER_MS
+            lag_ms = count_applied(batch, self.wall_clock(), self.counters, self.lag.observe)
+            if lag_ms is not None:
+                self.last_lag_ms = lag_ms
         if position != self.position:
             self.position = position
             self._advanced()

@@ -23,6 +23,7 @@ import msgpack
 
 from kv_slot_tracker.replication.local import framing as f
 from kv_slot_tracker.replication.metrics import ReplicationCounters
+from kv_slot_tracker.replication.queue import Acks, resolve, wait_acknowledged
 from kv_slot_tracker.replication.records import record_bytes
 from kv_slot_tracker.settings import Settings
 
@@ -43,7 +44,7 @@ class LocalOutbox:
         self.held_bytes = 0  # ``record_bytes`` of the records queued and in flight
         self._next_seq = 1
         self.sequenced_seq = 0  # our records up to here are sequenced by the hub
-        self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()
+        self._acks: Acks = deque()
         self._scheduled = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.write: Callable[[bytes], None] | None = None  # set while the hub may be written to
@@ -141,10 +142,10 @@ class LocalOutbox:
             done += records
         if last_seq > self.sequenced_seq:
             self.sequenced_seq = last_seq
-            keep: deque[tuple[int, asyncio.Future[bool]]] = deque()
+            keep: Acks = deque()
             for seq, fut in self._acks:
                 if seq <= last_seq:
-                    _resolve(fut, True)
+                    resolve(fut, True)
                 elif not fut.done():
                     keep.append((seq, fut))
             self._acks = keep
@@ -155,20 +156,8 @@ class LocalOutbox:
         ``timeout_s`` (False)."""
         if seq <= self.sequenced_seq:
             return True
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
-        self._acks.append((seq, done))
-        timer = loop.call_later(timeout_s, _resolve, done, False)
-        try:
-            return await done
-        finally:
-            timer.cancel()
+        return await wait_acknowledged(self._acks, seq, timeout_s)
 
     def close(self) -> None:
         self.closed = True
         self.flush()
-
-
-def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
-    if not fut.done():
-        fut.set_result(value)

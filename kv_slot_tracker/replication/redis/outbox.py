@@ -40,10 +40,12 @@ from redis.exceptions import NoScriptError, OutOfMemoryError
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
 from kv_slot_tracker.replication.queue import (
+    Acks,
     EventQueue,
     PublishQueueClosed,
     PublishQueueError,
     collect_batch,
+    wait_acknowledged,
 )
 from kv_slot_tracker.replication.records import encode_record, record_bytes
 from kv_slot_tracker.replication.redis.connection import (
@@ -110,7 +112,7 @@ class Outbox:
         self._short_since: int | None = None  # clock ns: the last WAIT fell short then
         self._full_since: int | None = None  # clock ns: Redis refused appends for memory
         self._short_logged: int | None = None
-        self._acks: deque[tuple[int, asyncio.Future[bool]]] = deque()  # (seq, waiting call)
+        self._acks: Acks = deque()  # (seq, waiting call)
         self._append_started: int | None = None  # clock ns: an append running since then
         self.group_commit: Callable[[int], None] | None = None  # observes calls per append
         # the append script, bound to the client by connect(): ``append(keys=..., args=...)``
@@ -283,15 +285,7 @@ class Outbox:
         """Until our records up to ``seq`` are in the stream (True), at most ``timeout_s``."""
         if seq <= self.confirmed_seq:
             return True
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
-        self._acks.append((seq, done))
-        # a timer rather than wait_for, which would wrap each waiting call in a task
-        timer = loop.call_later(timeout_s, _resolve, done, False)
-        try:
-            return await done
-        finally:
-            timer.cancel()
+        return await wait_acknowledged(self._acks, seq, timeout_s)
 
     def _acknowledge(self) -> None:
         """Release the calls whose records the last append took (one group commit)."""
@@ -490,8 +484,3 @@ class Outbox:
                 error,
                 self.capacity,
             )
-
-
-def _resolve(done: asyncio.Future[bool], value: bool) -> None:
-    if not done.done():
-        done.set_result(value)

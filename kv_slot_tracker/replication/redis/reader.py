@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
+from kv_slot_tracker.replication.metrics import count_applied
 from kv_slot_tracker.replication.port import Batch, OwnReadBack, ReplicatedState
 from kv_slot_tracker.replication.records import (
     RECORD_FIELD,
@@ -317,17 +318,9 @@ class StreamReader:
         self._moved(position)
         if not batch:
             return
-        observe = self.lag.observe
-        lag_ns = applied = 0
-        for record in batch:
-            if isinstance(record, OwnReadBack):  # a control message, not a record
-                continue
-            applied += 1
-            lag_ns = max(0, now - record["ts"])
-            observe(lag_ns / NS_PER_S)
-        self.counters.applied += applied
-        if applied:
-            self.last_lag_ms = lag_ns / NS_PER_MS
+        lag_ms = count_applied(batch, now, self.counters, self.lag.observe)
+        if lag_ms is not None:
+            self.last_lag_ms = lag_ms
 
     async def _on_gap(self, key: OriginKey, seq: int, missing: int) -> None:
         assert self._store is not None
