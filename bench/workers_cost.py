@@ -26,10 +26,11 @@ sys.path.insert(0, str(HERE.parent))
 from bench import http_bench as hb  # noqa: E402
 from bench.reference import start_ours  # noqa: E402
 
-CONFIGS = {  # name: (workers, workers_transport)
-    "one-process": (1, "local"),
-    "2-local": (2, "local"),
-    "2-redis": (2, "redis"),
+CONFIGS = {  # name: (workers, workers_transport, replication_ack)
+    "one-process": (1, "local", "local"),
+    "2-local": (2, "local", "local"),
+    "2-local-durable": (2, "local", "redis"),
+    "2-redis": (2, "redis", "local"),
 }
 
 
@@ -58,9 +59,9 @@ def cpu_by_role(pid: int) -> dict[str, float]:
 
 
 def run(name: str, connections: int, duration: int, round_no: int) -> dict[str, float]:
-    workers, transport = CONFIGS[name]
+    workers, transport, ack = CONFIGS[name]
     env = {**os.environ, "SLOT_TRACKER_WORKERS_TRANSPORT": transport,
-           "SLOT_TRACKER_CONSISTENCY_WAIT_MS": "0"}  # fmt: skip
+           "SLOT_TRACKER_REPLICATION_ACK": ack, "SLOT_TRACKER_CONSISTENCY_WAIT_MS": "0"}  # fmt: skip
     with start_ours(extra_args=["--workers", str(workers)], env=env) as s:
         if workers > 1:
             hb.wait_all_ready(s.url, workers)

@@ -15,6 +15,7 @@ from kv_slot_tracker.settings import Settings
 
 class EmbeddedReplication:
     mode = "embedded"
+    barrier_covers_acknowledged = True  # nothing to wait for
 
     def __init__(self, settings: Settings) -> None:
         self.instance_id = resolve_instance_id(settings.instance_id)

@@ -70,6 +70,9 @@ class Replication(Protocol):
 
     mode: str  # "embedded" (nothing to replicate), "redis" or "local" (a supervisor's hub)
     instance_id: int  # non-zero; the origin of this instance's records
+    # a confirmed ``caught_up`` also covers every change a peer acknowledged before the call,
+    # whatever ``replication_ack`` (the hub has each sibling send what it accepted first)
+    barrier_covers_acknowledged: bool
 
     def publish(self, record: dict[str, Any]) -> int:
         """Queue one of the service's records for the peers; never blocks, never raises.

@@ -7,16 +7,23 @@ and for at most ``consistency_wait_ms``:
 
 1. for the read barrier: until this instance has applied every stream entry that existed when
    the call arrived (``Replication.caught_up``);
-2. with ``replication_ack = "local"`` also until the ids appear or the bound passes, since a
-   peer answers an add before its record reaches the stream (it may be in the peer's outbox).
+2. with ``replication_ack = "local"`` through Redis, also until the ids appear or the bound
+   passes, since a peer answers an add before its record reaches the stream (it may be in the
+   peer's outbox). The processes of one ``--workers`` supervisor skip this: their barrier has
+   every sibling send what it accepted first (``replication.local.hub``).
 
 Then it runs like any call, synchronously, and ids still unknown are resolved
 (``resolve``): a free becomes a replicated tombstone and a prefill completion a replicated
 pending mark (``kv_slot_tracker.service.early``), both answered like a success: the request may exist on a
 peer whose record has not arrived yet (an outbox, a Redis stall), so "unknown" would be wrong,
 and nothing is lost: the add is cancelled, or its prefill completed, when it arrives, on every
-instance. Only when the barrier proved the id unknown and every acknowledged add is already in
-the stream (``replication_ack = "redis"``) is a prefill completion or output block answered 404.
+instance. When the barrier proved the id unknown and every acknowledged add is already in the
+stream (``replication_ack = "redis"``, or the hub's barrier: ``barrier_certain``), the call is
+answered as one instance answers it: a
+prefill completion or output block 404, a free 200 for an id of a known tracker and 404
+``no slot tracker`` otherwise. A free still keeps its tombstone then, for an add that was
+answered 503 (applied on its instance, its record not confirmed) and whose record reaches the
+stream after the free.
 Output blocks are local to the instance that receives them (as in Dynamo: never replicated),
 so one for an id still unknown has nowhere to go: it is dropped and counted.
 """
@@ -62,7 +69,9 @@ class Consistency:
         self.service = service
         self.replication = replication
         self.wait_s = wait_ms / 1000
-        self.durable_acks = durable_acks  # every acknowledged add is in the stream
+        # an id unknown after a confirmed barrier is certainly unknown: every acknowledged add
+        # is in the stream (durable acknowledgements), or the barrier had it sent there first
+        self.barrier_certain = durable_acks or replication.barrier_covers_acknowledged
         self.counters = ConsistencyCounters()
         self._applied: asyncio.Event | None = None  # set after a batch of peers' records
         service.replica.on_applied = self._on_applied
@@ -104,7 +113,7 @@ class Consistency:
         confirmed = await self.replication.caught_up(self.wait_s)
         if not confirmed:
             self.counters.barrier_timeouts += 1
-        if self.durable_acks:
+        if self.barrier_certain:
             return confirmed
         while not arrived():
             remaining = deadline - loop.time()
@@ -119,6 +128,8 @@ class Consistency:
         replica = self.service.replica
         if isinstance(cmd, c.Free):
             replica.remember_early(cmd.key, FREE, cmd.request_id)
+            if certain:
+                self.service.free(cmd)  # a no-op for the id; raises NoTracker
         elif isinstance(cmd, c.PrefillComplete):
             if certain:
                 self.service.prefill_complete(cmd)  # raises NoTracker / RequestNotFound

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,15 +20,15 @@ from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, register, until
 
 
-def settings(instance_id: int, ack: str = "redis") -> Settings:
-    return Settings(instance_id=instance_id, replication_ack=ack, redis_url="")
+def settings(instance_id: int, ack: str = "redis", **extra: Any) -> Settings:
+    return Settings(instance_id=instance_id, replication_ack=ack, redis_url="", **extra)
 
 
 @contextlib.asynccontextmanager
 async def started(
-    stack: contextlib.AsyncExitStack, hub: Hub, instance_id: int, ack: str = "redis"
+    stack: contextlib.AsyncExitStack, hub: Hub, instance_id: int, ack: str = "redis", **extra: Any
 ) -> AsyncIterator[App]:
-    app = create_app(settings(instance_id, ack), hub_socket=hub.path)
+    app = create_app(settings(instance_id, ack, **extra), hub_socket=hub.path)
     await stack.enter_async_context(app.router.lifespan_context(app))
     await app.state.replication.settled(10)
     client = await stack.enter_async_context(
@@ -92,6 +93,55 @@ async def test_siblings_answer_as_one_and_a_late_one_loads_the_state(hub: Hub) -
         # a: the registration, its 5 adds and the 5 prefill completions of b's adds
         assert a.replication.status().published == 11
         assert c.metric("replication_published_total") == 1
+
+
+async def test_by_default_unknown_ids_are_answered_as_one_process_answers_them(hub: Hub) -> None:
+    """``replication_ack = "auto"`` (the default) acknowledges through the hub, so after the read
+    barrier an id nowhere is certainly unknown and every lifecycle call is answered as one
+    process answers it (and as the reference does), at once rather than after
+    ``consistency_wait_ms``."""
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(started(stack, hub, 1, "local"))
+        b = await stack.enter_async_context(started(stack, hub, 2, "local"))
+        await register(a, [b])
+        assert await a.add("r1") == 201
+        assert (await b.call("prefill_complete", "r1")).status_code == 200  # the barrier
+        r = await b.call("prefill_complete", "nowhere")
+        assert (r.status_code, r.json()) == (404, {"error": "Request nowhere not found"})
+        assert (await b.call("free", "nowhere")).status_code == 200  # as one process: a no-op
+        r = await b.post("/free", {"model_name": "other", "request_id": "r1"})
+        assert (r.status_code, r.json()) == (
+            404, {"error": "no slot tracker for model=other routing_group=default"}
+        )  # fmt: skip
+        r = await b.post("/prefill_complete", {"model_name": "other", "request_id": "r1"})
+        assert r.status_code == 404, r.text
+        # the free still left a tombstone: an add of that id made before it, whose record
+        # arrives later (answered 503 on its process), is cancelled everywhere
+        assert b.metric("consistency_tombstones_created_total") == 2
+        assert b.metric("consistency_marks_created_total") == 0
+        assert (await b.call("free", "r1")).status_code == 200
+        await until(_same([a, b]), what="both alike")
+        assert sum(row["active_requests"] for row in await a.loads()) == 0
+
+
+async def test_the_barrier_has_a_sibling_send_what_it_acknowledged(hub: Hub) -> None:
+    """With local acknowledgements a process answers an add before its record leaves (here the
+    record would wait 5 s in its outbox): a sibling's read barrier has it sent first, so a call
+    on the sibling finds the request (neither a pending mark nor a 404)."""
+    async with contextlib.AsyncExitStack() as stack:
+        b = await stack.enter_async_context(started(stack, hub, 2, "local"))
+        a = await stack.enter_async_context(
+            started(stack, hub, 1, "local", replication_batch_ms=5000)
+        )
+        await register(b, [a])
+        assert await a.add("held") == 201
+        assert a.replication.status().outbox_depth == 1  # not sent yet
+        assert (await b.call("prefill_complete", "held")).status_code == 200
+        assert a.replication.status().outbox_depth == 0  # sent for the barrier
+        assert b.metric("consistency_marks_created_total") == 0
+        assert b.metric("consistency_barrier_timeouts_total") == 0
+        assert (await b.call("free", "held")).status_code == 200
+        assert b.metric("consistency_tombstones_created_total") == 0
 
 
 def _same(apps: list[App]):  # type: ignore[no-untyped-def]

@@ -127,6 +127,33 @@ async def test_the_read_barrier_gets_the_head(hub: Hub) -> None:
     await a.close()
 
 
+async def test_the_read_barrier_waits_for_what_every_sibling_accepted(hub: Hub) -> None:
+    """``HEAD?`` is answered once every other process has sent what it held (``FLUSH``, then
+    its frames, then ``FLUSHED``), with a head that counts those frames; a sibling that ends
+    instead of answering is not waited for."""
+    a, b, c = [await Client.hello(hub, i, i * 11) for i in (1, 2, 3)]
+    for client in (a, b, c):
+        await client.expect(f.BEGIN)
+    a.send(f.frame_u64(f.HEAD_ASK, 5))
+    flush_b, flush_c = await b.expect(f.FLUSH), await c.expect(f.FLUSH)
+    assert flush_b == flush_c  # one barrier, one token for its siblings
+    (token,) = f.U64.unpack_from(flush_b, 1)
+    b.publish(1, b"held by b")  # what b had accepted, before its answer
+    b.send(f.frame_u64(f.FLUSHED, token))
+    await until(lambda: hub.head == 1, "b's frame sequenced")
+    await asyncio.sleep(0.05)
+    assert a.got == [] and hub.counters.barriers == 0  # c has not answered yet
+    await c.close()  # what c had not sent is gone with it: not waited for
+    assert await a.expect(f.DATA) == f.DATA + f.U64.pack(1) + b"held by b"
+    assert await a.expect(f.HEAD) == f.HEAD + f.U64_2.pack(5, 1)
+    assert hub.counters.barriers == 1 and hub.counters.barriers_dropped == 0
+    # alone, a process gets the head at once
+    await b.close()
+    a.send(f.frame_u64(f.HEAD_ASK, 6))
+    assert await a.expect(f.HEAD) == f.HEAD + f.U64_2.pack(6, 1)
+    await a.close()
+
+
 async def test_a_joining_process_gets_a_siblings_state_then_the_frames_after_it(hub: Hub) -> None:
     a, b = await Client.hello(hub, 1, 11), await Client.hello(hub, 2, 22)
     await a.expect(f.BEGIN)

@@ -94,6 +94,6 @@ class ReplicatedSelectionOperations(SelectionOperations):
         try:
             return op(raw, *args)
         except NOT_YET_KNOWN:
-            if name == "delete_reservation" and not consistency.durable_acks:
+            if name == "delete_reservation" and not consistency.barrier_certain:
                 consistency.release_unknown(args[0], sorted(self.service.partitions))
             raise

@@ -68,6 +68,7 @@ class LocalReplication:
     """Replication through the supervisor's hub. One per process (per app)."""
 
     mode = "local"
+    barrier_covers_acknowledged = True  # the hub's FLUSH (``hub``)
 
     def __init__(
         self,

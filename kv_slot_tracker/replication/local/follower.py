@@ -18,7 +18,10 @@ applied, with the ledger that matches it (own records up to the last one accepte
 local state holds them).
 
 The read barrier: ask the hub for its newest position, then wait until the position applied
-reaches it.
+reaches it. The hub answers once every other process has sent what it accepted (``FLUSH``:
+this process writes its outbox, then ``FLUSHED``; before its first state on a connection, when
+the outbox does not send yet, right after that state), so a confirmed barrier covers every
+change a sibling acknowledged before the call, whatever ``replication_ack``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Follower:
         self._waits: list[tuple[int, asyncio.Future[None]]] = []
         self._told = 0  # the position last told to the hub
         self._tell: asyncio.TimerHandle | None = None
+        self._flushes: list[int] = []  # FLUSH tokens to answer once the outbox sends
 
     def ready(self) -> bool:
         return self.phase is Phase.READY
@@ -99,6 +103,7 @@ class Follower:
 
     def disconnected(self) -> None:
         self._write = None
+        self._flushes.clear()  # the hub forgets what it asked this connection
         for fut in self._heads.values():
             if not fut.done():
                 fut.cancel()
@@ -122,6 +127,9 @@ class Follower:
                 fut = self._heads.pop(token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(head)
+            elif kind == f.FLUSH:
+                (token,) = f.U64.unpack_from(frame, 1)
+                self._flush(token)
             elif kind == f.EXPORT:
                 self._apply(batch, position)
                 batch = []
@@ -182,6 +190,15 @@ class Follower:
         for record in done:  # those the loaded state lacks, in their place in the order
             if through < record["seq"] < floor:
                 batch.append(as_replayed(record))
+
+    def _flush(self, token: int) -> None:
+        """A sibling's read barrier: send what the outbox holds, then say so."""
+        if self.outbox.write is None:  # not sending on this connection yet: after the state
+            self._flushes.append(token)
+            return
+        self.outbox.flush()
+        if self._write is not None:
+            self._write(f.frame_u64(f.FLUSHED, token))
 
     def _hub_stats(self, frame: bytes) -> None:
         try:
@@ -276,6 +293,9 @@ class Follower:
         self.loaded.set()
         if self._write is not None and self.outbox.write is None:  # first state on this connection
             self.outbox.connected(self._write)
+            flushes, self._flushes = self._flushes, []
+            for token in flushes:
+                self._flush(token)
         log.log(logging.INFO if first else logging.WARNING,
                 "loaded the state at position %d of the workers hub (%d bytes)",
                 position, len(blob))  # fmt: skip

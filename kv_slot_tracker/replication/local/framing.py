@@ -9,10 +9,12 @@ Kinds (``P``: process to hub, ``H``: hub to process)::
     P  PUBLISH  b"p"  last_seq u64, applied u64, records (msgpack list)
     P  APPLIED  b"a"  applied u64                       (lets the hub trim what all have)
     P  HEAD?    b"q"  token u64                         (the read barrier)
+    P  FLUSHED  b"g"  token u64                         (answer to FLUSH)
     P  STATE    b"s"  token u64, position u64, state (msgpack map)   (answer to EXPORT)
     H  DATA     b"d"  position u64, records             (a sibling's frame)
     H  OWN      b"o"  position u64, last_seq u64        (the receiver's own frame, sequenced)
     H  HEAD     b"Q"  token u64, head u64
+    H  FLUSH    b"F"  token u64                         (send what you accepted, then FLUSHED)
     H  EXPORT   b"x"  token u64                         (send your state)
     H  BEGIN    b"b"  position u64, state               (load this; frames after it follow)
     H  RESYNC   b"r"  (you fell behind what the hub keeps: a state follows)
@@ -31,8 +33,9 @@ HEADER = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 U64_2 = struct.Struct(">QQ")
 
-HELLO, PUBLISH, APPLIED, HEAD_ASK, STATE = b"h", b"p", b"a", b"q", b"s"
+HELLO, PUBLISH, APPLIED, HEAD_ASK, STATE, FLUSHED = b"h", b"p", b"a", b"q", b"s", b"g"
 DATA, OWN, HEAD, EXPORT, BEGIN, RESYNC, STATS = b"d", b"o", b"Q", b"x", b"b", b"r", b"t"
+FLUSH = b"F"
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # a state export of a large instance fits
 

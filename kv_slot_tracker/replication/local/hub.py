@@ -15,7 +15,12 @@ Every process connects to its Unix socket and says who it is (``HELLO``). Then:
   (``EXPORT``), which answers its state at the position it has applied (``STATE``), and
   forwards it (``BEGIN``) followed by the frames after that position (a sibling that ends or
   does not answer within ``export_timeout_s`` is passed over for another);
-* ``HEAD?`` is answered with the newest position (the read barrier);
+* ``HEAD?`` is answered with the newest position (the read barrier), once every other process
+  connected has sent what it had accepted when asked: the hub sends each a ``FLUSH``, which it
+  answers ``FLUSHED`` after writing its outbox, so the frames come first on its connection.
+  A position so answered holds every change any process acknowledged before the question (a
+  process that ends meanwhile is not waited for: what it had not sent is gone with it), which
+  lets a process answer a call for an id the barrier proves unknown as one process would;
 * frames are kept (``retained``) from the oldest position not yet applied by every ready
   process (each says what it applied, ``APPLIED`` or inside ``PUBLISH``), at most
   ``max_bytes`` of them; a process whose next frame was dropped by that bound is told to
@@ -59,6 +64,7 @@ EXPORT_TIMEOUT_S = 5.0  # a process asked for its state that has not answered by
 WRITE_HIGH_WATER = 4 * 1024 * 1024  # a connection's socket buffer in the hub, before pausing
 STATS_EVERY_S = 1.0  # how often every process is sent the hub's figures (``/replication``)
 SNAPSHOT_EVERY_S = 30.0  # how often the hub takes a process's state for itself
+MAX_BARRIERS = 10_000  # read barriers waiting for siblings' FLUSHED, at most (oldest dropped)
 
 
 @dataclass(slots=True)
@@ -74,6 +80,8 @@ class HubCounters:
     lost_joins: int = 0  # joins served without any state (no process, no usable snapshot)
     snapshots: int = 0  # states the hub took from a process for itself
     snapshot_joins: int = 0  # joins served from the hub's own snapshot (no process had a state)
+    barriers: int = 0  # read barriers (HEAD?) answered
+    barriers_dropped: int = 0  # left unanswered: over MAX_BARRIERS waiting (the asker times out)
 
 
 @dataclass(eq=False)
@@ -81,6 +89,15 @@ class _Export:
     requester: HubConnection
     exporter: HubConnection
     asked_at: float  # monotonic s
+
+
+@dataclass(eq=False)
+class _Barrier:
+    """A ``HEAD?`` waiting for the other processes' ``FLUSHED``."""
+
+    asker: HubConnection
+    token: int  # the asker's
+    waiting: set[HubConnection]
 
 
 class HubConnection(asyncio.Protocol):
@@ -169,6 +186,7 @@ class Hub:
         self.connections: list[HubConnection] = []
         self.counters = HubCounters()
         self._exports: dict[int, _Export] = {}
+        self._barriers: dict[int, _Barrier] = {}  # by the hub's token sent in FLUSH
         self._tokens = count(1)
         self._server: asyncio.AbstractServer | None = None
         self._retry: asyncio.TimerHandle | None = None
@@ -266,7 +284,14 @@ class Hub:
                 conn.applied = applied
         elif kind == f.HEAD_ASK and conn.incarnation:
             (token,) = f.U64.unpack_from(frame, 1)
-            conn.write(f.frame_u64(f.HEAD, token, self.retained.head))
+            self._barrier(conn, token)
+        elif kind == f.FLUSHED and conn.incarnation:
+            (ours,) = f.U64.unpack_from(frame, 1)
+            barrier = self._barriers.get(ours)
+            if barrier is not None:
+                barrier.waiting.discard(conn)
+                if not barrier.waiting:
+                    self._answer_barrier(ours)
         elif kind == f.STATE and conn.incarnation:
             token, position = f.U64_2.unpack_from(frame, 1)
             if token == self._snapshot_token:
@@ -283,6 +308,28 @@ class Hub:
             self._join(conn)
         else:
             raise ValueError(f"unexpected frame kind {kind!r}")
+
+    # -- the read barrier -----------------------------------------------------------------------
+
+    def _barrier(self, asker: HubConnection, token: int) -> None:
+        """``HEAD?``: the head once every other process has sent what it accepted (FLUSH)."""
+        others = {c for c in self.connections if c is not asker and c.incarnation}
+        ours = next(self._tokens)
+        self._barriers[ours] = _Barrier(asker, token, others)
+        if not others:
+            self._answer_barrier(ours)
+            return
+        flush = f.frame_u64(f.FLUSH, ours)
+        for conn in others:
+            conn.write(flush)
+        if len(self._barriers) > MAX_BARRIERS:  # siblings not answering: forget the oldest
+            del self._barriers[next(iter(self._barriers))]
+            self.counters.barriers_dropped += 1
+
+    def _answer_barrier(self, ours: int) -> None:
+        barrier = self._barriers.pop(ours)
+        self.counters.barriers += 1
+        barrier.asker.write(f.frame_u64(f.HEAD, barrier.token, self.retained.head))
 
     def after_frames(self) -> None:
         """After a read's frames: write what is new, then trim (after: a process keeping up
@@ -427,6 +474,13 @@ class Hub:
                 del self._exports[token]
         if self._snapshot_ask is not None and self._snapshot_ask.exporter is conn:
             self._snapshot_ask, self._snapshot_token = None, 0
+        for ours, barrier in list(self._barriers.items()):
+            if barrier.asker is conn:
+                del self._barriers[ours]
+            elif conn in barrier.waiting:  # what it had not sent is gone with it
+                barrier.waiting.discard(conn)
+                if not barrier.waiting:
+                    self._answer_barrier(ours)
         if any(c.waiting_since is not None for c in self.connections):
             self._serve_joins()
         self._trim()

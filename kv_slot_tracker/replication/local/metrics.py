@@ -27,6 +27,8 @@ HUB_HELP = {
     "lost_joins": "Processes started from the kept frames alone (no process held the state)",
     "snapshots": "States the workers hub took from a process for itself",
     "snapshot_joins": "Processes started from the workers hub's own snapshot (none held a state)",
+    "barriers": "Read barriers the workers hub answered (after every sibling sent its outbox)",
+    "barriers_dropped": "Read barriers the workers hub dropped unanswered (too many waiting)",
     "snapshot_position": "The position of the workers hub's own snapshot (0: none)",
     "snapshot_bytes": "Bytes of the workers hub's own snapshot",
 }

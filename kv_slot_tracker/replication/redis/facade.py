@@ -52,6 +52,7 @@ class RedisReplication:
     """Replication through Redis. One per process (per app)."""
 
     mode = "redis"
+    barrier_covers_acknowledged = False  # a peer's outbox may hold an acknowledged change
 
     def __init__(
         self,
