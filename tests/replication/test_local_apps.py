@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kv_slot_tracker.main import create_app
+from kv_slot_tracker.replication.local import framing
 from kv_slot_tracker.replication.local.hub import Hub
 from kv_slot_tracker.settings import Settings
 from tests.replication.apps import App, register, until
@@ -142,6 +143,27 @@ async def test_the_barrier_has_a_sibling_send_what_it_acknowledged(hub: Hub) -> 
         assert b.metric("consistency_barrier_timeouts_total") == 0
         assert (await b.call("free", "held")).status_code == 200
         assert b.metric("consistency_tombstones_created_total") == 0
+
+
+async def test_a_state_larger_than_a_piece_loads_whole(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state a joining process loads travels in pieces (here of 100 bytes: about a hundred
+    of them each way) and arrives whole."""
+    monkeypatch.setattr(framing, "STATE_PIECE_BYTES", 100)
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(started(stack, hub, 1))
+        await register(a, [])
+        for i in range(20):
+            assert await a.add(f"r{i}", rank=i % 2) == 201
+        await until(lambda: a.outbox_empty() and hub.retained.first > 1,
+                    what="the hub forgetting applied frames")  # fmt: skip
+        b = await stack.enter_async_context(started(stack, hub, 2))
+        assert b.replication.ready() and hub.counters.exports == 1
+        want = await a.loads()
+        assert await b.loads() == want and sum(r["active_requests"] for r in want) == 20
+        assert (await b.call("free", "r3")).status_code == 200
+        await until(_same([a, b]), what="both alike")
 
 
 def _same(apps: list[App]):  # type: ignore[no-untyped-def]

@@ -179,6 +179,39 @@ async def test_a_joining_process_gets_a_siblings_state_then_the_frames_after_it(
     await b2.close()
 
 
+async def test_a_large_state_travels_in_pieces_each_under_the_frame_limit(
+    hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state larger than a frame may be (the fixture's hub: 4,096 bytes) goes from the
+    exporter in ``STATE+`` pieces and to the joining process in ``BEGIN+`` pieces, whole."""
+    monkeypatch.setattr(f, "STATE_PIECE_BYTES", 1000)
+    state = bytes(range(256)) * 40  # 10,240 bytes: 11 pieces
+    a, b = await Client.hello(hub, 1, 11), await Client.hello(hub, 2, 22)
+    await a.expect(f.BEGIN)
+    await b.expect(f.BEGIN)
+    a.publish(1, b"one")
+    await b.expect(f.DATA)
+    await a.expect(f.OWN)
+    a.send(f.frame_u64(f.APPLIED, 1))
+    b.send(f.frame_u64(f.APPLIED, 1))
+    await until(lambda: hub.retained.first == 2, "position 1 forgotten")
+    b2 = await Client.hello(hub, 2, 23)
+    (token,) = f.U64.unpack_from(await a.expect(f.EXPORT), 1)
+    frames = f.state_frames(f.STATE_PART, f.STATE, state, (token,), (token, 1))
+    assert [len(fr) for fr in frames] == [4 + 1 + 8 + 1000] * 10 + [4 + 1 + 16 + 240]
+    for fr in frames:
+        a.send(fr)
+    got = b""
+    while (frame := await b2.next())[:1] == f.BEGIN_PART:
+        got += frame[1:]
+    assert frame[:1] == f.BEGIN and f.U64.unpack_from(frame, 1) == (1,)
+    assert got + frame[9:] == state
+    assert hub.counters.oversized == 0 and hub.counters.joins == 3
+    await a.close()
+    await b.close()
+    await b2.close()
+
+
 async def test_the_exporter_ending_hands_the_join_to_another_sibling(hub: Hub) -> None:
     a, b = await Client.hello(hub, 1, 11), await Client.hello(hub, 2, 22)
     for c in (a, b):

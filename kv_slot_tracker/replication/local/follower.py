@@ -89,6 +89,7 @@ class Follower:
         self._told = 0  # the position last told to the hub
         self._tell: asyncio.TimerHandle | None = None
         self._flushes: list[int] = []  # FLUSH tokens to answer once the outbox sends
+        self._pieces: list[memoryview] = []  # of a state whose BEGIN is still to come
 
     def ready(self) -> bool:
         return self.phase is Phase.READY
@@ -104,6 +105,7 @@ class Follower:
     def disconnected(self) -> None:
         self._write = None
         self._flushes.clear()  # the hub forgets what it asked this connection
+        self._pieces = []
         for fut in self._heads.values():
             if not fut.done():
                 fut.cancel()
@@ -135,11 +137,18 @@ class Follower:
                 batch = []
                 (token,) = f.U64.unpack_from(frame, 1)
                 self._export(token)
+            elif kind == f.BEGIN_PART:
+                self._pieces.append(memoryview(frame)[1:])
             elif kind == f.BEGIN:
                 self._apply(batch, position)
                 batch = []
                 (position,) = f.U64.unpack_from(frame, 1)
-                self._restore(position, memoryview(frame)[9:])
+                state = memoryview(frame)[9:]
+                if self._pieces:
+                    self._pieces.append(state)
+                    state = memoryview(b"".join(self._pieces))
+                    self._pieces = []
+                self._restore(position, state)
             elif kind == f.STATS:
                 self._hub_stats(frame)
             elif kind == f.RESYNC:
@@ -271,7 +280,10 @@ class Follower:
             }
         )
         if self._write is not None:
-            self._write(f.frame_u64(f.STATE, token, self.position, tail=state))
+            for frame in f.state_frames(
+                f.STATE_PART, f.STATE, state, (token,), (token, self.position)
+            ):
+                self._write(frame)
 
     def _restore(self, position: int, blob: memoryview) -> None:
         assert self.target is not None

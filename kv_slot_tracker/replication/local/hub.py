@@ -92,6 +92,16 @@ class _Export:
 
 
 @dataclass(eq=False)
+class _Pieces:
+    """A state arriving in ``STATE+`` frames."""
+
+    sender: HubConnection
+    parts: list[bytes] = field(default_factory=list)
+    size: int = 0
+    refused: bool = False  # over ``MAX_STATE_BYTES``: its pieces are dropped
+
+
+@dataclass(eq=False)
 class _Barrier:
     """A ``HEAD?`` waiting for the other processes' ``FLUSHED``."""
 
@@ -187,6 +197,7 @@ class Hub:
         self.counters = HubCounters()
         self._exports: dict[int, _Export] = {}
         self._barriers: dict[int, _Barrier] = {}  # by the hub's token sent in FLUSH
+        self._pieces: dict[int, _Pieces] = {}  # states arriving in pieces, by EXPORT token
         self._tokens = count(1)
         self._server: asyncio.AbstractServer | None = None
         self._retry: asyncio.TimerHandle | None = None
@@ -292,15 +303,24 @@ class Hub:
                 barrier.waiting.discard(conn)
                 if not barrier.waiting:
                     self._answer_barrier(ours)
+        elif kind == f.STATE_PART and conn.incarnation:
+            (token,) = f.U64.unpack_from(frame, 1)
+            self._piece(conn, token, memoryview(frame)[9:])
         elif kind == f.STATE and conn.incarnation:
             token, position = f.U64_2.unpack_from(frame, 1)
+            state = memoryview(frame)[17:]
+            pieces = self._pieces.pop(token, None)
+            if pieces is not None:
+                if pieces.refused:
+                    return
+                state = memoryview(b"".join([*pieces.parts, state]))
             if token == self._snapshot_token:
                 self._snapshot_ask, self._snapshot_token = None, 0
                 if position + 1 >= self.retained.first:
-                    self.snapshot = (position, bytes(memoryview(frame)[17:]))
+                    self.snapshot = (position, bytes(state))
                     self.counters.snapshots += 1
             else:
-                self._exported(conn, token, position, memoryview(frame)[17:])
+                self._exported(conn, token, position, state)
         elif kind == f.HELLO and not conn.incarnation:
             conn.instance_id, conn.incarnation = f.U64_2.unpack_from(frame, 1)
             if not conn.incarnation:
@@ -308,6 +328,22 @@ class Hub:
             self._join(conn)
         else:
             raise ValueError(f"unexpected frame kind {kind!r}")
+
+    def _piece(self, conn: HubConnection, token: int, piece: memoryview) -> None:
+        """A piece of a large state (``STATE+``), kept until its ``STATE``."""
+        pieces = self._pieces.get(token)
+        if pieces is None:
+            pieces = self._pieces[token] = _Pieces(conn)
+        if pieces.refused:
+            return
+        pieces.size += len(piece)
+        if pieces.size > f.MAX_STATE_BYTES:  # dropped; the join asks another sibling
+            log.error("hub: refused a state of process %d over %d bytes", conn.instance_id,
+                      f.MAX_STATE_BYTES)  # fmt: skip
+            self.counters.oversized += 1
+            pieces.refused, pieces.parts = True, []
+            return
+        pieces.parts.append(bytes(piece))
 
     # -- the read barrier -----------------------------------------------------------------------
 
@@ -452,7 +488,8 @@ class Hub:
         self._begin(export.requester, position, bytes(state))
 
     def _begin(self, conn: HubConnection, position: int, state: bytes) -> None:
-        conn.write(f.frame_u64(f.BEGIN, position, tail=state))
+        for frame in f.state_frames(f.BEGIN_PART, f.BEGIN, state, (), (position,)):
+            conn.write(frame)
         conn.waiting_since = None
         conn.slow_exporter = None
         conn.synced = True
@@ -474,6 +511,8 @@ class Hub:
                 del self._exports[token]
         if self._snapshot_ask is not None and self._snapshot_ask.exporter is conn:
             self._snapshot_ask, self._snapshot_token = None, 0
+        for token in [t for t, p in self._pieces.items() if p.sender is conn]:
+            del self._pieces[token]
         for ours, barrier in list(self._barriers.items()):
             if barrier.asker is conn:
                 del self._barriers[ours]
