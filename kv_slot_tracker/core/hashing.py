@@ -18,10 +18,12 @@ the boundaries that need it:
   ``compute_seq_hash_for_block`` keep the reference's unsigned values, tested against its
   vectors); ``sequence_hashes_for_tokens`` converts once;
 * the selection service keeps them signed too (``kv_slot_tracker.core.selection``: its index
-  of cache contents, its approximate cache, its prompts); its selection records, its snapshots,
-  its peers' index lines (``GET /selection/kv_index``) and ``/dump`` carry the u64 form as they
-  always did, and engines' KV events convert once as they are decoded. Its chain keys are
-  ``chained_hashes`` of signed block hashes (the u64 chain, in the service's form).
+  of cache contents, its approximate cache, its prompts). Its selection records
+  (``kv_slot_tracker.service.selection.wire``), its snapshots (the approximate cache's
+  ``export``/``restore`` rows), its peers' index lines (``GET /selection/kv_index``,
+  ``kv_slot_tracker.ingest.peers``) and ``/dump`` carry the u64 form as they always did; engines'
+  KV events convert once as they are decoded (``kv_slot_tracker.ingest.records``). Its chain
+  keys are ``chained_hashes`` of signed block hashes (the reference's u64 chain, signed).
 
 Why signed inside: routers send real hashes, about half of them negative; converting each at
 the edge cost about a fifth of a ``/batch`` operation, while records are written once per add
