@@ -203,7 +203,7 @@ def overlaps(sel: SelectionService) -> list[tuple[int, int, int]]:
 def test_previous_records_apply_to_the_same_overlaps() -> None:
     records = Records()
     _, s, sel = instance(records)
-    peer = [{**r, "origin": PEER} for r in PREVIOUS_RECORDS[:6]]
+    peer: list[Any] = [{**r, "origin": PEER} for r in PREVIOUS_RECORDS[:6]]
     for r in peer:
         if "event" in r:
             r["event"] = {**r["event"], "router_id": PEER}
@@ -235,7 +235,7 @@ E_I64 = [-5, -(2**63) + 1]  # the same blocks, signed
 
 
 def dp(sel: SelectionService, cmd: sc.Select) -> dict[str, int]:
-    return select_json(sel.select(cmd), reserve=False)["overlap"]["dp"]  # type: ignore[no-any-return]
+    return select_json(sel.select(cmd), reserve=False)["overlap"]["dp"]
 
 
 def test_kv_events_in_either_form_match_the_same_prompt_and_dump_as_before() -> None:
