@@ -401,8 +401,8 @@ class KvIndex:
         parent_hash: int | None,
         blocks: Sequence[tuple[int, int]],
     ) -> bool:
-        """Store ``blocks`` (``(engine hash, local hash)`` each, in order) on ``worker`` in
-        ``tier`` under the parent ``parent_hash`` (an engine hash, or ``None`` for block 0).
+        """Store ``blocks`` (``(engine hash, local hash)`` each, signed, in order) on ``worker``
+        in ``tier`` under the parent ``parent_hash`` (an engine hash, or ``None`` for block 0).
 
         Returns False, storing nothing, when the parent is unknown on the rank or a hash repeats.
         """
