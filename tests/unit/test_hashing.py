@@ -83,10 +83,14 @@ def test_chained_hashes_are_the_reference_chain_in_the_signed_form() -> None:
     from a parent chain key."""
     blocks = signed_hashes(NO_LORA_BLOCKS)
     assert blocks[0] == -3803038269031200164  # negative: given as the API sends it
-    assert chained_hashes(blocks) == signed_hashes(NO_LORA_SEQ) == [
-        -3803038269031200164,
-        4945711292740353085,
-    ]
+    assert (
+        chained_hashes(blocks)
+        == signed_hashes(NO_LORA_SEQ)
+        == [
+            -3803038269031200164,
+            4945711292740353085,
+        ]
+    )
     assert chained_hashes(blocks[1:], parent=chained_hashes(blocks)[0]) == [4945711292740353085]
     assert chained_hashes([]) == []
     assert chained_hashes([], parent=5) == []
