@@ -109,8 +109,9 @@ class ApproximateCache:
     ) -> None:
         """A booking of ``block_hashes`` on ``worker`` at ``now_ns``: (re)write every block.
 
-        Hashes are signed (the service's form). ``chain`` may pass the chained keys when the caller already has them (for a token prompt
-        they equal its sequence hashes); it must then equal ``chain_keys(block_hashes)``.
+        Hashes are signed (the service's form). ``chain`` may pass the chained keys when the
+        caller already has them (for a token prompt they equal its sequence hashes); it must
+        then equal ``chain_keys(block_hashes)``.
         """
         if not block_hashes:
             return
