@@ -6,6 +6,12 @@ prefix; potential loads of a 256-block prompt; ``/batch`` bodies of 100 operatio
 ``bench/wrk/batch.lua``'s, 50 adds and the 50 frees of an earlier batch's adds, a mix with
 prefill completions, and ``batch_signed``: the same with full 64-bit hashes, about half of them
 negative, as a real prompt's are on the wire) and reports microseconds of CPU per call (per operation for a batch).
+Two workloads of the selection API (same catalog, block size 16), prompts given as the hash
+triple with real 64-bit hashes (about half negative): ``sel_reserve``, KV events off,
+/select_and_reserve of 32-block prompts sharing a 16-block prefix and DELETE of the reservation
+made 64 calls before (the approximate cache written and read); ``sel_kv``, KV events on, /select
+against an index fed one 32-block store per rank by engine events (half of them carrying the
+u64 form of their hashes, half the signed form).
 ``direct`` feeds the same /add and /free calls as raw HTTP requests through the direct protocol
 (``kv_slot_tracker.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
 adds, without sockets. With
@@ -216,6 +222,121 @@ def batches(n: int, *, mix: bool, signed: bool = False) -> list[bytes]:
 Tracer = collections.Counter  # opcodes per (file, function), filled by a tracing run
 
 
+SEL_WORKERS, SEL_RANKS, SEL_BS, SEL_LAG = 16, 4, 16, 64
+
+
+def _signed(h: int) -> int:
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def build_selection(repo: Path, kv_events: bool):
+    """The selection API's operations (and its service) of a fresh standalone instance."""
+    sys.path.insert(0, str(repo))
+    from kv_slot_tracker.http.selection.operations import SelectionOperations
+    from kv_slot_tracker.main import create_app
+    from kv_slot_tracker.settings import load_settings
+
+    app = create_app(
+        load_settings(api_key="", redis_url="", router_use_kv_events=kv_events, selection_seed=1)
+    )
+    selection = app.state.selection
+    ops = SelectionOperations(selection)
+    for w in range(SEL_WORKERS):
+        body = {"worker_id": w, "model_name": "bench", "endpoint": f"http://w{w}:8000",
+                "block_size": SEL_BS, "data_parallel_size": SEL_RANKS}  # fmt: skip
+        if kv_events:
+            body["kv_events_endpoints"] = {
+                str(r): f"tcp://w{w}:{5557 + r}" for r in range(SEL_RANKS)
+            }
+        assert ops.get("upsert_worker")(json.dumps(body).encode())[0] == 201
+    return ops, selection
+
+
+def selection_reserve_bodies(n: int) -> list[bytes]:
+    """``n + SEL_LAG`` /select_and_reserve bodies: 16 shared blocks, 16 of their own."""
+    rng = random.Random(11)
+    full = lambda: rng.getrandbits(64) - 2**63  # noqa: E731 - a real hash: half negative
+    blocks, seqs = [full() for _ in range(16)], [full() for _ in range(16)]
+    return [
+        json.dumps(
+            {
+                "model_name": "bench",
+                "selection_id": f"s{i}",
+                "block_hashes": blocks + [full() for _ in range(16)],
+                "sequence_hashes": seqs + [full() for _ in range(16)],
+                "isl_tokens": 512,
+            }
+        ).encode()  # fmt: skip
+        for i in range(n + SEL_LAG)
+    ]
+
+
+def selection_kv_setup(repo: Path, selection) -> list[bytes]:
+    """Feed one engine store of 32 blocks to every rank (16 shared with every other rank);
+    returns /select bodies of prompts overlapping 0..32 blocks of some rank."""
+    from kv_slot_tracker.core.hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
+    from kv_slot_tracker.ingest.records import decode_batch, encode_batch
+
+    rng = random.Random(13)
+    shared = [rng.getrandbits(31) for _ in range(16 * SEL_BS)]
+    tails = []
+    for w in range(SEL_WORKERS):
+        for r in range(SEL_RANKS):
+            tail = [rng.getrandbits(31) for _ in range(16 * SEL_BS)]
+            tails.append(tail)
+            engine = [rng.getrandbits(64) for _ in range(32)]  # u64: about half >= 2^63
+            if (w * SEL_RANKS + r) % 2:
+                engine = [_signed(h) for h in engine]
+            store = ["BlockStored", engine, None, shared + tail, SEL_BS, None, "GPU", None]
+            batch = decode_batch(0, encode_batch(0.0, [store], r))
+            selection.kv_events.apply_kv_batch(w, r, batch)
+    bodies = []
+    for i in range(256):
+        keep = i % 33  # blocks this prompt shares with the store of rank i % 64
+        tokens = (shared + tails[i % len(tails)])[: keep * SEL_BS]
+        tokens += [rng.getrandbits(31) for _ in range((32 - keep) * SEL_BS)]
+        local = compute_block_hash_for_seq(tokens, SEL_BS)
+        seq = compute_seq_hash_for_block(local)
+        bodies.append(json.dumps({"model_name": "bench",
+            "block_hashes": [_signed(h) for h in local],
+            "sequence_hashes": [_signed(h) for h in seq],
+            "isl_tokens": 32 * SEL_BS}).encode())  # fmt: skip
+    return bodies
+
+
+def run_selection(repo: Path, what: str, n: int, base: bool, counts: Tracer | None) -> float:
+    """CPU seconds of ``n`` calls of a selection workload (``sel_reserve``: n reserve+delete
+    pairs)."""
+    if what == "sel_reserve":
+        ops, _ = build_selection(repo, kv_events=False)
+        bodies = selection_reserve_bodies(n)
+        reserve, delete = ops.get("select_and_reserve"), ops.get("delete_reservation")
+        for raw in bodies[:SEL_LAG]:
+            assert reserve(raw)[0] == 200
+        calls = bodies[SEL_LAG:]
+    else:
+        ops, selection = build_selection(repo, kv_events=True)
+        queries = selection_kv_setup(repo, selection)
+        select = ops.get("select")
+        assert sum(selection.kv_events.kv_indexed_blocks().values()) == 32 * 64
+        assert select(queries[32])[0] == 200
+    gc.collect()
+    if counts is not None:
+        sys.settrace(_tracing(counts))
+    start = time.process_time()
+    if base:
+        pass
+    elif what == "sel_reserve":
+        for i, raw in enumerate(calls):
+            assert reserve(raw)[0] == 200
+            assert delete(b"", f"s{i}")[0] == 200
+    else:
+        for i in range(n):
+            select(queries[i % len(queries)])
+    sys.settrace(None)
+    return time.process_time() - start
+
+
 def _tracing(counts: Tracer):
     """A ``sys.settrace`` function that counts every opcode into ``counts``."""
 
@@ -237,6 +358,8 @@ def run(
     what = what.removeprefix("base:")
     if what == "direct":
         return run_direct(repo, n, base, counts)
+    if what.startswith("sel_"):
+        return run_selection(repo, what, n, base, counts)
     ops = build(repo, replicated)
     if replicated:
         # a batch naming an id unknown here (the set-up batches' frees, batch_mix's repeated
@@ -342,7 +465,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        default="lifecycle,direct,potential,batch,batch_mix,batch_signed",
+        default="lifecycle,direct,potential,batch,batch_mix,batch_signed,sel_reserve,sel_kv",
         help="workloads, comma-separated",
     )
     ap.add_argument("--inner", help=argparse.SUPPRESS)
@@ -357,6 +480,8 @@ def main() -> None:
         ("batch", 1),
         ("batch_mix", 1),
         ("batch_signed", 1),
+        ("sel_reserve", 2),
+        ("sel_kv", 1),
     )
     for what, per in work:
         if what not in args.only.split(",") or (args.replicated and what == "direct"):

@@ -58,6 +58,8 @@ def test_edge_cost_runs_every_workload() -> None:
         "batch",
         "batch_mix",
         "batch_signed",
+        "sel_reserve",
+        "sel_kv",
     ]
 
 

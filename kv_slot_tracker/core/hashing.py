@@ -17,11 +17,13 @@ the boundaries that need it:
 * the xxh3 scheme itself is defined on u64 (``compute_block_hash_for_seq`` and
   ``compute_seq_hash_for_block`` keep the reference's unsigned values, tested against its
   vectors); ``sequence_hashes_for_tokens`` converts once;
-* the selection service's index of cache contents and its approximate cache
-  (``kv_slot_tracker.core.selection``) still key blocks by the u64 form, as its KV events,
-  peers' index lines and selection records carry them: its prompts convert on the way in
-  (``to_unsigned``) and its answers on the way out (``to_signed``), with this module's
-  conversions.
+* the selection service keeps them signed too (``kv_slot_tracker.core.selection``: its index
+  of cache contents, its approximate cache, its prompts). Its selection records
+  (``kv_slot_tracker.service.selection.wire``), its snapshots (the approximate cache's
+  ``export``/``restore`` rows), its peers' index lines (``GET /selection/kv_index``,
+  ``kv_slot_tracker.ingest.peers``) and ``/dump`` carry the u64 form as they always did; engines'
+  KV events convert once as they are decoded (``kv_slot_tracker.ingest.records``). Its chain
+  keys are ``chained_hashes`` of signed block hashes (the reference's u64 chain, signed).
 
 Why signed inside: routers send real hashes, about half of them negative; converting each at
 the edge cost about a fifth of a ``/batch`` operation, while records are written once per add
@@ -48,6 +50,7 @@ _SIGN = 1 << 63
 _SPAN = 1 << 64
 _MASK64 = _SPAN - 1
 _PAIR = struct.Struct("<QQ")
+_PAIR_SIGNED = struct.Struct("<Qq")  # a chained hash (as xxh3 gives it) and a signed block hash
 
 
 def to_signed(h: int) -> int:
@@ -119,6 +122,27 @@ def compute_seq_hash_for_block(block_hashes: list[int]) -> list[int]:
         prev = b if i == 0 else h(pack(prev, b), seed=XXH3_SEED)
         out.append(prev)
     return out
+
+
+def chained_hashes(block_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """``compute_seq_hash_for_block`` in the service's form: the chained hashes of signed block
+    hashes, signed (the bytes hashed are the same; the result converts once, in C). With
+    ``parent`` (a signed chained hash) the chain continues from it instead of starting."""
+    if not block_hashes:
+        return []
+    h = xxhash.xxh3_64_intdigest
+    pack = _PAIR_SIGNED.pack
+    out: list[int] = []
+    if parent is None:
+        prev = block_hashes[0] & _MASK64
+        out.append(prev)
+        rest = block_hashes[1:]
+    else:
+        prev, rest = parent & _MASK64, block_hashes
+    for b in rest:
+        prev = h(pack(prev, b), seed=XXH3_SEED)
+        out.append(prev)
+    return signed_hashes(out)
 
 
 def sequence_hashes_for_tokens(

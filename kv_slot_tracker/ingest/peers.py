@@ -12,7 +12,8 @@ them):
 * ``{"kind": "header", "format": 1}``;
 * per partition ``{"kind": "partition", "model_name", "routing_group", "block_size"}``, then its
   ranks ``{"kind": "rank", "worker_id", "dp_rank", "seq", "blocks": [[tier, block_hash,
-  parent_hash or null, tokens_hash], ...]}``, a rank's blocks split over lines of at most
+  parent_hash or null, tokens_hash], ...]}`` (hashes as u64, converted from and to the
+  service's signed form here), a rank's blocks split over lines of at most
   ``CHUNK_BLOCKS`` (each line repeats the rank). ``seq`` is the last batch the rank's listener
   applied (null: none); it is read in the same step as the partition's blocks, so they agree;
 * ``{"kind": "end", "ranks": n, "blocks": n}``.
@@ -49,6 +50,7 @@ import h11
 import msgspec
 import orjson
 
+from kv_slot_tracker.core.hashing import to_signed, to_unsigned
 from kv_slot_tracker.core.selection.kv_index import TIERS
 from kv_slot_tracker.core.types import U64_MAX, WorkerWithDpRank
 
@@ -112,7 +114,7 @@ async def dump_lines(host: KvIndexHost, ingest: ZmqIngest | None) -> AsyncIterat
             for i in range(0, max(len(entries), 1), CHUNK_BLOCKS):
                 yield _line(
                     {"kind": "rank", "worker_id": rank.worker_id, "dp_rank": rank.dp_rank,
-                     "seq": seq, "blocks": entries[i : i + CHUNK_BLOCKS]}
+                     "seq": seq, "blocks": _u64_entries(entries[i : i + CHUNK_BLOCKS])}
                 )  # fmt: skip
     yield _line({"kind": "end", "ranks": ranks_sent, "blocks": blocks_sent})
 
@@ -324,7 +326,7 @@ class IndexPeers:
         ):
             self._malformed(out, f"rank {msg.worker_id}:{msg.dp_rank} out of range")
             return
-        good = [e for e in msg.blocks if _valid(e)]
+        good = [_signed_entry(e) for e in msg.blocks if _valid(e)]
         if len(good) != len(msg.blocks):
             self._malformed(
                 out, f"{len(msg.blocks) - len(good)} entries of {msg.worker_id}:{msg.dp_rank}"
@@ -431,6 +433,21 @@ def _valid(e: Entry) -> bool:
         and (parent is None or _I64_MIN <= parent <= U64_MAX)
         and 0 <= local <= U64_MAX
     )
+
+
+def _u64_entries(entries: list[Entry]) -> list[Entry]:
+    """Index entries (signed hashes) as a dump line carries them (u64)."""
+    u = to_unsigned
+    return [
+        (tier, u(h), None if parent is None else u(parent), u(local))
+        for tier, h, parent, local in entries
+    ]
+
+
+def _signed_entry(e: Entry) -> Entry:
+    """A dump line's entry (u64, or signed) with the service's signed hashes."""
+    tier, h, parent, local = e
+    return tier, to_signed(h), None if parent is None else to_signed(parent), to_signed(local)
 
 
 # -- GET over HTTP/1.1 (h11 parses; the service carries no HTTP client) ------------------------

@@ -16,9 +16,10 @@ a map with a ``type`` key:
 * ``["BlockRemoved", block_hashes, medium, group_idx, kv_cache_spec_kind, ...]``
 * ``["AllBlocksCleared"]``
 
-Block hashes must be integers (signed or unsigned 64-bit, the same block either way); vLLM's
-bytes hashes (``--prefix-caching-hash-algo sha256`` without an integer form) do not decode, as on
-the reference. Trailing elements and unknown map keys are ignored. A store or removal of a KV
+Block hashes must be integers (signed or unsigned 64-bit, the same block either way: they are
+decoded in the service's signed form, ``kv_slot_tracker.core.hashing``); vLLM's bytes hashes
+(``--prefix-caching-hash-algo sha256`` without an integer form) do not decode, as on the
+reference. Trailing elements and unknown map keys are ignored. A store or removal of a KV
 cache group other than the main attention group (``group_idx`` not 0, or a ``kv_cache_spec_kind``
 other than full/MLA/sink-full attention) is ignored. Token ids may be bigram pairs (EAGLE): the
 first token of each pair, then the last pair's second token.
@@ -39,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from kv_slot_tracker.core.hashing import to_signed
 from kv_slot_tracker.core.selection.kv_index import tier_of_medium
 
 SEQ_BYTES = 8
@@ -129,7 +131,7 @@ def _is_int(v: Any) -> bool:
 def _hash(v: Any, what: str) -> int:
     if not _is_int(v) or not I64_MIN <= v < U64_LIMIT:
         raise MalformedMessage(f"{what} must be a 64-bit integer")
-    return v
+    return to_signed(v)
 
 
 def _hashes(v: Any) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ import pytest
 
 from kv_slot_tracker.core.hashing import (
     XXH3_SEED,
+    chained_hashes,
     compute_block_hash_for_seq,
     compute_seq_hash_for_block,
     lora_seed,
@@ -75,6 +76,24 @@ def test_http_signed_form_of_vector() -> None:
         -3803038269031200164,
         4945711292740353085,
     ]
+
+
+def test_chained_hashes_are_the_reference_chain_in_the_signed_form() -> None:
+    """Appendix A's sequence hashes from its block hashes given signed, whole or continued
+    from a parent chain key."""
+    blocks = signed_hashes(NO_LORA_BLOCKS)
+    assert blocks[0] == -3803038269031200164  # negative: given as the API sends it
+    assert (
+        chained_hashes(blocks)
+        == signed_hashes(NO_LORA_SEQ)
+        == [
+            -3803038269031200164,
+            4945711292740353085,
+        ]
+    )
+    assert chained_hashes(blocks[1:], parent=chained_hashes(blocks)[0]) == [4945711292740353085]
+    assert chained_hashes([]) == []
+    assert chained_hashes([], parent=5) == []
 
 
 def test_partial_trailing_block_is_ignored() -> None:

@@ -33,7 +33,7 @@ from .cost import (
     request_blocks,
     response_decode_blocks,
 )
-from .prompt import Prompt, normalize_prompt, prompt_from_hashes, prompt_from_tokens, to_i64, to_u64
+from .prompt import Prompt, normalize_prompt, prompt_from_hashes, prompt_from_tokens
 from .selector import Selection, WorkerOverlap, select, softmax_probabilities
 
 __all__ = [
@@ -58,6 +58,4 @@ __all__ = [
     "response_decode_blocks",
     "select",
     "softmax_probabilities",
-    "to_i64",
-    "to_u64",
 ]

@@ -6,10 +6,12 @@ the booked rank; each block expires ``router_ttl_secs`` after its last write (re
 refreshes exactly those blocks). A later prompt's overlap on a rank is the number of its leading
 blocks the rank holds, consecutive from block 0.
 
-Blocks are keyed by the chained hash of the block hashes (``compute_seq_hash_for_block``), so a
-block stands for its whole prefix: the same block hashes match whatever the request's own
-sequence hashes are, and a prompt differing in block 0 matches nothing. These keys are what
-``/dump`` shows as ``block_hash``.
+Blocks are keyed by the chained hash of the block hashes (``chained_hashes``: the reference's
+``compute_seq_hash_for_block``), so a block stands for its whole prefix: the same block hashes
+match whatever the request's own sequence hashes are, and a prompt differing in block 0 matches
+nothing. These keys are what ``/dump`` shows as ``block_hash``. Hashes are in the service's
+signed form (``kv_slot_tracker.core.hashing``); ``export`` and ``restore`` carry them as u64, the
+snapshot's form.
 
 Cost: a lookup first sweeps what has expired, then walks the prompt's chain of nodes; it touches
 only ranks holding the prompt's blocks, never ranks that do not match, and compares rank sets
@@ -27,8 +29,8 @@ import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..hashing import compute_seq_hash_for_block
-from ..types import U64_MAX, WorkerWithDpRank
+from ..hashing import chained_hashes, to_signed, to_unsigned
+from ..types import WorkerWithDpRank
 
 # A heap larger than this multiple of the live entries (plus slack) is rebuilt without its stale
 # entries; the rebuild is paid for by the refreshing writes that made those entries stale.
@@ -42,11 +44,11 @@ class CachedBlock:
 
     worker: WorkerWithDpRank
     block_hash: int
-    """Chained hash of the block hashes up to and including this block (u64)."""
+    """Chained hash of the block hashes up to and including this block (signed)."""
     parent_hash: int | None
     """The previous block's chained hash; ``None`` for block 0."""
     tokens_hash: int
-    """The block's own (local) block hash (u64)."""
+    """The block's own (local) block hash (signed)."""
     expires_at_ns: int
 
 
@@ -107,18 +109,13 @@ class ApproximateCache:
     ) -> None:
         """A booking of ``block_hashes`` on ``worker`` at ``now_ns``: (re)write every block.
 
-        Hashes may be given signed (i64, as on the wire) or unsigned; they are stored as u64.
-        ``chain`` may pass the chained keys when the caller already has them (for a token prompt
-        they equal its sequence hashes); it must then equal ``chain_keys(block_hashes)``.
+        Hashes are signed (the service's form). ``chain`` may pass the chained keys when the
+        caller already has them (for a token prompt they equal its sequence hashes); it must
+        then equal ``chain_keys(block_hashes)``.
         """
         if not block_hashes:
             return
-        locals_ = [h & U64_MAX for h in block_hashes]
-        keys = (
-            [k & U64_MAX for k in chain]
-            if chain is not None
-            else compute_seq_hash_for_block(locals_)
-        )
+        keys = chain if chain is not None else chained_hashes(block_hashes)
         expires = now_ns + self.ttl_ns
         nodes = self._nodes
         rank_keys = self._by_rank.get(worker)
@@ -127,7 +124,7 @@ class ApproximateCache:
             self._ranks_of_worker.setdefault(worker.worker_id, set()).add(worker)
         parent: int | None = None
         live = self._live
-        for key, local in zip(keys, locals_, strict=True):
+        for key, local in zip(keys, block_hashes, strict=True):
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = _Node(parent, local)
@@ -225,15 +222,11 @@ class ApproximateCache:
         if not block_hashes:
             return {}
         self.expire(now_ns)
-        keys = (
-            chain
-            if chain is not None
-            else compute_seq_hash_for_block([h & U64_MAX for h in block_hashes])
-        )
+        keys = chain if chain is not None else chained_hashes(block_hashes)
         nodes = self._nodes
         path: list[dict[WorkerWithDpRank, int]] = []
         for key in keys:
-            node = nodes.get(key & U64_MAX)
+            node = nodes.get(key)
             if node is None:
                 break
             path.append(node.ranks)
@@ -299,10 +292,12 @@ class ApproximateCache:
 
     def export(self, now_ns: int) -> list[list[int]]:
         """The live blocks as rows ``[worker_id, dp_rank, key, parent or -1, local, expires]``,
-        per rank with parents first (``restore`` takes them back; ``expires`` as stored)."""
+        per rank with parents first, hashes as u64 (the snapshot's form: -1 is no hash);
+        ``restore`` takes them back; ``expires`` as stored."""
+        u = to_unsigned
         return [
-            [b.worker.worker_id, b.worker.dp_rank, b.block_hash,
-             -1 if b.parent_hash is None else b.parent_hash, b.tokens_hash, b.expires_at_ns]
+            [b.worker.worker_id, b.worker.dp_rank, u(b.block_hash),
+             -1 if b.parent_hash is None else u(b.parent_hash), u(b.tokens_hash), b.expires_at_ns]
             for b in self.blocks(now_ns)
         ]  # fmt: skip
 
@@ -314,11 +309,14 @@ class ApproximateCache:
         self._heap, self._heap_keys, self._live = [], 0, 0
         nodes = self._nodes
         try:
-            for worker_id, dp_rank, key, parent, local, expires in rows:
+            for worker_id, dp_rank, u64_key, parent, local, expires in rows:
                 worker = WorkerWithDpRank(worker_id, dp_rank)
+                key = to_signed(u64_key)
                 node = nodes.get(key)
                 if node is None:
-                    node = nodes[key] = _Node(None if parent == -1 else parent, local)
+                    node = nodes[key] = _Node(
+                        None if parent == -1 else to_signed(parent), to_signed(local)
+                    )
                 rank_keys = self._by_rank.get(worker)
                 if rank_keys is None:
                     rank_keys = self._by_rank[worker] = {}
@@ -348,5 +346,5 @@ class ApproximateCache:
 
 
 def chain_keys(block_hashes: Sequence[int]) -> list[int]:
-    """The cache keys of a prompt's blocks: the chained hashes of its (u64) block hashes."""
-    return compute_seq_hash_for_block([h & U64_MAX for h in block_hashes])
+    """The cache keys of a prompt's blocks: the chained hashes of its (signed) block hashes."""
+    return chained_hashes(block_hashes)

@@ -6,16 +6,17 @@ removes and clears, and overlap scores read this index. One index per partition 
 routing_group)``.
 
 How a block is identified. An engine names its blocks with its own hashes (``block_hash``,
-vLLM's ``ExternalBlockHash``; any 64-bit value, signed or not, taken as u64) and links a stored
-run to its parent by that hash. Prompts arrive here as the router's *local* hashes (xxh3 of the
-block's tokens, ``compute_block_hash_for_seq`` with the partition's block size and LoRA name), so
-a stored block is re-hashed from the ``token_ids`` the event carries (``local_hashes``) and then
-keyed by its *chain key*: the chained local hashes from block 0 (``compute_seq_hash_for_block``),
-which is the prompt's own sequence hash at that depth. The engine's hash only serves to find a
-parent and to remove a block; the parent's chain key and the new block's local hash give the new
-chain key. Device blocks live in the reference's compressed radix tree (runs of blocks shared by
-the ranks that stored them, see ``KvIndex``); host and disk blocks per rank and tier as
-``engine hash -> (chain key, local hash, parent engine hash)`` with, per chain key, the ranks
+vLLM's ``ExternalBlockHash``; any 64-bit value, signed or not, given here in the service's
+signed form: ``kv_slot_tracker.core.hashing``) and links a stored run to its parent by that
+hash. Prompts arrive here as the router's *local* hashes (xxh3 of the block's tokens,
+``compute_block_hash_for_seq`` with the partition's block size and LoRA name), so a stored block
+is re-hashed from the ``token_ids`` the event carries (``local_hashes``) and then keyed by its
+*chain key*: the chained local hashes from block 0 (``chained_hashes``), which is the prompt's
+own sequence hash at that depth. Every hash here is signed. The engine's hash only serves to
+find a parent and to remove a block; the parent's chain key and the new block's local hash give
+the new chain key. Device blocks live in the reference's compressed radix tree (runs of blocks
+shared by the ranks that stored them, see ``KvIndex``); host and disk blocks per rank and tier
+as ``engine hash -> (chain key, local hash, parent engine hash)`` with, per chain key, the ranks
 holding it.
 
 What the reference does, and so this index (verified on ai-dynamo-runtime 1.6.1):
@@ -63,8 +64,14 @@ from typing import TypeVar
 
 import xxhash
 
-from ..hashing import XXH3_SEED, compute_block_hash_for_seq
-from ..types import U64_MAX, WorkerWithDpRank
+from ..hashing import (
+    XXH3_SEED,
+    chained_hashes,
+    compute_block_hash_for_seq,
+    signed_hashes,
+    to_signed,
+)
+from ..types import WorkerWithDpRank
 
 DEVICE, HOST_PINNED, DISK = 0, 1, 2
 TIERS = (DEVICE, HOST_PINNED, DISK)
@@ -85,7 +92,7 @@ _MEDIA = {
 _EXTERNAL = frozenset({"EXTERNAL", "NETWORK", "REMOTE", "SHARED"})
 
 _h = xxhash.xxh3_64_intdigest
-_pack = struct.Struct("<QQ").pack
+_pack = struct.Struct("<qq").pack
 
 
 def tier_of_medium(medium: str | None) -> int | None:
@@ -101,12 +108,12 @@ def chain_key(parent_key: int | None, local_hash: int) -> int:
     """The chain key of a block: its local hash at depth 0, else xxh3 of (parent key, local)."""
     if parent_key is None:
         return local_hash
-    return _h(_pack(parent_key, local_hash), seed=XXH3_SEED)
+    return to_signed(_h(_pack(parent_key, local_hash), seed=XXH3_SEED))
 
 
 def orphan_key(parent_hash: int) -> int:
     """The chain key standing for a host/disk block's parent that the rank does not hold."""
-    return _h(_pack(parent_hash, _ORPHAN), seed=XXH3_SEED)
+    return to_signed(_h(_pack(parent_hash, _ORPHAN), seed=XXH3_SEED))
 
 
 _ORPHAN = 0x6F7270_68616E  # any constant: it only separates these keys from the chain keys
@@ -121,11 +128,13 @@ def local_hashes(
 ) -> list[int]:
     """The router's local hash of each stored block, as the reference derives them: only when the
     event's block size is the partition's, and only for the blocks ``token_ids`` fully covers
-    (at most ``num_blocks``)."""
+    (at most ``num_blocks``), signed."""
     if event_block_size != block_size or block_size <= 0:
         return []
     n = min(num_blocks, len(token_ids) // block_size)
-    return compute_block_hash_for_seq(list(token_ids[: n * block_size]), block_size, lora_name)
+    return signed_hashes(
+        compute_block_hash_for_seq(list(token_ids[: n * block_size]), block_size, lora_name)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +153,11 @@ class IndexedBlock:
     worker: WorkerWithDpRank
     tier: int
     block_hash: int
-    """The engine's hash (u64)."""
+    """The engine's hash (signed)."""
     parent_hash: int | None
     """The engine's hash of the parent block, ``None`` at depth 0."""
     tokens_hash: int
-    """The router's local hash (u64)."""
+    """The router's local hash (signed)."""
 
 
 Ranks = set[WorkerWithDpRank] | frozenset[WorkerWithDpRank]
@@ -335,7 +344,7 @@ class KvIndex:
     key its holders."""
 
     def __init__(self) -> None:
-        self._root = _Node(array("Q"), _NOBODY)
+        self._root = _Node(array("q"), _NOBODY)
         self._root.internal = True
         # rank -> its one-rank frozenset, shared by the runs it alone holds whole
         self._solos: dict[WorkerWithDpRank, frozenset[WorkerWithDpRank]] = {}
@@ -392,17 +401,17 @@ class KvIndex:
         parent_hash: int | None,
         blocks: Sequence[tuple[int, int]],
     ) -> bool:
-        """Store ``blocks`` (``(engine hash, local hash)`` each, in order) on ``worker`` in
-        ``tier`` under the parent ``parent_hash`` (an engine hash, or ``None`` for block 0).
+        """Store ``blocks`` (``(engine hash, local hash)`` each, signed, in order) on ``worker``
+        in ``tier`` under the parent ``parent_hash`` (an engine hash, or ``None`` for block 0).
 
         Returns False, storing nothing, when the parent is unknown on the rank or a hash repeats.
         """
-        parent = None if parent_hash is None else parent_hash & U64_MAX
-        hashes = [b & U64_MAX for b, _ in blocks]
+        parent = parent_hash
+        hashes = [b for b, _ in blocks]
         seen = set(hashes)
         if len(seen) != len(hashes) or (parent is not None and parent in seen):
             return False
-        locals_ = [local & U64_MAX for _, local in blocks]
+        locals_ = [local for _, local in blocks]
         if tier == DEVICE:
             return self._store_device(worker, parent, hashes, locals_)
         parent_key: int | None = None
@@ -465,12 +474,10 @@ class KvIndex:
         total = len(hashes)
         if not total:
             return True
-        ed = array("Q", bytes(24 * total))  # (chain key, engine hash, local hash) per block
-        ed[1::3] = array("Q", hashes)
-        ed[2::3] = array("Q", locals_)
-        for j, local in enumerate(locals_):
-            pkey = local if pkey is None else _h(_pack(pkey, local), seed=XXH3_SEED)
-            ed[3 * j] = pkey
+        ed = array("q", bytes(24 * total))  # (chain key, engine hash, local hash) per block
+        ed[0::3] = array("q", chained_hashes(locals_, pkey))
+        ed[1::3] = array("q", hashes)
+        ed[2::3] = array("q", locals_)
         run = len(node.edge) // 3
         if parent is not None and pos != run - 1:
             # the parent is inside the run: reuse the run's rest, extend a leaf, or split
@@ -614,7 +621,7 @@ class KvIndex:
             holders = self._holders[tier]
             removed = 0
             for h in block_hashes:
-                entry = mine.pop(h & U64_MAX, None)
+                entry = mine.pop(h, None)
                 if entry is not None:
                     self._unhold(holders, entry[0], worker)
                     removed += 1
@@ -634,7 +641,6 @@ class KvIndex:
         node: _Node | None = None
         group: list[int] = []
         for h in block_hashes:
-            h &= U64_MAX
             if node is not None and _pos(node, h) >= 0:
                 group.append(h)
                 continue
@@ -747,8 +753,8 @@ class KvIndex:
         if not host_holders and not disk_holders:
             return {w: TierOverlap(d) for w, d in device.items()}
         n = len(keys)
-        host = [host_holders.get(k & U64_MAX) for k in keys] if host_holders else [None] * n
-        disk = [disk_holders.get(k & U64_MAX) for k in keys] if disk_holders else [None] * n
+        host = [host_holders.get(k) for k in keys] if host_holders else [None] * n
+        disk = [disk_holders.get(k) for k in keys] if disk_holders else [None] * n
         self.lookup_probes += 2 * n
         lower: set[WorkerWithDpRank] = set()
         for col in (host, disk):
@@ -782,7 +788,7 @@ class KvIndex:
         result: dict[WorkerWithDpRank, int] = {}
         n = len(keys)
         kids = self._root.children
-        node = kids.get(keys[0] & U64_MAX) if kids else None
+        node = kids.get(keys[0]) if kids else None
         probes = 1
         if node is None:
             self.lookup_probes += probes
@@ -820,7 +826,7 @@ class KvIndex:
             if not active or m < e or pos == n:
                 break
             kids = node.children
-            node = kids.get(keys[pos] & U64_MAX) if kids else None
+            node = kids.get(keys[pos]) if kids else None
             probes += 1
             if node is None:
                 break
@@ -900,14 +906,14 @@ class KvIndex:
         refused = 0
         while runs:
             tier, parent, blocks = run = runs.pop()
-            if parent is not None and not self._holds_parent(worker, tier, parent & U64_MAX):
-                waiting.setdefault(parent & U64_MAX, []).append(run)
+            if parent is not None and not self._holds_parent(worker, tier, parent):
+                waiting.setdefault(parent, []).append(run)
                 continue
             if not self.store(worker, tier, parent, blocks):
                 refused += self._store_singly(worker, tier, parent, blocks)
             if waiting:
                 for h, _ in blocks:
-                    runs.extend(reversed(waiting.pop(h & U64_MAX, ())))
+                    runs.extend(reversed(waiting.pop(h, ())))
         for left in waiting.values():
             for tier, parent, blocks in left:
                 if tier == DEVICE:

@@ -4,9 +4,8 @@ Why: every selection route accepts either ``token_ids`` (hashed here with the pa
 size and the request's LoRA name) or the hash triple, with fixed validation order and texts
 (SELECTION.md §3). The hashing itself is ``kv_slot_tracker.core.hashing`` (the same scheme as the slot
 tracker, verified against the reference); this module only decides which input wins and checks
-the triple. The selection's index and caches still key blocks by the unsigned u64 form (its
-KV events and records carry that form); the wire's signed form converts with ``to_u64`` /
-``to_i64``, which are ``kv_slot_tracker.core.hashing``'s conversions.
+the triple. Hashes are in the service's signed form (``kv_slot_tracker.core.hashing``): hashes
+given by the API pass through as they are, token prompts are hashed to that form.
 """
 
 from __future__ import annotations
@@ -14,10 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..hashing import compute_block_hash_for_seq, compute_seq_hash_for_block
-from ..hashing import to_signed as to_i64
-from ..hashing import to_unsigned as to_u64
-from ..types import U64_MAX
+from ..hashing import compute_block_hash_for_seq, compute_seq_hash_for_block, signed_hashes
 from .errors import (
     HashLengthMismatch,
     MissingBlockHashes,
@@ -26,23 +22,13 @@ from .errors import (
     ZeroIslTokens,
 )
 
-__all__ = ["to_i64", "to_u64"]  # re-exported for the selection package
-
-
-def _u64s(hashes: Sequence[int]) -> tuple[int, ...]:
-    """Wire hashes (signed, or already unsigned) as u64; a list with no negative value is
-    taken as it is."""
-    if not hashes or min(hashes) >= 0:
-        return tuple(hashes)
-    return tuple(h & U64_MAX for h in hashes)
-
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
     block_hashes: tuple[int, ...] | None
-    """Local block hashes (u64) that feed the approximate cache; ``None`` when not given."""
+    """Local block hashes (signed) that feed the approximate cache; ``None`` when not given."""
     sequence_hashes: tuple[int, ...]
-    """Chained hashes (u64) that drive active-block accounting."""
+    """Chained hashes (signed) that drive active-block accounting."""
     isl_tokens: int
     from_tokens: bool
     """Built from ``token_ids``: the sequence hashes are then the cache's chain keys."""
@@ -60,8 +46,8 @@ def prompt_from_tokens(
     """Hash a token prompt: full blocks only; ``isl`` is the token count (0 is accepted)."""
     blocks = compute_block_hash_for_seq(list(token_ids), block_size, lora_name)
     return Prompt(
-        block_hashes=tuple(blocks),
-        sequence_hashes=tuple(compute_seq_hash_for_block(blocks)),
+        block_hashes=tuple(signed_hashes(blocks)),
+        sequence_hashes=tuple(signed_hashes(compute_seq_hash_for_block(blocks))),
         isl_tokens=len(token_ids),
         from_tokens=True,
     )
@@ -74,7 +60,7 @@ def prompt_from_hashes(
     isl_tokens: int | None,
     for_booking: bool = False,
 ) -> Prompt:
-    """Check a hash triple in the reference's order and normalise it.
+    """Check a hash triple (signed, as the API gives it) in the reference's order.
 
     ``for_booking`` is the explicit ``POST /reservations`` form: ``block_hashes`` may be absent
     (the approximate cache then records nothing) and ``isl_tokens`` may be 0.
@@ -90,8 +76,8 @@ def prompt_from_hashes(
     if block_hashes is not None and len(block_hashes) != len(sequence_hashes):
         raise HashLengthMismatch(len(block_hashes), len(sequence_hashes))
     return Prompt(
-        block_hashes=None if block_hashes is None else _u64s(block_hashes),
-        sequence_hashes=_u64s(sequence_hashes),
+        block_hashes=None if block_hashes is None else tuple(block_hashes),
+        sequence_hashes=tuple(sequence_hashes),
         isl_tokens=isl_tokens,
         from_tokens=False,
     )

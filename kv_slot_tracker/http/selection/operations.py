@@ -19,7 +19,8 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import QueryParams
 
-from kv_slot_tracker.core.selection import RouterConfigOverride, to_i64
+from kv_slot_tracker.core.hashing import to_unsigned
+from kv_slot_tracker.core.selection import RouterConfigOverride
 from kv_slot_tracker.core.selection.catalog import (
     KV_TRANSFER_ENFORCEMENTS,
     WorkerRecord,
@@ -169,7 +170,7 @@ def select_json(o: SelectOutcome, *, reserve: bool) -> dict[str, Any]:
     if o.selection_id is not None:
         out["selection_id"] = o.selection_id
     if reserve:
-        out["sequence_hashes"] = [to_i64(h) for h in o.prompt.sequence_hashes]
+        out["sequence_hashes"] = list(o.prompt.sequence_hashes)
         out["isl_tokens"] = o.prompt.isl_tokens
         out["track_prefill_tokens"] = o.track_prefill_tokens
     overlap = sel.overlap.max_tokens
@@ -410,6 +411,8 @@ class SelectionQueries:
         )
 
     def dump(self, params: QueryParams) -> Response:
+        """The hashes as u64, as the reference shows them (the service keeps them signed)."""
+        u = to_unsigned
         out: dict[str, Any] = {}
         for key, block_size, runs in self.service.dump():
             events = [
@@ -421,12 +424,14 @@ class SelectionQueries:
                         "event_id": i,
                         "data": {
                             "stored": {
-                                "parent_hash": run.parent_hash,
+                                "parent_hash": None
+                                if run.parent_hash is None
+                                else u(run.parent_hash),
                                 "start_position": None,
                                 "blocks": [
                                     {
-                                        "block_hash": block_hash,
-                                        "tokens_hash": tokens_hash,
+                                        "block_hash": u(block_hash),
+                                        "tokens_hash": u(tokens_hash),
                                         "mm_extra_info": None,
                                     }
                                     for block_hash, tokens_hash in run.blocks

@@ -39,7 +39,7 @@ class Book:
     worker: WorkerWithDpRank
     sequence_hashes: tuple[int, ...]
     block_hashes: tuple[int, ...] | None
-    """Written to the approximate cache when given (u64)."""
+    """Written to the approximate cache when given (signed, as every hash here)."""
     cache_chain: tuple[int, ...] | None
     """The block hashes' chained keys when already known (token prompts), else ``None``."""
     isl_tokens: int

@@ -9,6 +9,10 @@ the replica counts and skips like any record it cannot apply.
 The snapshot form (``export_selection`` / ``restore_selection`` in
 ``kv_slot_tracker.service.selection.replica``) reuses the same encoders for specs and pending entries;
 instants travel as wall-clock nanoseconds.
+
+Block hashes travel as unsigned u64, as they always did (an instance of an earlier version on
+the same stream, and snapshots stored before, read and write the same records); inside they are
+in the service's signed form, converted here (``kv_slot_tracker.core.hashing``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from kv_slot_tracker.core.hashing import signed_hashes, unsigned_hashes
 from kv_slot_tracker.core.limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from kv_slot_tracker.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS, WorkerSpec
 from kv_slot_tracker.core.selection.pending import PendingSelection
@@ -62,9 +67,10 @@ def _enforcement(v: Any, what: str) -> str | None:
 
 
 def _hashes(v: Any, what: str) -> tuple[int, ...]:
+    """A record's u64 hashes in the service's signed form."""
     if type(v) is not list or not all(type(h) is int and 0 <= h < U64 for h in v):
         raise _fail(what, "…" if type(v) is list else v)
-    return tuple(v)
+    return tuple(signed_hashes(v))
 
 
 def _opt_hashes(v: Any, what: str) -> tuple[int, ...] | None:
@@ -72,8 +78,8 @@ def _opt_hashes(v: Any, what: str) -> tuple[int, ...] | None:
 
 
 def _u64s(values: tuple[int, ...] | None) -> list[int] | None:
-    """Hashes as unsigned 64-bit integers (the wire form; requests may give them signed)."""
-    return None if values is None else [h % U64 for h in values]
+    """The service's (signed) hashes as a record carries them: unsigned 64-bit integers."""
+    return None if values is None else unsigned_hashes(values)
 
 
 def worker_to_wire(w: WorkerWithDpRank) -> list[int]:

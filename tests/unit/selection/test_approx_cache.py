@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_slot_tracker.core.hashing import compute_seq_hash_for_block
+from kv_slot_tracker.core.hashing import chained_hashes, signed_hashes, to_signed
 from kv_slot_tracker.core.selection import (
     ApproximateCache,
     CachedBlock,
@@ -104,9 +104,10 @@ def test_overlap_is_the_common_prefix_from_block_zero() -> None:
 
 
 def test_signed_and_unsigned_hashes_are_the_same_block() -> None:
+    """Blocks are kept signed; a record's u64 hashes convert to the same blocks."""
     cache, clock = cache_and_clock(120)
     cache.record(A, [-1, -2], clock.now())
-    assert cache.overlaps([U64_MAX, U64_MAX - 1], clock.now()) == {A: 2}
+    assert cache.overlaps(signed_hashes([U64_MAX, U64_MAX - 1]), clock.now()) == {A: 2}
 
 
 def test_keys_are_the_chained_hashes_dump_shows() -> None:
@@ -115,9 +116,12 @@ def test_keys_are_the_chained_hashes_dump_shows() -> None:
     cache, clock = cache_and_clock(120)
     cache.record(A, list(prompt.block_hashes), clock.now())
     expires = clock.now() + 120 * NS_PER_S
+    s = to_signed  # kept signed; /dump shows them as u64
     assert list(cache.blocks(clock.now())) == [
         CachedBlock(A, 9143094415614847814, None, 9143094415614847814, expires),
-        CachedBlock(A, 9510318385840434533, 9143094415614847814, 12124091508212882195, expires),
+        CachedBlock(
+            A, s(9510318385840434533), 9143094415614847814, s(12124091508212882195), expires
+        ),
     ]
     assert chain_keys(list(prompt.block_hashes)) == list(prompt.sequence_hashes)
     # a token prompt's sequence hashes can be passed as the chain
@@ -208,7 +212,7 @@ class NaiveCache:
         self.parent: dict[int, tuple[int | None, int]] = {}
 
     def record(self, rank: WorkerWithDpRank, blocks: list[int], now: int) -> None:
-        keys = compute_seq_hash_for_block(blocks)
+        keys = chained_hashes(blocks)
         for i, key in enumerate(keys):
             self.last_write[(rank, key)] = now
             self.parent[key] = (keys[i - 1] if i else None, blocks[i])
@@ -218,7 +222,7 @@ class NaiveCache:
         return t is not None and now < t + TTL_NS
 
     def overlaps(self, blocks: list[int], now: int) -> dict[WorkerWithDpRank, int]:
-        keys = compute_seq_hash_for_block(blocks)
+        keys = chained_hashes(blocks)
         out = {}
         for rank in RANKS:
             n = 0

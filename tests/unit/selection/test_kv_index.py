@@ -8,8 +8,9 @@ by a vLLM-format publisher; the numbers are the reference's ``/overlap_scores`` 
 from __future__ import annotations
 
 from kv_slot_tracker.core.hashing import (
-    compute_seq_hash_for_block,
+    chained_hashes,
     sequence_hashes_for_tokens,
+    to_signed,
     unsigned_hashes,
 )
 from kv_slot_tracker.core.selection.kv_index import (
@@ -27,7 +28,7 @@ from kv_slot_tracker.core.types import WorkerWithDpRank as W
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks of four tokens
 LOCAL = local_hashes(TOKENS, BS, 6, BS)
-KEYS = unsigned_hashes(sequence_hashes_for_tokens(TOKENS, BS))  # the index's chain keys: u64
+KEYS = sequence_hashes_for_tokens(TOKENS, BS)  # the index's chain keys (signed)
 A, B = W(1, 0), W(2, 0)
 
 
@@ -38,8 +39,14 @@ def blocks(engine: list[int], first: int = 0) -> list[tuple[int, int]]:
 
 def test_local_hashes_are_the_reference_tokens_hashes() -> None:
     # /dump of the reference after BlockStored([11, 12, 13], token_ids 100..111, block_size 4)
-    assert LOCAL[:3] == [6320977984009303047, 16988655349664461655, 6717274780279712737]
-    assert compute_seq_hash_for_block(LOCAL) == KEYS
+    # (as u64; the index keeps them signed)
+    assert unsigned_hashes(LOCAL[:3]) == [
+        6320977984009303047,
+        16988655349664461655,
+        6717274780279712737,
+    ]
+    assert LOCAL[1] == 16988655349664461655 - 2**64
+    assert chained_hashes(LOCAL) == KEYS
 
 
 def test_local_hashes_only_for_the_partition_block_size_and_full_blocks() -> None:
@@ -59,7 +66,7 @@ def test_store_and_prefix_overlap() -> None:
     assert ix.overlaps(KEYS) == {A: TierOverlap(4), B: TierOverlap(1)}
     assert len(ix) == 5
     # another prompt sharing nothing
-    assert ix.overlaps(unsigned_hashes(sequence_hashes_for_tokens(list(range(8)), BS))) == {}
+    assert ix.overlaps(sequence_hashes_for_tokens(list(range(8)), BS)) == {}
 
 
 def alt(i: int) -> int:
@@ -81,9 +88,7 @@ def facts(ix: KvIndex) -> list[tuple[int, int, int | None]]:
 
 
 def device(ix: KvIndex, locals_: list[int]) -> dict[int, int]:
-    return {
-        w.worker_id: o.device for w, o in ix.overlaps(compute_seq_hash_for_block(locals_)).items()
-    }
+    return {w.worker_id: o.device for w, o in ix.overlaps(chained_hashes(locals_)).items()}
 
 
 def test_removing_a_middle_block_removes_the_rest_of_its_run() -> None:
@@ -189,10 +194,11 @@ def test_parent_unknown_or_repeated_hash_stores_nothing() -> None:
 
 
 def test_signed_and_unsigned_engine_hashes_are_one_block() -> None:
+    """Engine hashes come in either form; the ingest makes them signed (``to_signed``)."""
     ix = KvIndex()
-    ix.store(A, DEVICE, None, blocks([-5, 2**64 - 3]))
+    ix.store(A, DEVICE, None, blocks([to_signed(-5), to_signed(2**64 - 3)]))
     assert ix.overlaps(KEYS) == {A: TierOverlap(2)}
-    assert ix.remove(A, DEVICE, [2**64 - 5]) == 2  # -5 as u64, and the rest of its run
+    assert ix.remove(A, DEVICE, [to_signed(2**64 - 5)]) == 2  # -5 as u64, and the rest of its run
     assert ix.overlaps(KEYS) == {}
 
 
@@ -304,8 +310,8 @@ class NaiveIndex:
         maps = self.maps.setdefault(w, [{}, {}, {}])
         prev = parent
         for h, local in blks:
-            key = compute_seq_hash_for_block([local])[0] if pkey is None else (
-                compute_seq_hash_for_block([pkey, local])[1]
+            key = chained_hashes([local])[0] if pkey is None else (
+                chained_hashes([pkey, local])[1]
             )  # fmt: skip
             if tier != DEVICE and h in maps[tier]:
                 if maps[tier][h][1] != prev:
@@ -375,7 +381,7 @@ def test_random_operations_agree_with_a_naive_model() -> None:
                 fast.clear_rank(w)
                 slow.maps.pop(w, None)
             for p in range(2):
-                keys = compute_seq_hash_for_block(local[p])
+                keys = chained_hashes(local[p])
                 assert fast.overlaps(keys) == slow.overlaps(keys), seed
         assert len(fast) == sum(len(m) for maps in slow.maps.values() for m in maps)
 
@@ -404,7 +410,7 @@ def test_long_runs_and_hashes_equal_to_other_fields() -> None:
     # a run longer than the searched length keeps an index; it must agree with the search
     toks = list(range(1000, 1000 + 4 * 100))
     loc = local_hashes(toks, BS, 100, BS)
-    keys = compute_seq_hash_for_block(loc)
+    keys = chained_hashes(loc)
     ix = KvIndex()
     ix.store(A, DEVICE, None, [(5000 + i, loc[i]) for i in range(100)])
     ix.store(B, DEVICE, None, [(5000 + i, loc[i]) for i in range(70)])
@@ -491,6 +497,6 @@ def test_maps_that_lost_most_of_their_blocks_give_their_tables_back() -> None:
     assert ix.rank_size(A) == len(ix) == 16
     assert left < 0.4 * stored, (left, stored)  # 0.49 without the copies
     # what is left still answers: the first chain, and the host blocks' first eight
-    keys = compute_seq_hash_for_block([local for _, local in chains[0]])
+    keys = chained_hashes([local for _, local in chains[0]])
     assert ix.overlaps(keys) == {A: TierOverlap(8)}
     assert ix.store(A, HOST_PINNED, host[7][0], [host[8]])  # its parent is still held

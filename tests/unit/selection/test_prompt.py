@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kv_slot_tracker.core.hashing import compute_block_hash_for_seq
+from kv_slot_tracker.core.hashing import compute_block_hash_for_seq, signed_hashes, to_unsigned
 from kv_slot_tracker.core.selection import (
     normalize_prompt,
     prompt_from_hashes,
     prompt_from_tokens,
-    to_i64,
 )
 from kv_slot_tracker.core.selection.errors import (
     HashLengthMismatch,
@@ -23,9 +22,10 @@ from kv_slot_tracker.core.selection.errors import (
 
 def test_token_prompt_matches_the_reference_vectors() -> None:
     p = prompt_from_tokens(list(range(10)), 4)
-    assert p.block_hashes == (9143094415614847814, 12124091508212882195)
-    assert p.sequence_hashes == (9143094415614847814, 9510318385840434533)
-    assert [to_i64(h) for h in p.sequence_hashes] == [9143094415614847814, -8936425687869117083]
+    # kept signed (the API's form); as u64 the reference's vectors
+    assert [to_unsigned(h) for h in p.block_hashes] == [9143094415614847814, 12124091508212882195]
+    assert [to_unsigned(h) for h in p.sequence_hashes] == [9143094415614847814, 9510318385840434533]
+    assert p.sequence_hashes == (9143094415614847814, -8936425687869117083)
     assert p.isl_tokens == 10
     assert p.from_tokens
     assert p.precomputed_chain == list(p.sequence_hashes)
@@ -35,7 +35,9 @@ def test_lora_changes_the_token_hashes() -> None:
     plain = prompt_from_tokens(list(range(8)), 4)
     lora = prompt_from_tokens(list(range(8)), 4, "adapter-a")
     assert lora.block_hashes != plain.block_hashes
-    assert list(lora.block_hashes) == compute_block_hash_for_seq(list(range(8)), 4, "adapter-a")
+    assert list(lora.block_hashes) == signed_hashes(
+        compute_block_hash_for_seq(list(range(8)), 4, "adapter-a")
+    )
     assert prompt_from_tokens(list(range(8)), 4, "") == plain  # empty name = no LoRA
 
 
@@ -51,10 +53,10 @@ def test_token_ids_win_over_hash_fields() -> None:
     assert len(p.block_hashes) == 1
 
 
-def test_hash_triple_is_normalised_to_unsigned() -> None:
+def test_hash_triple_passes_through_signed() -> None:
     p = normalize_prompt(block_size=4, block_hashes=[-1, 5], sequence_hashes=[-2, 6], isl_tokens=3)
-    assert p.block_hashes == (2**64 - 1, 5)
-    assert p.sequence_hashes == (2**64 - 2, 6)
+    assert p.block_hashes == (-1, 5)
+    assert p.sequence_hashes == (-2, 6)
     assert p.isl_tokens == 3  # may be smaller than len * bs
     assert not p.from_tokens
     assert p.precomputed_chain is None
