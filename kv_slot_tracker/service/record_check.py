@@ -53,20 +53,25 @@ def _uint(v: Any, high: int) -> bool:
 
 def check_envelope(rec: dict[str, Any]) -> str:
     """A tracker record's key, block size and kind (``topology``, ``event`` or ``early``)."""
-    kinds = [k for k in _KINDS if k in rec]
-    if len(kinds) != 1:
+    has_event = "event" in rec  # the common kind, tested first; one kind and only one
+    if has_event + ("topology" in rec) + ("early" in rec) != 1:
+        kinds = [k for k in _KINDS if k in rec]
         raise RejectedRecord(ENVELOPE, f"a record carries one of {_KINDS}, not {kinds}")
-    if type(rec.get("model_name")) is not str or type(rec.get("routing_group")) is not str:
+    model, group, block_size = (
+        rec.get("model_name"),
+        rec.get("routing_group"),
+        rec.get("block_size"),
+    )
+    if type(model) is not str or type(group) is not str:
         raise RejectedRecord(
             ENVELOPE,
-            f"model_name and routing_group must be strings, not "
-            f"{rec.get('model_name')!r:.80}, {rec.get('routing_group')!r:.80}",
+            f"model_name and routing_group must be strings, not {model!r:.80}, {group!r:.80}",
         )
-    if len(rec["model_name"]) > MAX_NAME_LENGTH or len(rec["routing_group"]) > MAX_NAME_LENGTH:
+    if len(model) > MAX_NAME_LENGTH or len(group) > MAX_NAME_LENGTH:
         raise RejectedRecord(ENVELOPE, f"model_name or routing_group over {MAX_NAME_LENGTH}")
-    if not _uint(rec.get("block_size"), MAX_BLOCK_SIZE):
-        raise RejectedRecord(ENVELOPE, f"block_size {rec.get('block_size')!r:.80} is not a u32")
-    return kinds[0]
+    if type(block_size) is not int or not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise RejectedRecord(ENVELOPE, f"block_size {block_size!r:.80} is not a u32")
+    return "event" if has_event else "topology" if "topology" in rec else "early"
 
 
 def check_topology(op: Any) -> tuple[str, Any]:
