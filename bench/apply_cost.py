@@ -12,8 +12,8 @@ then the batch of their 50 frees), timed apart.
 Several ``--repo`` (checkouts of the commits to compare, e.g. ``git archive`` exports) are
 measured in one run, each round running every repo in turn in its own process, so a busy
 machine weighs on all of them alike. With ``--instructions`` each repo runs under callgrind
-instead and the script reports instructions per record (a run that applies minus one that only
-builds the records), which do not depend on what else the machine is doing.
+instead and the script reports instructions per record (a run that applies minus one that does
+everything else), which do not depend on what else the machine is doing.
 
     .venv/bin/python bench/apply_cost.py [--repo PATH ...] [--n 20000] [--rounds 5]
     PYTHONHASHSEED=0 .venv/bin/python bench/apply_cost.py --instructions [--repo PATH ...]
@@ -104,13 +104,19 @@ def records(n: int) -> list[dict[str, Any]]:
     return [msgpack.unpackb(p, raw=False) for p in payloads]
 
 
+def consumer_of(recs: list[dict[str, Any]]) -> tuple[Any, list[list[dict[str, Any]]]]:
+    """A fresh service to apply ``recs`` and the batches of ``BATCH`` records, in their order."""
+    consumer = _service(None, 2)
+    batches = [recs[i : i + BATCH] for i in range(0, len(recs), BATCH)]
+    gc.collect()
+    return consumer, batches
+
+
 def apply_mixed(recs: list[dict[str, Any]]) -> float:
     """CPU seconds to apply ``recs`` in batches of ``BATCH``, in their order, on a fresh
     service."""
-    consumer = _service(None, 2)
-    batches = [recs[i : i + BATCH] for i in range(0, len(recs), BATCH)]
+    consumer, batches = consumer_of(recs)
     apply = consumer.replica.apply_remote
-    gc.collect()
     start = time.process_time()
     for batch in batches:
         apply(batch)
@@ -152,7 +158,8 @@ def inner(repo: Path, n: int, what: str) -> None:
         print(json.dumps(out))
     elif what == "apply":
         apply_mixed(recs)
-    # "base": the records only
+    else:  # "base": everything but applying the records
+        consumer_of(recs)
 
 
 def instructions(repo: Path, n: int) -> float:

@@ -84,14 +84,6 @@ def worker_to_wire(w: WorkerWithDpRank) -> dict[str, int]:
     return {"worker_id": w.worker_id, "dp_rank": w.dp_rank}
 
 
-def worker_from_wire(obj: Any) -> WorkerWithDpRank:
-    if isinstance(obj, dict):
-        wid, rank = obj.get("worker_id"), obj.get("dp_rank", 0)
-        if type(wid) is int and type(rank) is int and 0 <= wid <= U64_MAX and 0 <= rank <= U32_MAX:
-            return WorkerWithDpRank(wid, rank)
-    raise EventDecodeError(f"invalid worker: {obj!r:.200}")
-
-
 def _is_uint(v: Any, bits: int) -> TypeGuard[int]:
     return type(v) is int and 0 <= v < (1 << bits)
 
@@ -140,26 +132,39 @@ def event_from_wire(obj: Any) -> ActiveSequenceEvent:
         raise EventDecodeError("not an ActiveSequenceEvent")
     try:
         rid = obj["request_id"]
-        worker = worker_from_wire(obj["worker"])
+        w = obj["worker"]
         raw = obj["data"]
         router_id = obj["router_id"]
     except KeyError as e:
         raise EventDecodeError(f"missing field {e}") from None
+    if not isinstance(w, dict):
+        raise EventDecodeError(f"invalid worker: {w!r:.200}")
+    wid, rank = w.get("worker_id"), w.get("dp_rank", 0)
+    if (
+        type(wid) is not int
+        or type(rank) is not int
+        or not 0 <= wid <= U64_MAX
+        or not 0 <= rank <= U32_MAX
+    ):
+        raise EventDecodeError(f"invalid worker: {w!r:.200}")
     lora = obj.get("lora_name")
     if type(router_id) is not int or not isinstance(rid, str) or not 0 <= router_id <= U64_MAX:
         raise EventDecodeError("invalid request_id or router_id")
     if lora is not None and not isinstance(lora, str):
         raise EventDecodeError("invalid lora_name")
     data: EventData
-    if raw == "Free":
+    if isinstance(raw, dict):  # a map never equals the unit variants' strings
+        add = raw.get("AddRequest")
+        if not isinstance(add, dict) or len(raw) != 1:
+            raise EventDecodeError(f"unknown event data: {raw!r:.200}")
+        data = _add_from_wire(add)
+    elif raw == "Free":
         data = FREE
     elif raw == "MarkPrefillCompleted":
         data = MARK_PREFILL_COMPLETED
-    elif isinstance(raw, dict) and len(raw) == 1 and isinstance(raw.get("AddRequest"), dict):
-        data = _add_from_wire(raw["AddRequest"])
     else:
         raise EventDecodeError(f"unknown event data: {raw!r:.200}")
-    return ActiveSequenceEvent(rid, worker, data, router_id, lora)
+    return ActiveSequenceEvent(rid, WorkerWithDpRank(wid, rank), data, router_id, lora)
 
 
 _INT = {int}
