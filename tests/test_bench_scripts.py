@@ -63,6 +63,22 @@ def test_edge_cost_runs_every_workload() -> None:
     ]
 
 
+def test_apply_cost_applies_every_record() -> None:
+    """apply_cost's figures are of records that were all applied (it asserts none was
+    rejected), on this code."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "apply_cost.py"), "--n", "100", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = done.stdout.splitlines()
+    assert "us CPU per record (adds and frees alternating)" in line
+    assert "1 rounds of 200 records" in line
+
+
 def test_edge_cost_counts_opcodes_per_function() -> None:
     """``--opcodes`` traces the measured calls only: the batch's own functions are listed."""
     done = subprocess.run(

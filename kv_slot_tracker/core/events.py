@@ -9,15 +9,15 @@ here, in both directions, so instances of earlier versions read and write the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+import msgspec
+
 from .hashing import signed_hashes, unsigned_hashes
-from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
+from .types import NS_PER_S, U32_MAX, U64_MAX, PrefillLoadHint, WorkerWithDpRank
 
 
-@dataclass(frozen=True, slots=True)
-class AddRequest:
+class AddRequest(msgspec.Struct, frozen=True):
     """A peer's add as the seeds' replica event carries it (``ActiveSequenceEventData::
     AddRequest``), not a second add command: what the producing tracker resolved from the
     command (``kv_slot_tracker.core.commands.Add``): the prompt as block hashes, whether prefill
@@ -30,13 +30,11 @@ class AddRequest:
     prefill_load_hint: PrefillLoadHint | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Free:
+class Free(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class MarkPrefillCompleted:
+class MarkPrefillCompleted(msgspec.Struct, frozen=True):
     pass
 
 
@@ -45,8 +43,11 @@ FREE = Free()
 MARK_PREFILL_COMPLETED = MarkPrefillCompleted()
 
 
-@dataclass(frozen=True, slots=True)
-class ActiveSequenceEvent:
+class ActiveSequenceEvent(msgspec.Struct, frozen=True):
+    """One lifecycle change of one request. The event types are frozen msgspec structs, built
+    in C: a peer's every record becomes one (and an add one more), where a frozen dataclass
+    cost a ``object.__setattr__`` call per field."""
+
     request_id: str
     worker: WorkerWithDpRank
     data: EventData
@@ -81,15 +82,6 @@ def duration_from_wire(obj: Any) -> int | None:
 
 def worker_to_wire(w: WorkerWithDpRank) -> dict[str, int]:
     return {"worker_id": w.worker_id, "dp_rank": w.dp_rank}
-
-
-def worker_from_wire(obj: Any) -> WorkerWithDpRank:
-    if not isinstance(obj, dict):
-        raise EventDecodeError(f"invalid worker: {obj!r}")
-    wid, rank = obj.get("worker_id"), obj.get("dp_rank", 0)
-    if not _is_uint(wid, 64) or not _is_uint(rank, 32):
-        raise EventDecodeError(f"invalid worker: {obj!r}")
-    return WorkerWithDpRank(wid, rank)
 
 
 def _is_uint(v: Any, bits: int) -> TypeGuard[int]:
@@ -131,41 +123,78 @@ def event_to_wire(ev: ActiveSequenceEvent) -> dict[str, Any]:
 
 
 def event_from_wire(obj: Any) -> ActiveSequenceEvent:
+    """A peer's event as the record carries it, every field checked (types, u32/u64 ranges).
+
+    Every applied record passes through here, so the checks are written for speed: one type
+    test and two comparisons per number, and a prompt's hashes checked and converted in C
+    (``hashes_from_wire``)."""
     if not isinstance(obj, dict) or "events" in obj:
         raise EventDecodeError("not an ActiveSequenceEvent")
     try:
         rid = obj["request_id"]
-        worker = worker_from_wire(obj["worker"])
+        w = obj["worker"]
         raw = obj["data"]
         router_id = obj["router_id"]
     except KeyError as e:
         raise EventDecodeError(f"missing field {e}") from None
+    if not isinstance(w, dict):
+        raise EventDecodeError(f"invalid worker: {w!r:.200}")
+    wid, rank = w.get("worker_id"), w.get("dp_rank", 0)
+    if (
+        type(wid) is not int
+        or type(rank) is not int
+        or not 0 <= wid <= U64_MAX
+        or not 0 <= rank <= U32_MAX
+    ):
+        raise EventDecodeError(f"invalid worker: {w!r:.200}")
     lora = obj.get("lora_name")
-    if not isinstance(rid, str) or not _is_uint(router_id, 64):
+    if type(router_id) is not int or not isinstance(rid, str) or not 0 <= router_id <= U64_MAX:
         raise EventDecodeError("invalid request_id or router_id")
     if lora is not None and not isinstance(lora, str):
         raise EventDecodeError("invalid lora_name")
     data: EventData
-    if raw == "Free":
+    if isinstance(raw, dict):  # a map never equals the unit variants' strings
+        add = raw.get("AddRequest")
+        if not isinstance(add, dict) or len(raw) != 1:
+            raise EventDecodeError(f"unknown event data: {raw!r:.200}")
+        data = _add_from_wire(add)
+    elif raw == "Free":
         data = FREE
     elif raw == "MarkPrefillCompleted":
         data = MARK_PREFILL_COMPLETED
-    elif isinstance(raw, dict) and len(raw) == 1 and isinstance(raw.get("AddRequest"), dict):
-        data = _add_from_wire(raw["AddRequest"])
     else:
-        raise EventDecodeError(f"unknown event data: {raw!r}")
-    return ActiveSequenceEvent(rid, worker, data, router_id, lora)
+        raise EventDecodeError(f"unknown event data: {raw!r:.200}")
+    return ActiveSequenceEvent(rid, WorkerWithDpRank(wid, rank), data, router_id, lora)
+
+
+_INT = {int}
+
+
+def hashes_from_wire(seq: Any) -> list[int]:
+    """A prompt as records carry it (a list of u64) in the service's signed form, checked and
+    converted in C: the types (an int and nothing else, so not a bool either), then the range
+    (``signed_hashes`` raises OverflowError below 0 and from 2^64). Raises EventDecodeError."""
+    if not isinstance(seq, list):
+        raise EventDecodeError("invalid token_sequence")
+    if not seq:
+        return []
+    if set(map(type, seq)) != _INT:
+        raise EventDecodeError("invalid token_sequence")
+    try:
+        return signed_hashes(seq)
+    except OverflowError:
+        raise EventDecodeError("invalid token_sequence") from None
 
 
 def _add_from_wire(a: dict[str, Any]) -> AddRequest:
     seq = a.get("token_sequence")
-    if seq is not None and (not isinstance(seq, list) or not all(_is_uint(h, 64) for h in seq)):
-        raise EventDecodeError("invalid token_sequence")
     if seq is not None:
-        seq = signed_hashes(seq)
+        seq = hashes_from_wire(seq)
     track = a.get("track_prefill_tokens", True)
     eot = a.get("expected_output_tokens")
-    if not isinstance(track, bool) or (eot is not None and not _is_uint(eot, 32)):
+    if type(track) is not bool or (
+        eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX)
+    ):
         raise EventDecodeError("invalid AddRequest fields")
     raw_hint = a.get("prefill_load_hint")
     hint = None

@@ -65,10 +65,10 @@ def to_unsigned(h: int) -> int:
 
 
 def signed_hashes(hashes: Sequence[int]) -> list[int]:
-    """Unsigned u64 hashes (as records and snapshots carry them) in the service's form; a list
-    of values below 2^63 is the same list. Raises OverflowError for a value outside u64."""
-    if not hashes or max(hashes) < _SIGN:
-        return list(hashes)
+    """Unsigned u64 hashes (as records and snapshots carry them) in the service's form, converted
+    in C; values below 2^63 stay as they are. Raises OverflowError for a value outside u64 (below
+    0 or from 2^64), TypeError for a value that is not an integer; a bool passes as 0 or 1, so
+    input that may hold one checks the types first (``kv_slot_tracker.core.events``)."""
     return array("q", array("Q", hashes).tobytes()).tolist()
 
 

@@ -323,10 +323,27 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         started_at: int | None,
     ) -> None:
-        outcome = slot.add_request_with_prefill_tracking(
-            rid, seq, eot, track, hint, decay_now, started_at
-        )
-        self._after_expiry(worker, outcome)
+        if rid in slot.requests:  # the slot logs and ignores it
+            slot.add_request_with_prefill_tracking(
+                rid, seq, eot, track, hint, decay_now, started_at
+            )
+        else:  # what that call does, with force_expiry's rate check before its call
+            now = self.clock()
+            if now >= slot.next_expiry_check:
+                self._after_expiry(worker, slot.force_expiry())
+            tokens, duration_ns = 0, None
+            if track and hint is not None:
+                tokens = hint.initial_effective_prefill_tokens
+                duration_ns = hint.expected_prefill_duration_ns
+            slot.admit(
+                rid,
+                list(seq) if seq else [],
+                eot,
+                tokens,
+                duration_ns,
+                decay_now,
+                now if started_at is None else started_at,
+            )
         self._columns.changed.add(worker)
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:

@@ -13,7 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from kv_slot_tracker.core.errors import TrackerError
-from kv_slot_tracker.core.events import EventDecodeError, event_from_wire
+from kv_slot_tracker.core.events import (
+    ActiveSequenceEvent,
+    AddRequest,
+    EventDecodeError,
+    event_from_wire,
+)
 from kv_slot_tracker.core.limits import (
     MAX_BLOCK_SIZE,
     MAX_ID_LENGTH,
@@ -51,22 +56,29 @@ def _uint(v: Any, high: int) -> bool:
     return type(v) is int and 0 <= v <= high
 
 
-def check_envelope(rec: dict[str, Any]) -> str:
-    """A tracker record's key, block size and kind (``topology``, ``event`` or ``early``)."""
-    kinds = [k for k in _KINDS if k in rec]
-    if len(kinds) != 1:
+def check_envelope(rec: dict[str, Any]) -> tuple[str, tuple[str, str], int]:
+    """A tracker record's kind (``topology``, ``event`` or ``early``), key (model name, routing
+    group) and block size."""
+    has_event = "event" in rec  # the common kind, tested first; one kind and only one
+    if has_event + ("topology" in rec) + ("early" in rec) != 1:
+        kinds = [k for k in _KINDS if k in rec]
         raise RejectedRecord(ENVELOPE, f"a record carries one of {_KINDS}, not {kinds}")
-    if type(rec.get("model_name")) is not str or type(rec.get("routing_group")) is not str:
+    model, group, block_size = (
+        rec.get("model_name"),
+        rec.get("routing_group"),
+        rec.get("block_size"),
+    )
+    if type(model) is not str or type(group) is not str:
         raise RejectedRecord(
             ENVELOPE,
-            f"model_name and routing_group must be strings, not "
-            f"{rec.get('model_name')!r:.80}, {rec.get('routing_group')!r:.80}",
+            f"model_name and routing_group must be strings, not {model!r:.80}, {group!r:.80}",
         )
-    if len(rec["model_name"]) > MAX_NAME_LENGTH or len(rec["routing_group"]) > MAX_NAME_LENGTH:
+    if len(model) > MAX_NAME_LENGTH or len(group) > MAX_NAME_LENGTH:
         raise RejectedRecord(ENVELOPE, f"model_name or routing_group over {MAX_NAME_LENGTH}")
-    if not _uint(rec.get("block_size"), MAX_BLOCK_SIZE):
-        raise RejectedRecord(ENVELOPE, f"block_size {rec.get('block_size')!r:.80} is not a u32")
-    return kinds[0]
+    if type(block_size) is not int or not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise RejectedRecord(ENVELOPE, f"block_size {block_size!r:.80} is not a u32")
+    kind = "event" if has_event else "topology" if "topology" in rec else "early"
+    return kind, (model, group), block_size
 
 
 def check_topology(op: Any) -> tuple[str, Any]:
@@ -105,7 +117,7 @@ def _triple(w: Any) -> tuple[int, int, int]:
     return w[0], w[1], w[2]
 
 
-def check_event(wire: Any, max_hashes: int) -> Any:
+def check_event(wire: Any, max_hashes: int) -> ActiveSequenceEvent:
     """A lifecycle event decoded (``kv_slot_tracker.core.events`` checks every field's type and range), with
     at most ``max_hashes`` prompt blocks, as ``/add`` allows."""
     try:
@@ -114,11 +126,14 @@ def check_event(wire: Any, max_hashes: int) -> Any:
         raise RejectedRecord(EVENT, str(err)) from None
     if len(event.request_id) > MAX_ID_LENGTH:
         raise RejectedRecord(EVENT, f"request_id longer than {MAX_ID_LENGTH}")
-    if event.lora_name is not None and len(event.lora_name) > MAX_NAME_LENGTH:
+    lora = event.lora_name
+    if lora is not None and len(lora) > MAX_NAME_LENGTH:
         raise RejectedRecord(EVENT, f"lora_name longer than {MAX_NAME_LENGTH}")
-    seq = getattr(event.data, "token_sequence", None)
-    if seq is not None and len(seq) > max_hashes:
-        raise RejectedRecord(EVENT, f"{len(seq)} prompt blocks exceed the maximum {max_hashes}")
+    data = event.data
+    if type(data) is AddRequest:
+        seq = data.token_sequence
+        if seq is not None and len(seq) > max_hashes:
+            raise RejectedRecord(EVENT, f"{len(seq)} prompt blocks exceed the maximum {max_hashes}")
     return event
 
 

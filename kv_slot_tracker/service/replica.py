@@ -269,12 +269,10 @@ class ReplicaRecords:
                 return False
             rc.check_selection(rec["selection"], self.max_hashes)
             return self.selection.apply_peer(rec["selection"], self.producer_instant(rec["ts"]))
-        kind = rc.check_envelope(rec)
-        key = (rec["model_name"], rec["routing_group"])
-        block_size = rec["block_size"]
-        if kind == "topology":
-            return self._apply_topology(key, block_size, rec["topology"], rec["ts"])
-        if kind == "early":
+        kind, key, block_size = rc.check_envelope(rec)
+        if kind != "event":
+            if kind == "topology":
+                return self._apply_topology(key, block_size, rec["topology"], rec["ts"])
             return self._apply_early(key, rec["early"], rec["ts"], effects)
         event = rc.check_event(rec["event"], self.max_hashes)
         t = self.registry.find(key)
@@ -299,7 +297,7 @@ class ReplicaRecords:
             if t.has_request(rid) and not self._replace_own_copy(key, t, rid, eff):
                 self.duplicate_adds += 1  # the copy here came first in the stream: keep it
                 return False
-        changed = t.apply_replica_event(event, eff, decay_now=instant, started_at=instant)
+        changed = t.apply_replica_event(event, eff, instant, instant)
         if changed and early is not None and rec["ts"] <= early.ts:  # a pending mark
             self._complete_prefill(t, event.request_id, early.ts, eff)
             self.early.discard((key[0], key[1], event.request_id))  # type: ignore[union-attr]

@@ -163,3 +163,14 @@ def test_block_size_changes_grouping() -> None:
     assert by_two[0] == compute_block_hash_for_seq([1, 2], 2)[0]
     assert by_two[1] == compute_block_hash_for_seq([3, 4], 2)[0]
     assert by_two != compute_block_hash_for_seq([1, 2, 3, 4], 4) * 2
+
+
+def test_signed_hashes_converts_the_u64_range_and_refuses_what_is_outside() -> None:
+    assert signed_hashes([]) == []
+    assert signed_hashes([0, 2**63 - 1, 2**63, 2**64 - 1]) == [0, 2**63 - 1, -(2**63), -1]
+    assert signed_hashes((5, 6)) == [5, 6]
+    for outside in ([-1], [1, -1], [2**64], [2**63, -(2**63)]):
+        with pytest.raises(OverflowError):
+            signed_hashes(outside)
+    with pytest.raises(TypeError):
+        signed_hashes([1.0])  # type: ignore[list-item]
