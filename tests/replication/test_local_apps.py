@@ -6,6 +6,7 @@ process that joins after the hub forgot the first frames loads a sibling's state
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -123,6 +124,13 @@ async def test_by_default_unknown_ids_are_answered_as_one_process_answers_them(h
         assert (await b.call("free", "r1")).status_code == 200
         await until(_same([a, b]), what="both alike")
         assert sum(row["active_requests"] for row in await a.loads()) == 0
+
+        # calls waiting at once share barriers: the first asks, those arriving meanwhile share
+        # the next (each costs every sibling a flush), and every one is still answered right
+        before = hub.counters.barriers
+        answers = await asyncio.gather(*(b.call("prefill_complete", f"no{i}") for i in range(20)))
+        assert [r.status_code for r in answers] == [404] * 20
+        assert hub.counters.barriers - before <= 3
 
 
 async def test_the_barrier_has_a_sibling_send_what_it_acknowledged(hub: Hub) -> None:

@@ -84,7 +84,8 @@ class Follower:
         self._own_through = 0  # own records up to here are in the loaded state
         self._write: Callable[[bytes], None] | None = None
         self._tokens = count(1)
-        self._heads: dict[int, asyncio.Future[int]] = {}
+        self._heads: dict[int, asyncio.Future[int]] = {}  # barriers asked, by token
+        self._next_head: asyncio.Future[int] | None = None  # the barrier to ask once one returns
         self._waits: list[tuple[int, asyncio.Future[None]]] = []
         self._told = 0  # the position last told to the hub
         self._tell: asyncio.TimerHandle | None = None
@@ -106,10 +107,11 @@ class Follower:
         self._write = None
         self._flushes.clear()  # the hub forgets what it asked this connection
         self._pieces = []
-        for fut in self._heads.values():
-            if not fut.done():
+        for fut in [*self._heads.values(), self._next_head]:
+            if fut is not None and not fut.done():
                 fut.cancel()
         self._heads.clear()
+        self._next_head = None
 
     # -- frames -------------------------------------------------------------------------------
 
@@ -129,6 +131,8 @@ class Follower:
                 fut = self._heads.pop(token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(head)
+                if self._next_head is not None:
+                    self._ask_head()
             elif kind == f.FLUSH:
                 (token,) = f.U64.unpack_from(frame, 1)
                 self._flush(token)
@@ -316,21 +320,24 @@ class Follower:
 
     async def caught_up(self, timeout_s: float) -> bool:
         """True once every frame the hub had sequenced when called is applied here; False
-        when that could not be established within ``timeout_s``."""
-        write = self._write
-        if write is None or timeout_s <= 0 or not self.ready():
+        when that could not be established within ``timeout_s``.
+
+        Barriers are shared: at most one ``HEAD?`` is in flight, and the calls arriving
+        meanwhile share the next one, asked when it returns (so after they arrived). Each costs
+        every sibling a flush, so under load this bounds them to one per round trip."""
+        if self._write is None or timeout_s <= 0 or not self.ready():
             return False
-        loop = asyncio.get_running_loop()
-        token = next(self._tokens)
-        head_fut: asyncio.Future[int] = loop.create_future()
-        self._heads[token] = head_fut
+        head_fut = self._next_head
+        if head_fut is None:
+            head_fut = self._next_head = asyncio.get_running_loop().create_future()
+            if not self._heads:
+                self._ask_head()
         try:
             async with asyncio.timeout(timeout_s):
-                write(f.frame_u64(f.HEAD_ASK, token))
-                head = await head_fut
+                head = await asyncio.shield(head_fut)  # shared: a timeout here cancels no other
                 if head <= self.position:
                     return True
-                fut: asyncio.Future[None] = loop.create_future()
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._waits.append((head, fut))
                 await fut
                 return True
@@ -338,5 +345,12 @@ class Follower:
             if asyncio.current_task() is not None and asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise
             return False
-        finally:
-            self._heads.pop(token, None)
+
+    def _ask_head(self) -> None:
+        """Ask the hub for the barrier the waiting calls share."""
+        fut, self._next_head = self._next_head, None
+        if fut is None or self._write is None:
+            return
+        token = next(self._tokens)
+        self._heads[token] = fut
+        self._write(f.frame_u64(f.HEAD_ASK, token))
