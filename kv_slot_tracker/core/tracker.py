@@ -274,23 +274,17 @@ class ActiveSequencesMultiWorker:
         requests.add(request_id, worker, add.lora_name)
         ms = add.expected_prefill_ms
         duration_ns = round(ms * NS_PER_MS) if tokens > 0 and ms is not None else None
-        if request_id in slot.requests:  # the slot logs and ignores it; keep the index as is
-            slot.add_request_with_prefill_tracking(
-                request_id, prompt, add.expected_output_tokens, False, None, decay_now
-            )
-        else:
-            now = self.clock()
-            if now >= slot.next_expiry_check:  # force_expiry's rate check, before its call
-                self._after_expiry(worker, slot.force_expiry())
-            slot.admit(
-                request_id,
-                list(prompt) if prompt else [],
-                add.expected_output_tokens,
-                tokens if track else 0,
-                duration_ns,
-                decay_now,
-                now,
-            )
+        if self._admit(
+            worker,
+            slot,
+            request_id,
+            prompt,
+            add.expected_output_tokens,
+            tokens if track else 0,
+            duration_ns,
+            decay_now,
+            None,
+        ):
             self._columns.changed.add(worker)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
@@ -323,28 +317,43 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         started_at: int | None,
     ) -> None:
-        if rid in slot.requests:  # the slot logs and ignores it
-            slot.add_request_with_prefill_tracking(
-                rid, seq, eot, track, hint, decay_now, started_at
-            )
-        else:  # what that call does, with force_expiry's rate check before its call
-            now = self.clock()
-            if now >= slot.next_expiry_check:
-                self._after_expiry(worker, slot.force_expiry())
-            tokens, duration_ns = 0, None
-            if track and hint is not None:
-                tokens = hint.initial_effective_prefill_tokens
-                duration_ns = hint.expected_prefill_duration_ns
-            slot.admit(
-                rid,
-                list(seq) if seq else [],
-                eot,
-                tokens,
-                duration_ns,
-                decay_now,
-                now if started_at is None else started_at,
-            )
+        tokens, duration_ns = 0, None
+        if track and hint is not None:
+            tokens = hint.initial_effective_prefill_tokens
+            duration_ns = hint.expected_prefill_duration_ns
+        self._admit(worker, slot, rid, seq, eot, tokens, duration_ns, decay_now, started_at)
         self._columns.changed.add(worker)
+
+    def _admit(
+        self,
+        worker: WorkerWithDpRank,
+        slot: ActiveSequences,
+        rid: str,
+        prompt: list[int] | None,
+        eot: int | None,
+        tokens: int,
+        duration_ns: int | None,
+        decay_now: int,
+        started_at: int | None,
+    ) -> bool:
+        """What ``add_request_with_prefill_tracking`` does, with ``force_expiry``'s rate check
+        read before its call: False for an id the slot holds already (it logs and ignores it)."""
+        if rid in slot.requests:
+            slot.add_request_with_prefill_tracking(rid, prompt, eot, False, None, decay_now)
+            return False
+        now = self.clock()
+        if now >= slot.next_expiry_check:
+            self._after_expiry(worker, slot.force_expiry())
+        slot.admit(
+            rid,
+            list(prompt) if prompt else [],
+            eot,
+            tokens,
+            duration_ns,
+            decay_now,
+            now if started_at is None else started_at,
+        )
+        return True
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
         for rid in outcome.expired_prompts:
