@@ -16,6 +16,7 @@ from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service import commands as c
 from tests.calls import AddCall, register
 from tests.fakes import FakeClock
+from tests.support.records import Records
 
 KEY = ("m", "default")
 PEER = 7
@@ -23,17 +24,6 @@ WALL = 1_700_000_000_000_000_000
 TOKENS_1_8 = [1, 2, 3, 4, 5, 6, 7, 8]
 SEQ_U64 = [14643705804678351452, 4945711292740353085]  # Appendix A, as the reference hashes
 SEQ_I64 = [-3803038269031200164, 4945711292740353085]  # the same, as the API sends them
-
-
-class Records:
-    """A record sink that keeps every record as the stream would carry it (msgpack bytes)."""
-
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
-
-    def publish(self, record: dict[str, Any]) -> int:
-        self.payloads.append(encode_record(record))
-        return len(self.payloads)
 
 
 def service(replicator: Records | None = None) -> SlotTrackerService:

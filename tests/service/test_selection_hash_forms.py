@@ -29,6 +29,7 @@ from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import SelectionService
 from tests.fakes import FakeClock
+from tests.support.records import Records
 
 WALL = 1_700_000_000_000_000_000
 S = 1_000_000_000
@@ -38,17 +39,6 @@ BH_U64 = [9143094415614847814, 12124091508212882195]
 SH_U64 = [9143094415614847814, 9510318385840434533]  # the chained hash /dump shows
 BH_I64 = [9143094415614847814, 12124091508212882195 - 2**64]
 SH_I64 = [9143094415614847814, -8936425687869117083]  # as the API sends and echoes them
-
-
-class Records:
-    """A record sink that keeps every record as the stream would carry it (msgpack bytes)."""
-
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
-
-    def publish(self, record: dict[str, Any]) -> int:
-        self.payloads.append(encode_record(record))
-        return len(self.payloads)
 
 
 def instance(
