@@ -111,3 +111,25 @@ async def test_while_redis_is_unreachable_calls_answer_503_and_change_nothing(
 
         await until(b_has_x, what="x on b")
         assert await a.add("z") == 201
+
+
+async def test_ids_the_barrier_proves_unknown_are_answered_as_one_instance(
+    redis_url: str, namespace: str
+) -> None:
+    """With durable acknowledgements every acknowledged add is in the stream, so after the read
+    barrier an id still unknown is certainly unknown: the answer is one instance's (a free of an
+    unknown model 404, of an unknown id 200), and a free still leaves its tombstone."""
+    async with running_apps(
+        settings(redis_url, namespace, replication_ack="redis"),
+        settings(redis_url, namespace, replication_ack="redis"),
+    ) as (a, b):
+        await register(a, [b])
+        r = await b.post("/free", {"model_name": "other", "request_id": "x"})
+        assert (r.status_code, r.json()) == (
+            404, {"error": "no slot tracker for model=other routing_group=default"}
+        )  # fmt: skip
+        assert (await b.call("free", "nowhere")).status_code == 200
+        r = await b.call("prefill_complete", "nowhere")
+        assert (r.status_code, r.json()) == (404, {"error": "Request nowhere not found"})
+        assert b.metric("consistency_tombstones_created_total") == 2
+        assert b.metric("consistency_marks_created_total") == 0
