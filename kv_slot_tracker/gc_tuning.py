@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+from collections.abc import Callable
 
 # allocations (net of deallocations) between young collections; CPython's default is 700
 GEN0_THRESHOLD = 50000
@@ -30,7 +31,7 @@ def tune_gc() -> None:
     gc.set_threshold(GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD)
 
 
-def _malloc_trim() -> object | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
@@ -50,5 +51,5 @@ def release_free_memory() -> bool:
     asked (False where the C library has no such call)."""
     if _TRIM is None:
         return False
-    _TRIM(0)  # type: ignore[operator]
+    _TRIM(0)
     return True

@@ -11,33 +11,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import platform
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from kv_slot_tracker import __version__
+from kv_slot_tracker.core.limits import Budgets
 from kv_slot_tracker.core.selection import RouterConfig
+from kv_slot_tracker.core.selection.receipts import ReceiptRing
 from kv_slot_tracker.core.types import NS_PER_S
 from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery, require_client
+from kv_slot_tracker.dynamo_flags import with_preset
 from kv_slot_tracker.http.app import build_http_app
 from kv_slot_tracker.ingest.peers import IndexPeers
 from kv_slot_tracker.ingest.zmq import ZmqIngest
-from kv_slot_tracker.observability import (
-    build_registry,
-    watch_consistency,
-    watch_discovery,
-    watch_ingest,
-    watch_selection,
-    watch_service,
-)
+from kv_slot_tracker.observability.discovery import watch_discovery
+from kv_slot_tracker.observability.kv_events import watch_ingest
+from kv_slot_tracker.observability.process import MemoryLimitCollector, build_registry
+from kv_slot_tracker.observability.selection import watch_selection
+from kv_slot_tracker.observability.tracker import watch_consistency, watch_service, watch_status
 from kv_slot_tracker.replication import Replication, make_replication
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.consistency import Consistency
+from kv_slot_tracker.service.memory import MemoryWatch, machine_memory_bytes
 from kv_slot_tracker.service.selection.service import SelectionService
 from kv_slot_tracker.settings import Settings, load_settings, peer_urls
 
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 def create_app(
     settings: Settings | None = None,
     *,
-    clock=None,
+    clock: Callable[[], int] | None = None,
     replication: Replication | None = None,
     wait_ready_s: float = 0.0,
     hub_socket: str | None = None,
@@ -73,8 +76,13 @@ def create_app(
         replicator=None if replication.mode == "embedded" else replication,
         **service_kwargs,
     )
+    service.registry.budgets = budgets_for(settings)
+    service.registry.resident = MemoryWatch()
     selection = build_selection(settings, service)
-    watch_service(registry, service)
+    watch_service(
+        registry, service, settings.metrics_max_label_chars, settings.metrics_max_rank_series
+    )
+    watch_status(registry, replication)
     watch_selection(registry, selection)
     ingest = index_peers = None
     if selection.config.use_kv_events:
@@ -82,6 +90,9 @@ def create_app(
             selection.kv_events,
             max_message_bytes=settings.kv_events_max_message_bytes,
             replay_timeout=settings.kv_events_replay_timeout_seconds,
+            max_batch_blocks=settings.kv_events_max_batch_blocks,
+            max_seq_jump=settings.kv_events_max_seq_jump,
+            gap_policy=settings.kv_events_gap_policy,
         )
         index_peers = IndexPeers(
             selection.kv_events,
@@ -90,24 +101,32 @@ def create_app(
             api_key=settings.api_key.get_secret_value(),
             timeout_s=settings.indexer_peers_timeout_seconds,
         )
-        watch_ingest(registry, ingest, selection.kv_events, index_peers)
+        watch_ingest(
+            registry, ingest, selection.kv_events, index_peers, settings.kv_events_silent_seconds
+        )
     discovery = None
     if settings.discovery_kubernetes_service:
         require_client()  # a clear start-up error when the [kubernetes] extra is missing
-        discovery = KubernetesDiscovery.from_settings(settings, service, replication)
+        discovery = KubernetesDiscovery.from_settings(settings, service, replication, selection)
         watch_discovery(registry, discovery)
     consistency = None
     if replication.mode != "embedded":
         consistency = make_consistency(settings, service, replication, registry)
 
+    sweeps = SweepRuns()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sweepers = [
-            asyncio.create_task(_expiry_sweeper(service, selection, settings), name="expiry-sweep")
+            asyncio.create_task(
+                _expiry_sweeper(service, selection, settings, sweeps), name="expiry-sweep"
+            )
         ]
         if settings.worker_ttl_seconds:
             sweepers.append(
-                asyncio.create_task(_lease_sweeper(service, replication, settings), name="leases")
+                asyncio.create_task(
+                    _lease_sweeper(service, replication, settings, sweeps), name="leases"
+                )
             )
         await replication.start(service)
         if index_peers is not None:  # loads the index from a peer (if any), then starts the ingest
@@ -150,7 +169,17 @@ def create_app(
     app.state.discovery = discovery
     app.state.replication = replication
     app.state.registry = registry
+    app.state.sweeps = sweeps
     return app
+
+
+@dataclasses.dataclass
+class SweepRuns:
+    """How many turns each background sweep has completed: what waits for a sweep (the tests)
+    waits for the count to move instead of for a time."""
+
+    expiry: int = 0
+    leases: int = 0
 
 
 def make_consistency(
@@ -177,8 +206,9 @@ def make_consistency(
 
 
 def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
-    """The router knobs: the ``router_*`` settings, then Dynamo's ``DYN_ROUTER_*`` variables."""
-    return RouterConfig(
+    """The router knobs: the ``router_*`` settings, then Dynamo's ``DYN_ROUTER_*`` variables,
+    then Dynamo's preset (``router_preset``, ``--agentic``, ``--load-aware``)."""
+    config = RouterConfig(
         overlap_score_credit=settings.router_overlap_score_credit,
         overlap_score_credit_decay=settings.router_overlap_score_credit_decay,
         prefill_load_scale=settings.router_prefill_load_scale,
@@ -187,7 +217,30 @@ def router_config(settings: Settings, env: Mapping[str, str]) -> RouterConfig:
         track_prefill_tokens=settings.router_track_prefill_tokens,
         router_ttl_secs=settings.router_ttl_seconds,
         use_kv_events=settings.router_use_kv_events,
+        assume_kv_reuse=settings.router_assume_kv_reuse,
     ).with_env(env)
+    return with_preset(config, settings.router_preset, env)  # a preset wins, as in Dynamo
+
+
+def budgets_for(settings: Settings, memory_limit: int | None = None) -> Budgets:
+    """The global budgets: the settings', those left 0 sized from the memory limit (the
+    container's, else the machine's, shared by the ``workers`` processes)."""
+    if memory_limit is None:
+        # the processes of one instance (``workers``) share the container: each its part
+        # ("auto": the cores this process may run on)
+        workers = settings.workers
+        count = len(os.sched_getaffinity(0)) if workers == "auto" else workers
+        memory_limit = (MemoryLimitCollector().limit_bytes() or machine_memory_bytes()) // max(
+            1, count
+        )
+    return Budgets.sized(
+        memory_limit,
+        memory_bytes=settings.memory_budget_bytes,
+        active_requests=settings.max_active_requests,
+        ranks=settings.max_ranks,
+        block_hashes=settings.max_block_hashes,
+        selection_workers=settings.max_selection_workers,
+    )
 
 
 def build_selection(
@@ -209,8 +262,17 @@ def build_selection(
         pending_max_bytes=settings.selection_cache_max_bytes,
         session_affinity_ttl_ns=round(settings.session_affinity_ttl_seconds * NS_PER_S),
         max_hashes_per_request=settings.max_hashes_per_request,
+        tombstone_ttl_ns=settings.reservation_tombstone_ttl_seconds * NS_PER_S,
+        tombstone_capacity=settings.reservation_tombstone_capacity,
+        tombstone_max_bytes=settings.reservation_tombstone_max_bytes,
+        receipts=ReceiptRing(settings.selection_receipts_max, settings.selection_receipts_max_bytes)
+        if settings.selection_receipts
+        else None,
+        instance=f"{platform.node()}/{service.instance_id}",
     )
     service.replica.bind_selection(selection.replica)
+    if selection.receipts is not None:
+        service.report_outcomes_to(selection.request_outcome)
     return selection
 
 
@@ -227,15 +289,18 @@ def startup_summary(settings: Settings, replication: Replication) -> str:
         via = (
             f"{status.redis}, namespace {status.namespace}"
             if status.redis
-            else "the workers hub of this host"
+            else "the supervisor's hub of this host"
         )
         mode = f"replicated through {via}, instance {status.instance_id}, acknowledgements {ack}"
     key = "an API key is required" if settings.api_key.get_secret_value() else "no API key (open)"
-    return f"kv-slot-tracker {__version__} on {where} (docs {where}/docs): {mode}; {key}"
+    docs = f"docs {where}/docs"
+    if settings.selection_port:
+        docs += f"; selection API also at http://{settings.host}:{settings.selection_port}/"
+    return f"kv-slot-tracker {__version__} on {where} ({docs}): {mode}; {key}"
 
 
 async def _lease_sweeper(
-    service: SlotTrackerService, replication: Replication, settings: Settings
+    service: SlotTrackerService, replication: Replication, settings: Settings, runs: SweepRuns
 ) -> None:
     """Unregister the workers whose lease ran out, checked ten times per ttl (at least every
     second); not before the instance holds the shared state."""
@@ -253,6 +318,7 @@ async def _lease_sweeper(
                 )
         except Exception:  # never let the sweeper die
             log.exception("lease sweep failed")
+        runs.leases += 1
 
 
 async def _until_ready(replication: Replication, timeout_s: float) -> None:
@@ -268,7 +334,7 @@ async def _until_ready(replication: Replication, timeout_s: float) -> None:
 
 
 async def _expiry_sweeper(
-    service: SlotTrackerService, selection: SelectionService, settings: Settings
+    service: SlotTrackerService, selection: SelectionService, settings: Settings, runs: SweepRuns
 ) -> None:
     """Force expiry on every tracker now and then every interval; missed ticks are skipped."""
     interval = settings.force_expiry_interval_seconds
@@ -282,4 +348,5 @@ async def _expiry_sweeper(
                 log.info("selection sweep dropped %d expired entries", swept)
         except Exception:  # never let the sweeper die
             log.exception("expiry sweep failed")
+        runs.expiry += 1
         await asyncio.sleep(interval)

@@ -2,13 +2,19 @@
 
 Sources, lowest precedence first:
 
-1. ``config/default.toml`` (the class defaults below mirror it, so an installed package
-   without the file behaves the same);
+1. ``kv_slot_tracker/config/default.toml``, package data read through ``importlib.resources``
+   (the class defaults below mirror it);
 2. the TOML file given with ``--config FILE``;
 3. ``SLOT_TRACKER_*`` environment variables (``SLOT_TRACKER_PORT=9000``);
 4. explicit overrides (keyword arguments, e.g. from command-line flags).
 
-Use :func:`load_settings`; ``Settings()`` alone reads sources 1, 3 and 4.
+Use :func:`load_settings`: it is the one validation that both ``--check-config`` and start-up
+run, so the two cannot disagree. It checks every value and every rule between values (the
+model's validators), then what only the machine can answer (files that must be readable, TLS
+material that must load, optional packages that must be installed), and raises
+:class:`ConfigError` with one :class:`Problem` per finding, each naming where the value came
+from: the flag, the variable, or the file and line. ``Settings()`` alone reads sources 1, 3 and
+4 and checks values and rules only.
 """
 
 from __future__ import annotations
@@ -16,35 +22,54 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS, MAX_DP_SIZE, MAX_NAME_LENGTH
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import NS_PER_S, U32_MAX, U64_MAX
+from kv_slot_tracker.cores import process_count
 
 ENV_PREFIX = "SLOT_TRACKER_"
-DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+RULES_ERROR = "settings_rules"  # the pydantic error type carrying the broken rules
+# Package data, so that a regular (not editable) install and the image find it.
+DEFAULT_CONFIG_FILE: Traversable = files("kv_slot_tracker").joinpath("config", "default.toml")
+DEFAULT_CONFIG_NAME = "kv_slot_tracker/config/default.toml"
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
-# TOML files read by the settings being built now, lowest precedence first. A context variable
-# rather than a class attribute, so building settings never leaks into another build.
-_config_files: ContextVar[tuple[Path, ...]] = ContextVar(
-    "_config_files", default=(DEFAULT_CONFIG_FILE,)
-)
+# The values of the TOML files read by the settings being built now (None: the packaged
+# defaults alone). A context variable rather than a class attribute, so building settings never
+# leaks into another build.
+_file_values: ContextVar[Mapping[str, Any] | None] = ContextVar("_file_values", default=None)
 
 
 MAX_INDEXER_PEERS = 16
+WORKERS_TRANSPORT_REDIS_REMOVED = (
+    'workers_transport = "redis" (a private redis-server for the processes) was removed: it '
+    "cost more CPU per write and more visibility lag than the supervisor's hub; "
+    'use workers_transport = "local" (the default), or set redis_url (or Sentinel, or Cluster) '
+    "for the processes to share a Redis of yours"
+)
+KUBERNETES_CLIENT_MISSING = (
+    "discovery_kubernetes_service is set but the Kubernetes client is not installed: "
+    "pip install 'kv-slot-tracker[kubernetes]' (or pip install kubernetes_asyncio)"
+)
 
 
 def peer_urls(value: str) -> list[str]:
@@ -52,27 +77,48 @@ def peer_urls(value: str) -> list[str]:
     return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
 
 
-class ConfigFileError(ValueError):
-    """A configuration file that is not valid TOML; the message names the file."""
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with the configuration: ``where`` names its source (``--port``,
+    ``SLOT_TRACKER_PORT``, ``site.toml:3: port``), ``message`` says what is wrong."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+class ConfigError(ValueError):
+    """Settings that cannot run: every problem found, one line each."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(map(str, self.problems)))
+
+
+def read_toml(path: Path | Traversable) -> dict[str, Any]:
+    """The TOML file at ``path``; :class:`ConfigError` naming it when it is not valid TOML,
+    ``OSError`` when it cannot be read."""
     with path.open("rb") as f:
         try:
             return tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+            raise ConfigError([Problem(str(path), f"not valid TOML: {exc}")]) from None
+
+
+def did_you_mean(word: str, choices: Sequence[str], show: Any = str) -> str:
+    """`` (did you mean X?)`` with the closest of ``choices``, or nothing."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {show(close[0])}?)" if close else ""
 
 
 class _TomlFilesSource(PydanticBaseSettingsSource):
-    """Top-level keys of several TOML files; a later file overrides an earlier one."""
+    """The values of the TOML files (``_file_values``), else the packaged defaults."""
 
-    def __init__(self, settings_cls: type[BaseSettings], files: Sequence[Path]) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], values: Mapping[str, Any] | None) -> None:
         super().__init__(settings_cls)
-        self._values: dict[str, Any] = {}
-        for path in files:
-            if path.is_file():
-                self._values.update(read_toml(path))
+        self._values = dict(read_toml(DEFAULT_CONFIG_FILE) if values is None else values)
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return self._values.get(field_name), field_name, False
@@ -82,7 +128,8 @@ class _TomlFilesSource(PydanticBaseSettingsSource):
 
 
 class Settings(BaseSettings):
-    """Every setting of the service; see ``config/default.toml`` for what each one means."""
+    """Every setting of the service; ``kv_slot_tracker/config/default.toml`` says what each one
+    means."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -97,27 +144,43 @@ class Settings(BaseSettings):
     api_key: SecretStr = Field(default=SecretStr(""), repr=False)
     metrics_require_key: bool = False
     log_level: LogLevel = "info"
+    log_format: Literal["text", "json"] = "text"
     access_log: bool = False
     max_body_bytes: int = Field(default=2_097_152, gt=0)
     max_hashes_per_request: int = Field(default=1_048_576, gt=0)
     max_batch_operations: int = Field(default=10_000, gt=0)
     max_trackers: int = Field(default=DEFAULT_MAX_TRACKERS, gt=0)
-    # Serve the hot routes inside uvicorn's connection callbacks (kv_slot_tracker.http.direct); false keeps
+    # Serve the hot routes inside uvicorn's connection callbacks (kv_slot_tracker.http.fast_protocol); false keeps
     # every request on the ASGI path.
     http_direct: bool = True
-    # Server processes on the one port, sharing one state (kv_slot_tracker.workers); "auto" = the cores this
+    # Server processes on the one port, sharing one state (kv_slot_tracker.supervisor); "auto" = the cores this
     # process may use (CPU affinity and cgroup quota).
     workers: int | Literal["auto"] = 1
     # How those processes share their state when no Redis is configured: "local" = a hub in the
-    # supervisor, over a Unix socket (kv_slot_tracker.replication.local); "redis" = a private
-    # redis-server. With a Redis configured the processes always use it.
-    workers_transport: Literal["local", "redis"] = "local"
+    # supervisor, over a Unix socket (kv_slot_tracker.replication.local), the only value left
+    # ("redis", a private redis-server, is refused: WORKERS_TRANSPORT_REDIS_REMOVED). With a
+    # Redis configured the processes always use it.
+    workers_transport: Literal["local"] = "local"
     # Limits of one connection and of the server (kv_slot_tracker.http.connection)
     http_max_header_bytes: int = Field(default=65_536, gt=0)
     http_header_timeout_seconds: int = Field(default=10, gt=0)
     http_body_timeout_seconds: int = Field(default=30, gt=0)
     http_keep_alive_seconds: int = Field(default=5, gt=0)
     http_max_connections: int = Field(default=4096, gt=0)
+    http_max_connections_per_client: int = Field(default=2048, gt=0)
+    http_min_request_bytes_per_second: int = Field(default=1024, ge=0)
+    http_request_rate_grace_seconds: int = Field(default=3, gt=0)
+    http_min_bytes_per_read: int = Field(default=256, ge=0)
+    # Global budgets (kv_slot_tracker.core.limits): 0 = sized from the memory limit
+    memory_budget_bytes: int = Field(default=0, ge=0)
+    max_active_requests: int = Field(default=0, ge=0)
+    max_ranks: int = Field(default=0, ge=0)
+    max_block_hashes: int = Field(default=0, ge=0)
+    max_selection_workers: int = Field(default=0, ge=0)
+    # Listings and metrics: what one answer or one scrape may hold
+    list_max_items: int = Field(default=1000, gt=0)
+    metrics_max_label_chars: int = Field(default=128, ge=16, le=1024)
+    metrics_max_rank_series: int = Field(default=8192, ge=0)
 
     # Active request expiry
     expiry_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
@@ -151,6 +214,15 @@ class Settings(BaseSettings):
     snapshot_interval_seconds: int = Field(default=30, gt=0)
     replication_batch_events: int = Field(default=256, gt=0)
     replication_batch_ms: int = Field(default=0, ge=0)
+    # the stream format written (both are read): 1 while instances of a version before format 2
+    # share the stream (a rolling upgrade), 2 once none does
+    replication_stream_format: Literal[1, 2] = 1
+    # a record whose sequence number lies more than this past its origin's last applied one is
+    # taken for forged or corrupt: rejected (counted, degraded) unless a snapshot covers the gap
+    replication_max_seq_jump: int = Field(default=1_000_000, gt=0)
+    # most origins (instance, incarnation) the ledger of applied records keeps: beyond it the
+    # longest silent are forgotten (an origin heard of again starts afresh, counted)
+    replication_max_origins: int = Field(default=10_000, gt=1)
 
     # Consistency of lifecycle calls across instances
     consistency_wait_ms: int = Field(default=500, ge=0)
@@ -167,6 +239,14 @@ class Settings(BaseSettings):
     selection_cache_max_entries: int = Field(default=100_000, gt=0)
     selection_cache_max_bytes: int = Field(default=PENDING_MAX_BYTES, gt=0)
     selection_seed: int = Field(default=-1, ge=-1)
+    selection_port: int = Field(default=0, ge=0, le=65535)
+    reservation_tombstone_capacity: int = Field(default=100_000, gt=0)
+    reservation_tombstone_ttl_seconds: int = Field(default=EXPIRY_DURATION_NS // NS_PER_S, gt=0)
+    reservation_tombstone_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    # Routing receipts (/selection/receipts): this instance's own decisions, not replicated
+    selection_receipts: bool = True
+    selection_receipts_max: int = Field(default=10_000, gt=0, le=10_000_000)
+    selection_receipts_max_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     router_overlap_score_credit: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     router_overlap_score_credit_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     router_prefill_load_scale: float = Field(default=1.0, ge=0, allow_inf_nan=False)
@@ -175,8 +255,13 @@ class Settings(BaseSettings):
     router_track_prefill_tokens: bool = True
     router_ttl_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
     router_use_kv_events: bool = True
+    router_assume_kv_reuse: bool = True
+    router_preset: Literal["", "agentic", "load_aware"] = ""
     session_affinity_ttl_seconds: float = Field(default=0.0, ge=0, le=86_400, allow_inf_nan=False)
-    kv_events_max_message_bytes: int = Field(default=64 << 20, ge=1024, le=1 << 30)
+    kv_events_max_message_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 30)
+    kv_events_max_batch_blocks: int = Field(default=16_384, ge=1, le=1 << 24)
+    kv_events_max_seq_jump: int = Field(default=100_000, ge=1, le=1 << 62)
+    kv_events_gap_policy: Literal["continue", "clear"] = "continue"
     kv_events_replay_timeout_seconds: float = Field(default=2.0, gt=0, le=60, allow_inf_nan=False)
     kv_events_silent_seconds: float = Field(default=60.0, gt=0, le=86_400, allow_inf_nan=False)
     indexer_peers: str = ""
@@ -192,6 +277,7 @@ class Settings(BaseSettings):
     discovery_kubernetes_block_size: int = Field(default=0, ge=0, le=U32_MAX)
     discovery_kubernetes_dp_size: int = Field(default=1, ge=1, le=MAX_DP_SIZE)
     discovery_kubernetes_max_workers: int = Field(default=1024, ge=1, le=65_536)
+    discovery_kubernetes_api: Literal["slot", "selection"] = "slot"
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -208,12 +294,33 @@ class Settings(BaseSettings):
             raise ValueError("must be auto or a whole number of at least 1")
         return number
 
+    @field_validator("workers_transport", mode="before")
+    @classmethod
+    def _check_workers_transport(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "redis":
+            raise ValueError(WORKERS_TRANSPORT_REDIS_REMOVED)
+        return value
+
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
         schemes = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
         if value and not value.startswith(schemes):
             raise ValueError("must be empty or start with " + ", ".join(schemes))
+        if value.startswith(("redis+sentinel://", "rediss+sentinel://")):
+            hosts = value.split("://", 1)[1].partition("/")[0].rpartition("@")[2]
+            addresses = [a.strip() for a in hosts.split(",") if a.strip()]
+            if not addresses:
+                raise ValueError("a Sentinel URL names no Sentinel (host:port[,host:port...])")
+            for address in addresses:
+                host, _, port = address.rpartition(":")
+                if not host or not port.isdigit() or int(port) > 65535:
+                    raise ValueError(f"expected Sentinels as host:port, got {address!r}")
+        elif value.startswith(("redis://", "rediss://")):
+            try:
+                urlsplit(value).port  # noqa: B018 - raises on a port that is not a number
+            except ValueError as exc:
+                raise ValueError(f"not a valid URL: {exc}") from None
         return value
 
     @field_validator("indexer_peers")
@@ -259,19 +366,88 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_together(self) -> Settings:
-        """Rules between settings, checked at start rather than discovered in production."""
-        if self.tombstone_ttl_seconds < self.expiry_seconds:
-            raise ValueError(
-                f"tombstone_ttl_seconds ({self.tombstone_ttl_seconds}) must be at least "
-                f"expiry_seconds ({self.expiry_seconds}): a late add of a freed id would come "
-                "back to life after its tombstone went"
-            )
-        if self.expiry_check_seconds > self.expiry_seconds:
-            raise ValueError(
-                f"expiry_check_seconds ({self.expiry_check_seconds}) must be at most "
-                f"expiry_seconds ({self.expiry_seconds})"
+        """Rules between settings, checked at start rather than discovered in production; all
+        broken rules are reported at once (one pydantic error carrying them)."""
+        broken = self.broken_rules()
+        if broken:
+            summary = "; ".join(message for _, message in broken)
+            raise PydanticCustomError(
+                RULES_ERROR, "{summary}", {"summary": summary, "problems": broken}
             )
         return self
+
+    def broken_rules(self) -> list[tuple[tuple[str, ...], str]]:
+        """``(settings involved, message)`` for each rule between settings that is broken."""
+        broken: list[tuple[tuple[str, ...], str]] = []
+
+        def rule(message: str, *names: str) -> None:
+            broken.append((names, message))
+
+        if self.tombstone_ttl_seconds < self.expiry_seconds:
+            rule(
+                f"tombstone_ttl_seconds ({self.tombstone_ttl_seconds}) must be at least "
+                f"expiry_seconds ({self.expiry_seconds}): a late add of a freed id would come "
+                "back to life after its tombstone went",
+                "tombstone_ttl_seconds",
+                "expiry_seconds",
+            )
+        if self.expiry_check_seconds > self.expiry_seconds:
+            rule(
+                f"expiry_check_seconds ({self.expiry_check_seconds}) must be at most "
+                f"expiry_seconds ({self.expiry_seconds})",
+                "expiry_check_seconds",
+                "expiry_seconds",
+            )
+        listed = bool(self.redis_sentinels.strip())
+        sentinel_url = self.redis_url.startswith(("redis+sentinel://", "rediss+sentinel://"))
+        if self.redis_url and listed:
+            rule(
+                "set either redis_url or redis_sentinels, not both", "redis_url", "redis_sentinels"
+            )
+        if self.redis_cluster:
+            if listed or sentinel_url:
+                rule(
+                    "redis_cluster needs redis_url naming a Cluster node, not Sentinels",
+                    "redis_cluster",
+                    "redis_sentinels" if listed else "redis_url",
+                )
+            elif not self.redis_url:
+                rule("redis_cluster needs redis_url naming a Cluster node", "redis_cluster")
+            elif self.redis_url.startswith("unix://"):
+                rule(
+                    "a Redis Cluster is reached over TCP (redis:// or rediss://), not unix://",
+                    "redis_cluster",
+                    "redis_url",
+                )
+        if self.replication_ack_replicas and self.redis_cluster:
+            rule(
+                "replication_ack_replicas needs one server or Sentinel, not Cluster",
+                "replication_ack_replicas",
+                "redis_cluster",
+            )
+        if self.replication_ack_replicas and self.replication_ack != "redis":
+            rule(
+                'replication_ack_replicas needs replication_ack = "redis"',
+                "replication_ack_replicas",
+                "replication_ack",
+            )
+        tls = self.redis_tls or self.redis_url.startswith(("rediss://", "rediss+sentinel://"))
+        for name in ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"):
+            if getattr(self, name) and not tls:
+                rule(
+                    f"{name} is set but TLS is off: set redis_tls = true or use a rediss:// URL",
+                    name,
+                    "redis_tls",
+                )
+        if self.redis_tls_key_file and not self.redis_tls_cert_file:
+            rule("redis_tls_key_file needs redis_tls_cert_file", "redis_tls_key_file")
+        if self.selection_port and self.selection_port == self.port:
+            rule(f"selection_port ({self.selection_port}) must differ from port",
+                 "selection_port", "port")  # fmt: skip
+        if self.selection_port and isinstance(self.workers, int) and self.workers > 1:
+            rule("selection_port is served by one server process: workers = 1 with it",
+                 "selection_port", "workers")  # fmt: skip
+        return broken
 
     @property
     def embedded(self) -> bool:
@@ -288,33 +464,208 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest precedence first. No .env or secrets-dir files.
-        return (init_settings, env_settings, _TomlFilesSource(settings_cls, _config_files.get()))
+        return (init_settings, env_settings, _TomlFilesSource(settings_cls, _file_values.get()))
 
 
 @contextmanager
-def _reading(files: tuple[Path, ...]) -> Iterator[None]:
-    token = _config_files.set(files)
+def _reading(values: Mapping[str, Any]) -> Iterator[None]:
+    token = _file_values.set(values)
     try:
         yield
     finally:
-        _config_files.reset(token)
+        _file_values.reset(token)
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
-    """Build settings from defaults < ``config_file`` < environment < ``overrides``.
+def load_settings(
+    config_file: str | Path | None = None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build and check settings from defaults < ``config_file`` < environment < ``overrides``.
 
     Overrides whose value is ``None`` are ignored, so unset command-line flags can be passed
-    through as they are. A ``config_file`` that does not exist raises ``FileNotFoundError``.
+    through as they are; a problem with an override is named ``--name-with-dashes`` (its flag)
+    unless ``labels`` names it otherwise. Raises :class:`ConfigError` listing every problem:
+    values, rules between values, and what start-up would find on this machine
+    (:func:`machine_problems`).
     """
-    files = [DEFAULT_CONFIG_FILE]
+    origins = _Origins(labels or {})
+    problems: list[Problem] = []
+    values = read_toml(DEFAULT_CONFIG_FILE)
     if config_file is not None:
         path = Path(config_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        files.append(path)
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            problems.append(Problem("--config", f"cannot read {path}: {exc.strerror or exc}"))
+        except UnicodeDecodeError as exc:
+            problems.append(Problem(str(path), f"not valid TOML: not UTF-8 ({exc.reason})"))
+        else:
+            try:
+                from_file = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                problems.append(Problem(str(path), f"not valid TOML: {exc}"))
+            else:
+                lines = text.splitlines()
+                for key, value in from_file.items():
+                    origins.files[key] = _key_in_file(path, lines, key)
+                    if key in Settings.model_fields:
+                        values[key] = value
+                    else:
+                        problems.append(
+                            Problem(
+                                origins.files[key],
+                                "no such setting" + did_you_mean(key, list(Settings.model_fields)),
+                            )
+                        )
     given = {name: value for name, value in overrides.items() if value is not None}
-    with _reading(tuple(files)):
-        return Settings(**given)
+    origins.given = set(given)
+    settings: Settings | None = None
+    try:
+        with _reading(values):
+            settings = Settings(**given)
+    except ValidationError as exc:
+        problems.extend(origins.describe(exc))
+    if settings is not None:
+        problems.extend(
+            Problem(origins.where(fields), message)
+            for fields, message in machine_problems(settings)
+        )
+    if problems:
+        raise ConfigError(problems)
+    assert settings is not None
+    return settings
+
+
+def machine_problems(settings: Settings) -> list[tuple[tuple[str, ...], str]]:
+    """What start-up would find wrong on this machine with valid values: files that cannot be
+    read, TLS material that does not load, the Kubernetes client missing, too many workers for
+    the instance id. ``(settings involved, message)`` pairs."""
+    found: list[tuple[tuple[str, ...], str]] = []
+    s = settings
+    if s.redis_password_file:
+        try:
+            text = Path(s.redis_password_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            found.append((("redis_password_file",), _cannot_read(s.redis_password_file, exc)))
+        else:
+            if not (text.splitlines() or [""])[0]:
+                found.append(
+                    (("redis_password_file",), f"{s.redis_password_file}: the first line is empty")
+                )
+    if s.redis_tls_ca_file:
+        try:
+            ssl.create_default_context(cafile=s.redis_tls_ca_file)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            found.append((("redis_tls_ca_file",), _cannot_load(s.redis_tls_ca_file, exc)))
+    if s.redis_tls_cert_file:
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.load_cert_chain(s.redis_tls_cert_file, s.redis_tls_key_file or None)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            names = ("redis_tls_cert_file", "redis_tls_key_file")
+            shown = s.redis_tls_cert_file + (
+                f" and {s.redis_tls_key_file}" if s.redis_tls_key_file else ""
+            )
+            found.append((names[: 2 if s.redis_tls_key_file else 1], _cannot_load(shown, exc)))
+    if s.discovery_kubernetes_service and not kubernetes_client_installed():
+        found.append((("discovery_kubernetes_service",), KUBERNETES_CLIENT_MISSING))
+    if s.workers != 1:
+        count = process_count(s.workers)
+        if s.instance_id and s.instance_id + count - 1 > U64_MAX:
+            message = f"instance_id + {count - 1} (the workers after the first) exceeds a u64"
+            found.append((("instance_id", "workers"), message))
+    return found
+
+
+def kubernetes_client_installed() -> bool:
+    """The optional Kubernetes client imports (the ``[kubernetes]`` extra)."""
+    try:
+        import kubernetes_asyncio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cannot_read(path: str, exc: Exception) -> str:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"cannot read {path}: {why}"
+
+
+def _cannot_load(path: str, exc: Exception) -> str:
+    if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) and exc.strerror:
+        return f"cannot read {path}: {exc.strerror}"
+    return f"cannot load {path}: {exc}"
+
+
+def _key_in_file(path: Path, lines: Sequence[str], key: str) -> str:
+    """``path:LINE: key``, the line where ``key`` is set (or its table starts)."""
+    pattern = re.compile(rf"""^\s*(\[\s*)?["']?{re.escape(key)}["']?\s*[=.\]]""")
+    for number, line in enumerate(lines, 1):
+        if pattern.match(line):
+            return f"{path}:{number}: {key}"
+    return f"{path}: {key}"
+
+
+class _Origins:
+    """Where each setting's value came from, to name it in a problem: the override (a flag),
+    the environment variable, the config file's line, or the packaged default."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        self.labels = labels
+        self.given: set[str] = set()
+        self.files: dict[str, str] = {}
+        self.environ = {name.upper(): name for name in os.environ}
+
+    def of(self, name: str) -> str:
+        if name in self.given:
+            return self.labels.get(name, "--" + name.replace("_", "-"))
+        variable = ENV_PREFIX + name.upper()
+        if variable in self.environ:
+            return self.environ[variable]
+        if name in self.files:
+            return self.files[name]
+        return f"{name} (default)"
+
+    def where(self, names: Sequence[str]) -> str:
+        return ", ".join(self.of(name) for name in names) or "settings"
+
+    def describe(self, exc: ValidationError) -> list[Problem]:
+        """One problem per pydantic error, without its links or secret values."""
+        problems = []
+        for err in exc.errors(include_url=False):
+            loc = err.get("loc", ())
+            if not loc and err["type"] == RULES_ERROR:
+                for fields, message in err["ctx"]["problems"]:
+                    problems.append(Problem(self.where(fields), message))
+                continue
+            name = str(loc[0]) if loc else ""
+            message = err["msg"].removeprefix("Value error, ")
+            shown = err.get("input")
+            if name not in Settings.model_fields:
+                where = self.where([]) if not name else self.of(name)
+                problems.append(Problem(where, message))
+                continue
+            hint = ""
+            choices = _choices(Settings.model_fields[name].annotation)
+            if choices and isinstance(shown, str):
+                hint = did_you_mean(shown.lower(), choices, repr)
+            secret = "key" in name or "password" in name or "url" in name
+            given = "" if secret or isinstance(shown, dict) else f" (got {shown!r})"
+            problems.append(Problem(self.of(name), f"{message}{given}{hint}"))
+        return problems
+
+
+def _choices(annotation: Any) -> list[str]:
+    """The strings a ``Literal`` (possibly in a union) allows."""
+    out: list[str] = []
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, str):
+            out.append(arg)
+        else:
+            out.extend(_choices(arg))
+    return out
 
 
 def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -331,20 +682,3 @@ def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
             hint = f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
             warnings.append(f"{name} is set but names no setting; it is ignored{hint}")
     return warnings
-
-
-def describe_config_error(exc: Exception) -> str:
-    """One line per problem, naming the setting, without pydantic's links or secret values."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    lines = []
-    for err in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in err.get("loc", ())) or "settings"
-        message = err["msg"].removeprefix("Value error, ")
-        shown = err.get("input")
-        secret = "key" in where or "password" in where or "url" in where
-        given = (
-            "" if secret or isinstance(shown, dict) or where == "settings" else f" (got {shown!r})"
-        )
-        lines.append(f"{where}: {message}{given}")
-    return "\n".join(lines)

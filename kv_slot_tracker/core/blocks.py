@@ -34,12 +34,21 @@ or free (the group's value has not changed in between, so they keep the value th
 from __future__ import annotations
 
 import math
-from collections import _count_elements as count_elements  # type: ignore[attr-defined]
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from typing import TYPE_CHECKING, TypeVar
 
 from .types import U64_MAX, round_half_away_from_zero_usize
+
+if TYPE_CHECKING:
+    _K = TypeVar("_K")
+
+    def count_elements(mapping: dict[_K, int], elements: Iterable[_K], /) -> None:
+        """Counter.update's C helper: ``mapping[h] = mapping.get(h, 0) + 1`` per element."""
+
+else:  # the C helper itself, which typeshed does not list
+    from collections import _count_elements as count_elements
 
 _SCALE_BITS = 1074  # 2^-1074 is the smallest positive double
 _ONE = 1 << _SCALE_BITS
@@ -97,7 +106,7 @@ class BlockTracker:
     @property
     def fraction(self) -> dict[int, float]:
         """Every fractional block with its fraction (a copy: a full walk, for checks and
-        tests; change them through ``set_fraction`` or a group)."""
+        tests; change them through a group)."""
         out = dict(self._fraction)
         out.update({h: g.value for h, g in self._member.items()})
         return out
@@ -165,17 +174,6 @@ class BlockTracker:
 
     def count(self, h: int) -> int:
         return self.refcount.get(h, 0)
-
-    def set_fraction(self, h: int, fraction: float) -> None:
-        self.drop_fraction(h)
-        self._fraction[h] = fraction
-        if math.isfinite(fraction):
-            self._frac_sum += _scaled(fraction)
-        else:
-            self._nonfinite += 1
-
-    def has_fractions(self) -> bool:
-        return bool(self._fraction) or bool(self._member)
 
     # -- groups ----------------------------------------------------------------------------
 

@@ -30,8 +30,9 @@ from typing import Annotated
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from .bounds import I64, U32
+from .bounds import U64 as U64  # the service's commands declare theirs with it too
 from .limits import MAX_ID_LENGTH, MAX_NAME_LENGTH, MAX_PREFILL_MS
-from .types import I64_MAX, I64_MIN, U32_MAX
 
 DEFAULT_ROUTING_GROUP = "default"
 
@@ -40,9 +41,8 @@ Key = tuple[str, str]  # (model_name, routing_group): one tracker
 # The API's types, as the structs' fields declare them.
 Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
 Id = Annotated[str, Meta(max_length=MAX_ID_LENGTH)]  # request ids
-Hash = Annotated[int, Meta(ge=I64_MIN, le=I64_MAX)]
-U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
-U64 = Annotated[int, Meta(ge=0)]  # and <= U64_MAX, checked by the edge after decoding
+Hash = I64
+# U32, U64 (``bounds``): a u64 is checked <= U64_MAX by the edge after decoding (JSON)
 Ms = (
     Annotated[int, Meta(ge=0, le=int(MAX_PREFILL_MS))]
     | Annotated[float, Meta(ge=0, le=MAX_PREFILL_MS)]

@@ -5,16 +5,25 @@ in declaration order, unit variants are strings, the struct variant is a one-ent
 ``Duration`` is ``{"secs", "nanos"}``. A prompt's hashes travel unsigned (u64), the format
 records always had; the service's own signed form (``kv_slot_tracker.core.hashing``) converts
 here, in both directions, so instances of earlier versions read and write the same records.
+
+That form is declared once, as the ``Wire*`` structs below, with every field's type and range
+(``kv_slot_tracker.core.bounds``, ``kv_slot_tracker.core.limits``): a record decoder built on
+them (``kv_slot_tracker.service.records``) checks a peer's event in C while decoding it, with
+the rules of the HTTP call that would have produced it; ``event_from_wire`` only converts the
+checked values.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
+from .bounds import U32, U64
 from .hashing import signed_hashes, unsigned_hashes
-from .types import NS_PER_S, U32_MAX, U64_MAX, PrefillLoadHint, WorkerWithDpRank
+from .limits import MAX_ID_LENGTH, MAX_NAME_LENGTH
+from .types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 
 
 class AddRequest(msgspec.Struct, frozen=True):
@@ -59,152 +68,120 @@ class EventDecodeError(ValueError):
     """A payload that is not a well-formed event (or batch)."""
 
 
-# -- to/from plain msgpack-able objects -------------------------------------------------------
+# -- the wire form ---------------------------------------------------------------------------
+
+Name = Annotated[str, Meta(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
+Id = Annotated[str, Meta(max_length=MAX_ID_LENGTH)]  # request ids
+Nanos = Annotated[int, Meta(ge=0, lt=NS_PER_S)]
 
 
-def duration_to_wire(ns: int | None) -> dict[str, int] | None:
+class WireWorker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    worker_id: U64
+    dp_rank: U32 = 0
+
+
+class WireDuration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """serde's ``Duration``."""
+
+    secs: U64
+    nanos: Nanos
+
+
+class WireHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    initial_effective_prefill_tokens: U64
+    expected_prefill_duration: WireDuration | None = None
+
+
+class WireAdd(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    token_sequence: list[U64] | None = None
+    track_prefill_tokens: bool = True
+    expected_output_tokens: U32 | None = None
+    prefill_load_hint: WireHint | None = None
+
+
+class WireAddVariant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The struct variant: a one-entry map."""
+
+    AddRequest: WireAdd  # noqa: N815 - serde's variant name
+
+
+WireData = Literal["Free", "MarkPrefillCompleted"] | WireAddVariant
+
+
+class WireEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``ActiveSequenceEvent`` as a record carries it."""
+
+    request_id: Id
+    worker: WireWorker
+    data: WireData
+    router_id: U64
+    lora_name: Name | None = None
+
+
+def duration_to_wire(ns: int | None) -> WireDuration | None:
     if ns is None:
         return None
-    return {"secs": ns // NS_PER_S, "nanos": ns % NS_PER_S}
+    return WireDuration(ns // NS_PER_S, ns % NS_PER_S)
 
 
-def duration_from_wire(obj: Any) -> int | None:
-    if obj is None:
-        return None
-    if not isinstance(obj, dict) or set(obj) != {"secs", "nanos"}:
-        raise EventDecodeError(f"invalid duration: {obj!r}")
-    secs: int = obj["secs"]
-    nanos: int = obj["nanos"]
-    if not _is_uint(secs, 64) or not _is_uint(nanos, 32) or nanos >= NS_PER_S:
-        raise EventDecodeError(f"invalid duration: {obj!r}")
-    return secs * NS_PER_S + nanos
-
-
-def worker_to_wire(w: WorkerWithDpRank) -> dict[str, int]:
-    return {"worker_id": w.worker_id, "dp_rank": w.dp_rank}
-
-
-def _is_uint(v: Any, bits: int) -> TypeGuard[int]:
-    return type(v) is int and 0 <= v < (1 << bits)
-
-
-def event_to_wire(ev: ActiveSequenceEvent) -> dict[str, Any]:
+def event_to_wire(ev: ActiveSequenceEvent) -> WireEvent:
     d = ev.data
-    if isinstance(d, AddRequest):
+    data: WireData
+    if type(d) is AddRequest:
         hint = d.prefill_load_hint
-        data: Any = {
-            "AddRequest": {
-                "token_sequence": None
-                if d.token_sequence is None
-                else unsigned_hashes(d.token_sequence),
-                "track_prefill_tokens": d.track_prefill_tokens,
-                "expected_output_tokens": d.expected_output_tokens,
-                "prefill_load_hint": None
+        data = WireAddVariant(
+            WireAdd(
+                None if d.token_sequence is None else unsigned_hashes(d.token_sequence),
+                d.track_prefill_tokens,
+                d.expected_output_tokens,
+                None
                 if hint is None
-                else {
-                    "initial_effective_prefill_tokens": hint.initial_effective_prefill_tokens,
-                    "expected_prefill_duration": duration_to_wire(
-                        hint.expected_prefill_duration_ns
-                    ),
-                },
-            }
-        }
-    elif isinstance(d, Free):
+                else WireHint(
+                    hint.initial_effective_prefill_tokens,
+                    duration_to_wire(hint.expected_prefill_duration_ns),
+                ),
+            )
+        )
+    elif type(d) is Free:
         data = "Free"
     else:
         data = "MarkPrefillCompleted"
-    return {
-        "request_id": ev.request_id,
-        "worker": worker_to_wire(ev.worker),
-        "data": data,
-        "router_id": ev.router_id,
-        "lora_name": ev.lora_name,
-    }
+    w = ev.worker
+    return WireEvent(ev.request_id, WireWorker(w.worker_id, w.dp_rank), data, ev.router_id,
+                     ev.lora_name)  # fmt: skip
 
 
-def event_from_wire(obj: Any) -> ActiveSequenceEvent:
-    """A peer's event as the record carries it, every field checked (types, u32/u64 ranges).
-
-    Every applied record passes through here, so the checks are written for speed: one type
-    test and two comparisons per number, and a prompt's hashes checked and converted in C
-    (``hashes_from_wire``)."""
-    if not isinstance(obj, dict) or "events" in obj:
-        raise EventDecodeError("not an ActiveSequenceEvent")
-    try:
-        rid = obj["request_id"]
-        w = obj["worker"]
-        raw = obj["data"]
-        router_id = obj["router_id"]
-    except KeyError as e:
-        raise EventDecodeError(f"missing field {e}") from None
-    if not isinstance(w, dict):
-        raise EventDecodeError(f"invalid worker: {w!r:.200}")
-    wid, rank = w.get("worker_id"), w.get("dp_rank", 0)
-    if (
-        type(wid) is not int
-        or type(rank) is not int
-        or not 0 <= wid <= U64_MAX
-        or not 0 <= rank <= U32_MAX
-    ):
-        raise EventDecodeError(f"invalid worker: {w!r:.200}")
-    lora = obj.get("lora_name")
-    if type(router_id) is not int or not isinstance(rid, str) or not 0 <= router_id <= U64_MAX:
-        raise EventDecodeError("invalid request_id or router_id")
-    if lora is not None and not isinstance(lora, str):
-        raise EventDecodeError("invalid lora_name")
+def event_from_wire(wire: WireEvent, router_id: int | None = None) -> ActiveSequenceEvent:
+    """A peer's event, decoded and checked (``WireEvent``), in the tracker's form: the
+    prompt's hashes signed (converted in C). ``router_id``: instead of the one carried."""
+    raw = wire.data
     data: EventData
-    if isinstance(raw, dict):  # a map never equals the unit variants' strings
-        add = raw.get("AddRequest")
-        if not isinstance(add, dict) or len(raw) != 1:
-            raise EventDecodeError(f"unknown event data: {raw!r:.200}")
-        data = _add_from_wire(add)
-    elif raw == "Free":
+    if raw == "Free":
         data = FREE
     elif raw == "MarkPrefillCompleted":
         data = MARK_PREFILL_COMPLETED
     else:
-        raise EventDecodeError(f"unknown event data: {raw!r:.200}")
-    return ActiveSequenceEvent(rid, WorkerWithDpRank(wid, rank), data, router_id, lora)
-
-
-_INT = {int}
-
-
-def hashes_from_wire(seq: Any) -> list[int]:
-    """A prompt as records carry it (a list of u64) in the service's signed form, checked and
-    converted in C: the types (an int and nothing else, so not a bool either), then the range
-    (``signed_hashes`` raises OverflowError below 0 and from 2^64). Raises EventDecodeError."""
-    if not isinstance(seq, list):
-        raise EventDecodeError("invalid token_sequence")
-    if not seq:
-        return []
-    if set(map(type, seq)) != _INT:
-        raise EventDecodeError("invalid token_sequence")
-    try:
-        return signed_hashes(seq)
-    except OverflowError:
-        raise EventDecodeError("invalid token_sequence") from None
-
-
-def _add_from_wire(a: dict[str, Any]) -> AddRequest:
-    seq = a.get("token_sequence")
-    if seq is not None:
-        seq = hashes_from_wire(seq)
-    track = a.get("track_prefill_tokens", True)
-    eot = a.get("expected_output_tokens")
-    if type(track) is not bool or (
-        eot is not None and (type(eot) is not int or not 0 <= eot <= U32_MAX)
-    ):
-        raise EventDecodeError("invalid AddRequest fields")
-    raw_hint = a.get("prefill_load_hint")
-    hint = None
-    if raw_hint is not None:
-        if not isinstance(raw_hint, dict):
-            raise EventDecodeError("invalid prefill_load_hint")
-        tokens = raw_hint.get("initial_effective_prefill_tokens")
-        if not _is_uint(tokens, 64):
-            raise EventDecodeError("invalid initial_effective_prefill_tokens")
-        hint = PrefillLoadHint(
-            tokens, duration_from_wire(raw_hint.get("expected_prefill_duration"))
+        add = raw.AddRequest
+        seq = add.token_sequence
+        hint = add.prefill_load_hint
+        data = AddRequest(
+            None if seq is None else signed_hashes(seq),
+            add.track_prefill_tokens,
+            add.expected_output_tokens,
+            None
+            if hint is None
+            else PrefillLoadHint(
+                hint.initial_effective_prefill_tokens,
+                None
+                if (d := hint.expected_prefill_duration) is None
+                else d.secs * NS_PER_S + d.nanos,
+            ),
         )
-    return AddRequest(seq, track, eot, hint)
+    w = wire.worker
+    return ActiveSequenceEvent(
+        wire.request_id,
+        WorkerWithDpRank(w.worker_id, w.dp_rank),
+        data,
+        wire.router_id if router_id is None else router_id,
+        wire.lora_name,
+    )

@@ -29,9 +29,12 @@ Why signed inside: routers send real hashes, about half of them negative; conver
 the edge cost about a fifth of a ``/batch`` operation, while records are written once per add
 and snapshots rarely. Lists convert in C (``array``), a single value with one comparison.
 
-Block hash: ``xxh3_64`` of the block's tokens as little-endian u32, seeded with 1337, or with
-``1337 + xxh3_64(lora_name)`` (mod 2^64) for a non-empty LoRA name. Sequence hash: the first block's
-hash, then ``xxh3_64(le_u64(previous) || le_u64(block), 1337)``. Only full blocks are hashed.
+Block hash: ``xxh3_64`` of the block's tokens as little-endian u32, seeded with 1337, plus
+``xxh3_64(lora_name, seed 0)`` for a non-empty LoRA name, plus ``xxh3_64(cache_salt, seed 1)`` for a
+non-empty cache salt (the selection service's ``cache_salt``, an engine event's cache namespace),
+mod 2^64. Sequence hash: the first block's hash, then ``xxh3_64(le_u64(previous) || le_u64(block),
+1337)``. Only full blocks are hashed. An EAGLE engine's event hashes each block's window of
+``block_size + 1`` tokens (the block and the next token), ``eagle_block_hashes``.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ from sys import byteorder
 
 import xxhash
 
+from .bounds import I64_MIN, U64_LIMIT
+
 XXH3_SEED = 1337
-I64_MIN = -(1 << 63)
 _SIGN = 1 << 63
-_SPAN = 1 << 64
+_SPAN = U64_LIMIT
 _MASK64 = _SPAN - 1
 _PAIR = struct.Struct("<QQ")
 _PAIR_SIGNED = struct.Struct("<Qq")  # a chained hash (as xxh3 gives it) and a signed block hash
@@ -85,20 +89,27 @@ def random_hash(rng: Random) -> int:
     return rng.getrandbits(64) + I64_MIN
 
 
-def lora_seed(lora_name: str | None) -> int:
-    if not lora_name:
-        return XXH3_SEED
-    return (XXH3_SEED + xxhash.xxh3_64_intdigest(lora_name.encode(), seed=0)) & _MASK64
+def lora_seed(lora_name: str | None, cache_salt: str | None = None) -> int:
+    """The xxh3 seed of block hashes: 1337, shifted by a non-empty LoRA name and cache salt."""
+    seed = XXH3_SEED
+    if lora_name:
+        seed += xxhash.xxh3_64_intdigest(lora_name.encode(), seed=0)
+    if cache_salt:
+        seed += xxhash.xxh3_64_intdigest(cache_salt.encode(), seed=1)
+    return seed & _MASK64
 
 
 def compute_block_hash_for_seq(
-    tokens: list[int], block_size: int, lora_name: str | None = None
+    tokens: list[int],
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[int]:
     """One hash per full block of ``tokens`` (each token a u32), unsigned as the reference
     computes it."""
     if block_size <= 0:
         raise ValueError("block_size must be greater than 0")
-    seed = lora_seed(lora_name)
+    seed = lora_seed(lora_name, cache_salt)
     n_blocks = len(tokens) // block_size
     if n_blocks == 0:
         return []
@@ -109,6 +120,30 @@ def compute_block_hash_for_seq(
     step = block_size * 4
     h = xxhash.xxh3_64_intdigest
     return [h(raw[i : i + step], seed=seed) for i in range(0, len(raw), step)]
+
+
+def eagle_block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """One hash per block of an EAGLE engine's tokens: block ``i`` hashes the window
+    ``tokens[i * block_size : (i + 1) * block_size + 1]`` (the block and the next token), for
+    every window ``tokens`` covers whole; unsigned."""
+    if block_size <= 0:
+        raise ValueError("block_size must be greater than 0")
+    seed = lora_seed(lora_name, cache_salt)
+    n_blocks = (len(tokens) - 1) // block_size if tokens else 0
+    if n_blocks <= 0:
+        return []
+    buf = array("I", tokens[: n_blocks * block_size + 1])
+    if byteorder != "little":
+        buf.byteswap()
+    raw = buf.tobytes()
+    step = block_size * 4
+    h = xxhash.xxh3_64_intdigest
+    return [h(raw[i : i + step + 4], seed=seed) for i in range(0, n_blocks * step, step)]
 
 
 def compute_seq_hash_for_block(block_hashes: list[int]) -> list[int]:

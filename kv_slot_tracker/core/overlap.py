@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .limits import Usage
 from .types import WorkerWithDpRank
 
 Holders = dict[WorkerWithDpRank, int]
@@ -68,9 +69,11 @@ def _common(edge: Sequence[int], seq: Sequence[int], start: int) -> int:
 
 
 class PromptTrie:
-    __slots__ = ("root", "_nodes", "_solos")
+    __slots__ = ("root", "_nodes", "_solos", "held", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, usage: Usage | None = None) -> None:
+        self.held = 0  # hashes of the prompts indexed (a prompt's every hash, per prompt)
+        self.usage = Usage() if usage is None else usage  # counts them across tries
         self.root = _Node((), {})
         self._nodes = 0
         self._solos: dict[WorkerWithDpRank, _Solo] = {}
@@ -93,6 +96,8 @@ class PromptTrie:
 
         Returns the edges (runs of hashes) that ``worker`` holds now and did not before: its
         block counts take one hold per position of those (``BlockTracker``)."""
+        self.held += len(prompt)
+        self.usage.hashes += len(prompt)
         src = prompt if type(prompt) is list else None
         if type(prompt) is not tuple:
             prompt = tuple(prompt)
@@ -101,8 +106,7 @@ class PromptTrie:
         gained: list[Sequence[int]] = []
         while i < n:
             children = node.children
-            child = children.get(prompt[i]) if children is not None else None
-            if child is None:
+            if children is None or (child := children.get(prompt[i])) is None:
                 solo = self._solos.get(worker) or self._solo(worker)
                 tail = prompt[i:]
                 leaf = _Node(tail, solo) if src is None else _Node(src, solo, i)
@@ -128,7 +132,7 @@ class PromptTrie:
                 else:
                     child.edge = edge[k:]
                 mid.children = {edge[k]: child}
-                children[prompt[i]] = mid  # type: ignore[index]
+                children[prompt[i]] = mid
                 self._nodes += 1
                 child, size, edge = mid, k, mid.edge
             elif view:  # a second prompt passes the whole edge: give it its own copy
@@ -156,14 +160,17 @@ class PromptTrie:
         is cut off in one step and is returned as one run of hashes."""
         node = self.root
         i, n = 0, len(prompt)
+        self.held -= n
+        self.usage.hashes -= n
         lost: list[Sequence[int]] = []
         while i < n:
             key = prompt[i]
             children = node.children
-            child = children[key]  # type: ignore[index]
+            assert children is not None  # the prompt was added: its path is there
+            child = children[key]
             workers = child.workers
             if type(workers) is _Solo:  # held by this prompt only, and so is all below it
-                del children[key]  # type: ignore[union-attr]
+                del children[key]
                 if not children:
                     node.children = None
                 gone = 1
@@ -197,7 +204,9 @@ class PromptTrie:
         node = self.root
         i, n = 0, len(prompt)
         while i < n:
-            child = node.children[prompt[i]]  # type: ignore[index]
+            children = node.children
+            assert children is not None  # the prompt is held: its path is there
+            child = children[prompt[i]]
             if child.workers[worker] == 1:
                 return i
             i += len(child.edge) - child.lo

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator, KeysView, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .errors import MissingExpectedDuration
@@ -44,14 +44,6 @@ class PrefillLoadSnapshot:
     prefill_full_tokens_sum: int = 0
     anchored_prefill: AnchoredPrefillSnapshot | None = None
     total_modeled_ms: int | None = 0
-
-    def active_tokens_at(self, now: int) -> int:
-        return _active_tokens(
-            self.anchored_prefill,
-            self.prefill_full_tokens_sum,
-            self.total_modeled_ms is not None,
-            now,
-        )
 
     def modeled_remaining_prefill_time_ms(self, now: int) -> int:
         """Milliseconds of modeled prefill left; raises MissingExpectedDuration if unknown."""
@@ -159,11 +151,6 @@ class PrefillLoadTracker:
         """The tracked prefills by request id, oldest (the anchor) first (read-only)."""
         return _PrefillsView(self._entries)
 
-    @property
-    def order(self) -> KeysView[str]:
-        """The tracked request ids, oldest (the anchor) first."""
-        return self._entries.keys()
-
     def insert(self, request_id: str, state: PrefillLoadState, decay_now: int) -> None:
         self.add(request_id, state.tokens, state.duration_ns, decay_now)
 
@@ -204,7 +191,8 @@ class PrefillLoadTracker:
         else:
             tokens, duration = entry.tokens, entry.duration_ns
             # an entry is a PrefillLoadState exactly when it is modeled: its duration is set
-            self.modeled_ms_sum -= duration // NS_PER_MS  # type: ignore[operator]
+            assert duration is not None
+            self.modeled_ms_sum -= duration // NS_PER_MS
         self.full_sum -= tokens
         queue = self._queue
         if request_id == self.anchor_rid:
@@ -263,9 +251,9 @@ class PrefillLoadTracker:
         if rid is None:
             return 0
         st = self._entries[rid]
-        if type(st) is int:
+        if type(st) is not PrefillLoadState:  # an int: the tokens of an unmodeled prefill
             return self.full_sum  # the unmodeled anchor counts in full, as does everything else
-        tokens, dur = st.tokens, st.duration_ns  # type: ignore[union-attr]
+        tokens, dur = st.tokens, st.duration_ns
         if self.unmodeled_count == 0:
             # all-modeled fast path (no allocation); the general rule lives in _active_tokens
             if not dur:
@@ -289,9 +277,9 @@ class PrefillLoadTracker:
         if rid is None:
             return 0
         st = self._entries[rid]
-        if type(st) is int:
+        if type(st) is not PrefillLoadState:
             return self.full_sum
-        if st.duration_ns == 0:  # type: ignore[union-attr]
+        if st.duration_ns == 0:
             return self.active_tokens(self.anchor_since)
         return None
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from .limits import Usage
 from .types import WorkerWithDpRank
 
 
 class RequestIndex:
-    __slots__ = ("workers", "loras", "lora_counts")
+    __slots__ = ("workers", "loras", "lora_counts", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, usage: Usage | None = None) -> None:
+        self.usage = Usage() if usage is None else usage  # counts the indexed ids in all
         self.workers: dict[str, WorkerWithDpRank] = {}
         self.loras: dict[str, str] = {}
         self.lora_counts: dict[str, int] = {}
@@ -44,7 +46,10 @@ class RequestIndex:
 
     def add(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
         """``set`` for an id that is not mapped (the lifecycle hot path)."""
-        self.workers[request_id] = worker
+        workers = self.workers
+        before = len(workers)
+        workers[request_id] = worker
+        self.usage.requests += len(workers) - before
         if lora is not None:
             self.loras[request_id] = lora
             self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1
@@ -52,6 +57,8 @@ class RequestIndex:
     def remove(self, request_id: str) -> WorkerWithDpRank | None:
         """Forget the id; returns the rank it mapped to (None when unknown)."""
         worker = self.workers.pop(request_id, None)
+        if worker is not None:
+            self.usage.requests -= 1
         lora = self.loras.pop(request_id, None)
         if lora is not None:
             self._lora_dec(lora)

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import _count_elements as count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from .blocks import BlockTracker, FractionGroup
+from .blocks import BlockTracker, FractionGroup, count_elements
 from .errors import TooManyOutputBlocks
 from .hashing import random_hash
 from .limits import MAX_OUTPUT_BLOCKS_PER_REQUEST
@@ -22,8 +20,6 @@ from .types import (
 )
 
 log = logging.getLogger(__name__)
-
-# count_elements is Counter.update's C helper: ``mapping[h] = mapping.get(h, 0) + 1`` per element
 
 EXPIRY_DURATION_NS = 300 * NS_PER_S
 CHECK_EXPIRY_FREQUENCY_NS = 30 * NS_PER_S
@@ -51,12 +47,6 @@ class RequestState:
     def output_blocks(self) -> tuple[int, ...]:
         """The output blocks in creation order (a read-only copy)."""
         return tuple(self._outputs) if self._outputs else ()
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoadSnapshot:
-    active_blocks: int
-    active_requests: int
 
 
 class ActiveSequences:
@@ -150,12 +140,12 @@ class ActiveSequences:
             duration_ns = prefill_load_hint.expected_prefill_duration_ns
         self.admit(
             request_id,
-            list(token_sequence) if token_sequence else [],
-            expected_output_tokens,
-            tokens,
-            duration_ns,
-            decay_now,
-            self.clock() if started_at is None else started_at,
+            prompt=list(token_sequence) if token_sequence else [],
+            expected_output_tokens=expected_output_tokens,
+            prefill_tokens=tokens,
+            duration_ns=duration_ns,
+            decay_now=decay_now,
+            started_at=self.clock() if started_at is None else started_at,
         )
         return outcome
 
@@ -169,6 +159,7 @@ class ActiveSequences:
     def admit(
         self,
         request_id: str,
+        *,
         prompt: list[int],
         expected_output_tokens: int | None,
         prefill_tokens: int,
@@ -347,7 +338,15 @@ class ActiveSequences:
 
         Indexes and holds the prompt as if the request had been added.
         """
-        self.admit(request_id, prompt, eot, 0, None, 0, started_at)
+        self.admit(
+            request_id,
+            prompt=prompt,
+            expected_output_tokens=eot,
+            prefill_tokens=0,
+            duration_ns=None,
+            decay_now=0,
+            started_at=started_at,
+        )
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -356,18 +355,6 @@ class ActiveSequences:
 
     def active_tokens(self, decay_now: int) -> int:
         return self.prefill.active_tokens(decay_now)
-
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    def worker_load_snapshot(self) -> WorkerLoadSnapshot:
-        return WorkerLoadSnapshot(self.blocks.active_blocks(), len(self.requests))
-
-    def active_block_hashes(self) -> set[int]:
-        return self.blocks.active_hashes()
-
-    def active_prompt_hashes(self) -> set[int]:
-        return {h for st in self.requests.values() for h in st.prompt_blocks}
 
     def block_references(self) -> dict[int, int]:
         """Per present hash, how many prompt and output positions of active requests hold it

@@ -21,6 +21,7 @@ from .errors import (
     WorkerNotFound,
 )
 from .events import FREE, MARK_PREFILL_COMPLETED, ActiveSequenceEvent, AddRequest, Free
+from .limits import Usage
 from .loads import Columns, LoadColumns, PotentialLoadRow, RankLoadRow, rank_rows
 from .overlap import PromptTrie
 from .publisher import (
@@ -72,6 +73,7 @@ class ActiveSequencesMultiWorker:
         check_interval_ns: int = CHECK_EXPIRY_FREQUENCY_NS,
         replica_worker_policy: ReplicaWorkerPolicy = ReplicaWorkerPolicy.LAZY_REGISTER,
         counts: LifecycleCounts | None = None,
+        usage: Usage | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be greater than 0")
@@ -103,8 +105,10 @@ class ActiveSequencesMultiWorker:
         # read model: every rank's load, for queries; any change to a rank marks it in
         # ``_columns.changed`` (its block count is read from its sequences, kept in O(1))
         self._columns = LoadColumns([])
-        self._trie = PromptTrie()
-        self._requests = RequestIndex()
+        # what this tracker holds is counted into ``usage`` too (its owner's, across trackers)
+        self.usage = Usage() if usage is None else usage
+        self._trie = PromptTrie(self.usage)
+        self._requests = RequestIndex(self.usage)
 
         ranges = [WorkerDpRange(wid, s, n) for wid, (s, n) in sorted((dp_range or {}).items())]
         for r in ranges:
@@ -167,6 +171,7 @@ class ActiveSequencesMultiWorker:
                 self.publisher.observe_worker_removed(w, wt)
                 self._slots.pop(w).unindex_all()
                 del self._rank_keys[w]
+                self.usage.ranks -= 1
         for w in change.added:
             self.publisher.observe_worker_registered(w, wt)
             self._slots[w] = ActiveSequences(
@@ -178,6 +183,7 @@ class ActiveSequencesMultiWorker:
                 key=w,
             )
             self._rank_keys[w] = w
+            self.usage.ranks += 1
         if not change.is_empty():
             self._columns = LoadColumns(self.workers())
         return change
@@ -196,6 +202,17 @@ class ActiveSequencesMultiWorker:
     def num_requests(self) -> int:
         """Indexed (active) request ids across all ranks."""
         return len(self._requests)
+
+    def held_hashes(self) -> int:
+        """Prompt block hashes of the active requests (each prompt's, per request)."""
+        return self._trie.held
+
+    def count_into(self, usage: Usage) -> None:
+        """Count from now on into ``usage``, adding what this tracker holds now."""
+        self.usage = self._trie.usage = self._requests.usage = usage
+        usage.ranks += len(self._slots)
+        usage.requests += len(self._requests)
+        usage.hashes += self._trie.held
 
     def lora_of(self, request_id: str) -> str | None:
         return self._requests.lora(request_id)
@@ -278,12 +295,12 @@ class ActiveSequencesMultiWorker:
             worker,
             slot,
             request_id,
-            prompt,
-            add.expected_output_tokens,
-            tokens if track else 0,
-            duration_ns,
-            decay_now,
-            None,
+            prompt=prompt,
+            expected_output_tokens=add.expected_output_tokens,
+            prefill_tokens=tokens if track else 0,
+            duration_ns=duration_ns,
+            decay_now=decay_now,
+            started_at=None,
         ):
             self._columns.changed.add(worker)
         if self._loads_wanted:
@@ -310,8 +327,9 @@ class ActiveSequencesMultiWorker:
         slot: ActiveSequences,
         worker: WorkerWithDpRank,
         rid: str,
-        seq: list[int] | None,
-        eot: int | None,
+        *,
+        prompt: list[int] | None,
+        expected_output_tokens: int | None,
         track: bool,
         hint: PrefillLoadHint | None,
         decay_now: int,
@@ -321,7 +339,17 @@ class ActiveSequencesMultiWorker:
         if track and hint is not None:
             tokens = hint.initial_effective_prefill_tokens
             duration_ns = hint.expected_prefill_duration_ns
-        self._admit(worker, slot, rid, seq, eot, tokens, duration_ns, decay_now, started_at)
+        self._admit(
+            worker,
+            slot,
+            rid,
+            prompt=prompt,
+            expected_output_tokens=expected_output_tokens,
+            prefill_tokens=tokens,
+            duration_ns=duration_ns,
+            decay_now=decay_now,
+            started_at=started_at,
+        )
         self._columns.changed.add(worker)
 
     def _admit(
@@ -329,9 +357,10 @@ class ActiveSequencesMultiWorker:
         worker: WorkerWithDpRank,
         slot: ActiveSequences,
         rid: str,
+        *,
         prompt: list[int] | None,
-        eot: int | None,
-        tokens: int,
+        expected_output_tokens: int | None,
+        prefill_tokens: int,
         duration_ns: int | None,
         decay_now: int,
         started_at: int | None,
@@ -339,19 +368,26 @@ class ActiveSequencesMultiWorker:
         """What ``add_request_with_prefill_tracking`` does, with ``force_expiry``'s rate check
         read before its call: False for an id the slot holds already (it logs and ignores it)."""
         if rid in slot.requests:
-            slot.add_request_with_prefill_tracking(rid, prompt, eot, False, None, decay_now)
+            slot.add_request_with_prefill_tracking(
+                rid,
+                prompt,
+                expected_output_tokens=expected_output_tokens,
+                track_prefill_tokens=False,
+                prefill_load_hint=None,
+                decay_now=decay_now,
+            )
             return False
         now = self.clock()
         if now >= slot.next_expiry_check:
             self._after_expiry(worker, slot.force_expiry())
         slot.admit(
             rid,
-            list(prompt) if prompt else [],
-            eot,
-            tokens,
-            duration_ns,
-            decay_now,
-            now if started_at is None else started_at,
+            prompt=list(prompt) if prompt else [],
+            expected_output_tokens=expected_output_tokens,
+            prefill_tokens=prefill_tokens,
+            duration_ns=duration_ns,
+            decay_now=decay_now,
+            started_at=now if started_at is None else started_at,
         )
         return True
 
@@ -465,12 +501,12 @@ class ActiveSequencesMultiWorker:
                 slot,
                 worker,
                 rid,
-                data.token_sequence,
-                data.expected_output_tokens,
-                data.track_prefill_tokens,
-                data.prefill_load_hint,
-                decay_now,
-                started_at,
+                prompt=data.token_sequence,
+                expected_output_tokens=data.expected_output_tokens,
+                track=data.track_prefill_tokens,
+                hint=data.prefill_load_hint,
+                decay_now=decay_now,
+                started_at=started_at,
             )
             effects.record(worker, True)
             self.counts.added += 1
@@ -540,9 +576,6 @@ class ActiveSequencesMultiWorker:
 
     def active_tokens(self, decay_now: int) -> dict[WorkerWithDpRank, int]:
         return {w: s.prefill.active_tokens(decay_now) for w, s in self._slots.items()}
-
-    def active_request_counts(self) -> dict[WorkerWithDpRank, int]:
-        return {w: len(s.requests) for w, s in self._slots.items()}
 
     def get_active_lora_counts(self) -> dict[str, int]:
         return dict(self._requests.lora_counts)

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-U32_MAX = 0xFFFF_FFFF
-U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1  # the API's sequence hashes are signed 64-bit
+# the ranges live in ``bounds``; re-exported for the modules that import them from here
+from .bounds import I64_MAX as I64_MAX
+from .bounds import I64_MIN as I64_MIN
+from .bounds import U32_MAX as U32_MAX
+from .bounds import U64_MAX as U64_MAX
+
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000
 
@@ -91,9 +94,6 @@ class PrefillTokenDeltas:
     @classmethod
     def new(cls, default_tokens: int, by_worker: dict[WorkerWithDpRank, int]) -> PrefillTokenDeltas:
         return cls(default_tokens, dict(by_worker))
-
-    def tokens_for(self, worker: WorkerWithDpRank) -> int:
-        return self.by_worker.get(worker, self.default_tokens)
 
 
 @dataclass(slots=True)

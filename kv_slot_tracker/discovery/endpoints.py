@@ -19,6 +19,21 @@ Each endpoint is one worker. What a worker is registered as:
 An endpoint counts while its ``conditions.ready`` is not false (Kubernetes: an unset condition
 means ready). A pod listed by several slices (one per address family) is one worker, wanted
 while any slice lists it ready.
+
+**Selection workers.** With ``api`` = ``selection`` (the slice's ``kv-slot-tracker/api``, else
+``discovery_kubernetes_api``) a worker goes into the selection API's catalog (``/selection/
+workers``) with the addresses of its endpoint: ``endpoint`` = ``http://IP:HTTP``, and per rank
+``r`` of its dp ranks the KV-event publisher ``tcp://IP:(KV + r)`` (vLLM and SGLang bind rank
+``r``'s publisher at the configured port + ``r``), and its replay socket ``tcp://IP:(REPLAY +
+r)`` (both engines offset the replay port by the rank too): a worker of one rank gets it as
+``replay_endpoint`` (as Dynamo's catalog has it), a worker of several as ``replay_endpoints``,
+one per rank. Each port (``KV``, ``REPLAY``, ``HTTP``) is, first found:
+the pod's annotation ``kv-slot-tracker/kv-events-port`` (``replay-port``, ``http-port``); the
+pod's container port named ``kv-events`` (``kv-replay``, ``http``); the slice's annotation or
+label of that annotation's name; the slice's port of that name (a Service port named so). The
+pod (:class:`Pod`) is looked up by the caller (:func:`pods_wanted`); without it, the slice alone
+says. No KV-event port: the worker is registered without publishers (it is ``incomplete`` while
+KV events are on). No HTTP port: the slice's first port that is not a KV-event one.
 """
 
 from __future__ import annotations
@@ -37,7 +52,13 @@ WorkerKey = tuple[Key, int]  # (tracker key, worker id)
 WorkerIdFrom = Literal["ordinal", "hash"]
 
 PREFIX = "kv-slot-tracker/"
-FIELDS = ("model-name", "routing-group", "block-size", "dp-start", "dp-size")
+FIELDS = ("model-name", "routing-group", "block-size", "dp-start", "dp-size", "api")
+# For a selection worker: (annotation, port name) of its KV-event publisher, replay, HTTP ports.
+KV_EVENTS = ("kv-events-port", "kv-events")
+REPLAY = ("replay-port", "kv-replay")
+HTTP = ("http-port", "http")
+Api = Literal["slot", "selection"]
+MAX_PORTS = 100  # ports of a slice or containers of a pod read; more is not one
 # The API server puts at most 1,000 endpoints in a slice (100 by default); more is not a slice.
 MAX_ENDPOINTS_PER_SLICE = 1000
 _ORDINAL = re.compile(r"-(\d{1,20})\Z")
@@ -55,6 +76,24 @@ class Mapping:
     block_size: int = 0
     dp_start: int = 0
     dp_size: int = 1
+    api: Api = "slot"
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """What a selection worker's pod says of its ports: its ``kv-slot-tracker/`` annotations
+    and its named container ports."""
+
+    uid: str
+    annotations: tuple[tuple[str, str], ...] = ()
+    ports: tuple[tuple[str, int], ...] = ()
+
+    def port(self, names: tuple[str, str]) -> int | None:
+        annotation, port_name = names
+        for key, value in self.annotations:
+            if key == PREFIX + annotation:
+                return _int(value, annotation, 1, 65535)
+        return dict(self.ports).get(port_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +105,21 @@ class Worker:
     dp_start: int
     dp_size: int
     pod: str  # the endpoint's pod (or hostname), for logs
+    api: Api = "slot"
+    # a selection worker's addresses: HTTP endpoint, KV-event publisher and replay per rank
+    endpoint: str | None = None
+    kv_events: tuple[tuple[int, str], ...] = ()
+    replay: tuple[str, ...] = ()  # one per rank, from dp_start on; () = none
 
     @property
     def key(self) -> WorkerKey:
         return ((self.model_name, self.routing_group), self.worker_id)
 
     def same_ranks(self, other: Worker) -> bool:
-        return (self.block_size, self.dp_start, self.dp_size) == (
-            other.block_size,
-            other.dp_start,
-            other.dp_size,
-        )
+        """Registered alike: the same ranks and, for a selection worker, the same addresses."""
+        return (self.block_size, self.dp_start, self.dp_size, self.api, self.endpoint,
+                self.kv_events, self.replay) == (other.block_size, other.dp_start,
+                other.dp_size, other.api, other.endpoint, other.kv_events, other.replay)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -127,6 +170,15 @@ def _int(value: str | int, what: str, low: int, high: int) -> int:
     return value
 
 
+def slice_api(meta: dict[str, Any], mapping: Mapping) -> Api:
+    api = _meta_value(meta, "api")
+    if api is None:
+        return mapping.api
+    if api not in ("slot", "selection"):
+        raise ValueError(f"api {api!r} is neither slot nor selection")
+    return "selection" if api == "selection" else "slot"
+
+
 def slice_config(meta: dict[str, Any], mapping: Mapping) -> tuple[str, str, int, int, int]:
     """(model_name, routing_group, block_size, dp_start, dp_size) of a slice; ValueError."""
     model = _meta_value(meta, "model-name")
@@ -155,8 +207,120 @@ def worker_id_of(pod: str, namespace: str, source: WorkerIdFrom) -> int:
     return wid
 
 
-def read_slice(obj: Any, mapping: Mapping) -> SliceRead:
-    """The ready workers of one EndpointSlice object; InvalidSlice when it has no name."""
+def _port_number(value: Any) -> int | None:
+    return value if type(value) is int and 1 <= value <= 65535 else None
+
+
+def slice_ports(obj: dict[str, Any]) -> dict[str, int]:
+    """The named ports of a slice (``ports``: the Service's ports, resolved); ValueError."""
+    ports = obj.get("ports") or []
+    if not isinstance(ports, list) or len(ports) > MAX_PORTS:
+        raise ValueError("ports is not a list of at most 100 ports")
+    named: dict[str, int] = {}
+    for port in ports:
+        number = _port_number(port.get("port")) if isinstance(port, dict) else None
+        name = port.get("name") if isinstance(port, dict) else None
+        if number is not None:
+            named.setdefault(name if isinstance(name, str) else "", number)
+    return named
+
+
+def read_pod(obj: Any) -> Pod:
+    """A Pod object (as the API sends it) read into its uid, annotations and named container
+    ports; ValueError when it is not one."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("uid"), str):
+        raise ValueError("a Pod without metadata.uid")
+    uid = meta["uid"]
+    raw = meta.get("annotations") or {}
+    annotations = tuple(
+        (k, v)
+        for k, v in (raw.items() if isinstance(raw, dict) else ())
+        if isinstance(k, str) and k.startswith(PREFIX) and isinstance(v, str) and len(v) <= 64
+    )
+    spec = obj.get("spec")
+    containers = spec.get("containers") if isinstance(spec, dict) else None
+    ports: dict[str, int] = {}
+    for c in containers[:MAX_PORTS] if isinstance(containers, list) else ():
+        for port in (c.get("ports") or [])[:MAX_PORTS] if isinstance(c, dict) else ():
+            number = _port_number(port.get("containerPort")) if isinstance(port, dict) else None
+            name = port.get("name") if isinstance(port, dict) else None
+            if number is not None and isinstance(name, str) and name:
+                ports.setdefault(name, number)
+    return Pod(uid, annotations, tuple(ports.items()))
+
+
+def pods_wanted(obj: Any, mapping: Mapping) -> dict[str, str]:
+    """The pods (name: uid) of a selection slice's ready endpoints, whose annotations and
+    container ports say the worker's addresses; empty for a slot-tracker slice."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    endpoints = obj.get("endpoints") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not isinstance(endpoints, list):
+        return {}
+    try:
+        if slice_api(meta, mapping) != "selection":
+            return {}
+    except ValueError:
+        return {}
+    wanted: dict[str, str] = {}
+    for ep in endpoints[:MAX_ENDPOINTS_PER_SLICE]:
+        ref = ep.get("targetRef") if isinstance(ep, dict) else None
+        if not isinstance(ref, dict) or ref.get("kind", "Pod") != "Pod":
+            continue
+        name, uid = ref.get("name"), ref.get("uid")
+        conditions = ep.get("conditions")
+        ready = not (isinstance(conditions, dict) and conditions.get("ready") is False)
+        if ready and isinstance(name, str) and name and len(name) <= 253:
+            wanted[name] = uid if isinstance(uid, str) else ""
+    return wanted
+
+
+_ADDRESS = re.compile(r"[0-9A-Za-z.:-]{1,253}\Z")
+
+
+def _address(ep: dict[str, Any]) -> str:
+    """The endpoint's first address, as a URL host (IPv6 in brackets); ValueError."""
+    addresses = ep.get("addresses")
+    first = addresses[0] if isinstance(addresses, list) and addresses else None
+    if not isinstance(first, str) or not _ADDRESS.match(first):
+        raise ValueError("an endpoint without a usable address")
+    return f"[{first}]" if ":" in first else first
+
+
+def _selection_fields(
+    ep: dict[str, Any],
+    pod: Pod | None,
+    meta: dict[str, Any],
+    named: dict[str, int],
+    dp_start: int,
+    dp_size: int,
+) -> dict[str, Any]:
+    """A selection worker's addresses (module notes); ValueError for a bad port or address."""
+
+    def port(names: tuple[str, str]) -> int | None:
+        found = pod.port(names) if pod is not None else None
+        if found is None:
+            value = _meta_value(meta, names[0])
+            found = _int(value, names[0], 1, 65535) if value is not None else None
+        return found if found is not None else named.get(names[1])
+
+    host = _address(ep)
+    kv, replay, http = port(KV_EVENTS), port(REPLAY), port(HTTP)
+    if http is None:
+        http = next((n for k, n in named.items() if k not in (KV_EVENTS[1], REPLAY[1])), None)
+    ranks = range(dp_start, dp_start + dp_size)
+    if any(p is not None and p + ranks[-1] > 65535 for p in (kv, replay)):
+        raise ValueError("a KV-event or replay port + dp rank beyond 65535")
+    return {
+        "endpoint": f"http://{host}:{http}" if http is not None else None,
+        "kv_events": tuple((r, f"tcp://{host}:{kv + r}") for r in ranks) if kv is not None else (),
+        "replay": tuple(f"tcp://{host}:{replay + r}" for r in ranks) if replay is not None else (),
+    }  # fmt: skip
+
+
+def read_slice(obj: Any, mapping: Mapping, pods: dict[str, Pod] | None = None) -> SliceRead:
+    """The ready workers of one EndpointSlice object; InvalidSlice when it has no name.
+    ``pods``: the pods of a selection slice (:func:`pods_wanted`) by name, as looked up."""
     meta: Any = obj.get("metadata") if isinstance(obj, dict) else None
     name = meta.get("name") if isinstance(meta, dict) else None
     if not isinstance(name, str) or not name:
@@ -174,6 +338,8 @@ def read_slice(obj: Any, mapping: Mapping) -> SliceRead:
         return out
     try:
         model, group, block, start, size = slice_config(meta, mapping)
+        api = slice_api(meta, mapping)
+        named = slice_ports(obj) if api == "selection" else {}
     except ValueError as e:
         out.invalid, out.problem = len(endpoints), str(e)
         return out
@@ -187,11 +353,16 @@ def read_slice(obj: Any, mapping: Mapping) -> SliceRead:
                 out.not_ready += 1
                 continue
             wid = worker_id_of(pod, namespace, mapping.worker_id_from)
+            extra = (
+                _selection_fields(ep, (pods or {}).get(pod), meta, named, start, size)
+                if api == "selection"
+                else {}
+            )
         except ValueError as e:
             out.invalid += 1
             out.problem = str(e)
             continue
-        w = Worker(model, group, wid, block, start, size, pod)
+        w = Worker(model, group, wid, block, start, size, pod, api, **extra)
         out.workers[w.key] = w
     return out
 

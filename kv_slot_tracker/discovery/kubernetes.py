@@ -3,7 +3,11 @@
 Lists the ``discovery.k8s.io/v1`` EndpointSlices of one namespace that belong to a Service
 (label ``kubernetes.io/service-name``) or match a label selector, then watches them from the
 list's ``resourceVersion``. Every change is read into workers (``endpoints.py``) and applied to
-the service (``apply.py``) once the instance holds the shared state. A watch the server ends
+the service (``apply.py``) once the instance holds the shared state. For a slice of selection
+workers (``api`` = ``selection``) the pods of its ready endpoints are read first (``GET`` of
+each pod not seen yet, by its uid: a restarted pod is read again), for the ports their
+annotations and container ports give; a pod that cannot be read (gone, or no ``get`` on pods)
+is counted and its worker told by the slice alone. A watch the server ends
 (its timeout, a dropped connection) is opened again from the last version seen; one whose
 version is too old (410 Gone) starts over with a full list, as does an error after a backoff.
 
@@ -28,13 +32,18 @@ from kv_slot_tracker.discovery.endpoints import (
     DiscoveredSet,
     InvalidSlice,
     Mapping,
+    Pod,
     WorkerKey,
+    pods_wanted,
+    read_pod,
     read_slice,
 )
+from kv_slot_tracker.settings import KUBERNETES_CLIENT_MISSING, kubernetes_client_installed
 
 if TYPE_CHECKING:
     from kv_slot_tracker.replication import Replication
     from kv_slot_tracker.service import SlotTrackerService
+    from kv_slot_tracker.service.selection.service import SelectionService
     from kv_slot_tracker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,13 +61,8 @@ class DiscoveryUnavailable(RuntimeError):
 
 
 def require_client() -> None:
-    try:
-        import kubernetes_asyncio  # noqa: F401
-    except ImportError:
-        raise DiscoveryUnavailable(
-            "discovery_kubernetes_service is set but the Kubernetes client is not installed: "
-            "pip install 'kv-slot-tracker[kubernetes]' (or pip install kubernetes_asyncio)"
-        ) from None
+    if not kubernetes_client_installed():
+        raise DiscoveryUnavailable(KUBERNETES_CLIENT_MISSING)
 
 
 def label_selector(service: str) -> str:
@@ -81,6 +85,8 @@ class DiscoveryCounters:
     invalid_slices: int = 0  # slices without a name, watch lines that are no event: skipped
     invalid_endpoints: int = 0  # endpoints that could not be made a worker (bad labels, no ordinal)
     not_ready: int = 0  # not-ready endpoints seen (not registered, or removed)
+    pod_reads: int = 0  # pods of selection workers read for their ports
+    pod_errors: int = 0  # ... that could not be read (gone, forbidden, not a pod)
 
 
 class KubernetesDiscovery:
@@ -95,6 +101,7 @@ class KubernetesDiscovery:
         mapping: Mapping,
         max_workers: int,
         lease_renew_s: float = 0.0,
+        selection: SelectionService | None = None,
     ) -> None:
         self.service = service
         self.replication = replication
@@ -103,18 +110,24 @@ class KubernetesDiscovery:
         self.kubeconfig = kubeconfig
         self.mapping = mapping
         self.discovered = DiscoveredSet(max_workers)
-        self.applier = Applier(service)
+        self.applier = Applier(service, selection)
+        self.pods: dict[str, Pod] = {}  # selection workers' pods read, by name
+        self._core: Any = None  # the core API client (pods), made with the discovery one
         self.counters = DiscoveryCounters()
         self.lease_renew_s = lease_renew_s
         self.resource_version: str | None = None
         self.synced = False  # the last list or watch call succeeded (none failed since)
         self.last_error: str | None = None
         self._backoff = BACKOFF_S[0]  # the wait after the next error; reset by any progress
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, service: SlotTrackerService, replication: Replication
+        cls,
+        settings: Settings,
+        service: SlotTrackerService,
+        replication: Replication,
+        selection: SelectionService | None = None,
     ) -> KubernetesDiscovery:
         ttl = settings.worker_ttl_seconds
         return cls(
@@ -131,9 +144,11 @@ class KubernetesDiscovery:
                 block_size=settings.discovery_kubernetes_block_size,
                 dp_start=0,
                 dp_size=settings.discovery_kubernetes_dp_size,
+                api=settings.discovery_kubernetes_api,
             ),
             max_workers=settings.discovery_kubernetes_max_workers,
             lease_renew_s=ttl / 3 if ttl else 0.0,
+            selection=selection,
         )
 
     # -- running ---------------------------------------------------------------------------
@@ -161,6 +176,7 @@ class KubernetesDiscovery:
                     if api_client is None:  # the configuration may be missing for a while
                         api_client = await self._api_client()
                         api = client.DiscoveryV1Api(api_client)
+                        self._core = client.CoreV1Api(api_client)
                         log.info(
                             "discovery: watching EndpointSlices %s in namespace %s",
                             self.selector, self.namespace,
@@ -226,7 +242,7 @@ class KubernetesDiscovery:
             if not isinstance(items, list) or not isinstance(meta, dict):
                 raise ValueError("an EndpointSliceList without items or metadata")
             for obj in items:
-                touched |= self._put(obj)
+                touched |= await self._put(obj)
             token = meta.get("continue")
             if not token:
                 version = meta.get("resourceVersion")
@@ -269,7 +285,7 @@ class KubernetesDiscovery:
                         raise _Gone()
                     raise ValueError(f"the watch answered an error: {obj}")
                 if kind in ("ADDED", "MODIFIED"):
-                    touched = self._put(obj)
+                    touched = await self._put(obj)
                 elif kind == "DELETED":
                     touched = self._delete(obj)
                 elif kind == "BOOKMARK":
@@ -288,9 +304,35 @@ class KubernetesDiscovery:
         finally:
             resp.release()
 
-    def _put(self, obj: Any) -> set[WorkerKey]:
+    async def _read_pods(self, obj: Any) -> dict[str, Pod]:
+        """The pods of a selection slice's ready endpoints, read when not known by uid."""
+        wanted = pods_wanted(obj, self.mapping)
+        for name, uid in wanted.items():
+            known = self.pods.get(name)
+            if known is not None and (not uid or known.uid == uid):
+                continue
+            self.counters.pod_reads += 1
+            try:
+                resp = await self._core.read_namespaced_pod(
+                    name, self.namespace, _preload_content=False, _request_timeout=(10, 30)
+                )
+                pod = read_pod(json.loads(await resp.read()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # gone meanwhile, forbidden, not a pod: the slice alone says
+                self.counters.pod_errors += 1
+                self.pods.pop(name, None)
+                log.warning("discovery: pod %s not read (%s: %s)", name, type(e).__name__, e)
+                continue
+            if len(self.pods) >= 2 * self.discovered.max_workers:
+                self.pods.clear()  # bounded: pods of workers gone are forgotten now and then
+            self.pods[name] = pod
+        return {name: self.pods[name] for name in wanted if name in self.pods}
+
+    async def _put(self, obj: Any) -> set[WorkerKey]:
+        pods = await self._read_pods(obj)  # none for a slot-tracker slice
         try:
-            read = read_slice(obj, self.mapping)
+            read = read_slice(obj, self.mapping, pods)
         except InvalidSlice:
             self.counters.invalid_slices += 1
             return set()

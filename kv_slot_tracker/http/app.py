@@ -1,7 +1,7 @@
 """The HTTP edge: builds the FastAPI application from the route table.
 
 FastAPI is how the app is built, documented (``/docs``, ``openapi.json``) and extended; the lean
-dispatcher (``kv_slot_tracker.http.lean``) serves the hot routes the table marks, before FastAPI's stack.
+dispatcher (``kv_slot_tracker.http.dispatch``) serves the hot routes the table marks, before FastAPI's stack.
 Errors FastAPI itself raises (no such route, wrong method, bad query string) get the same
 ``{"error": ...}`` bodies as everything else.
 """
@@ -21,8 +21,10 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from kv_slot_tracker import __version__
+from kv_slot_tracker.http.answers import CallRoutes
 from kv_slot_tracker.http.auth import BearerAuth, open_paths
 from kv_slot_tracker.http.dashboard import build_dashboard_router
+from kv_slot_tracker.http.dispatch import LeanDispatcher, LeanRoute
 from kv_slot_tracker.http.docs import build_docs_router
 from kv_slot_tracker.http.errors import (
     INTERNAL_ERROR,
@@ -31,10 +33,9 @@ from kv_slot_tracker.http.errors import (
     ROUTE_NOT_FOUND,
 )
 from kv_slot_tracker.http.gate import ReadinessGate
-from kv_slot_tracker.http.lean import LeanDispatcher, LeanRoute
 from kv_slot_tracker.http.middleware import HeadAsGet
 from kv_slot_tracker.http.operations import Operations
-from kv_slot_tracker.http.replicated import ReplicatedOperations
+from kv_slot_tracker.http.replicated import DurableAcks, ReplicatedEdge
 from kv_slot_tracker.http.responses import JSON, json_response
 from kv_slot_tracker.http.routes import (
     ROUTES,
@@ -46,10 +47,13 @@ from kv_slot_tracker.http.routes import (
     query_endpoint,
     response_examples,
 )
+from kv_slot_tracker.http.schemas import INTEGER_LITERALS
 from kv_slot_tracker.http.selection.operations import SelectionOperations, SelectionQueries
-from kv_slot_tracker.http.selection.replicated import ReplicatedSelectionOperations
+from kv_slot_tracker.http.selection.receipts import build_receipts_router, is_receipt_path
+from kv_slot_tracker.http.selection.replica_sync import ReplicaSync
+from kv_slot_tracker.http.selection.replicated import ReplicatedSelectionEdge
 from kv_slot_tracker.ingest.peers import IndexPeers
-from kv_slot_tracker.observability import HttpMetrics, access_logged
+from kv_slot_tracker.observability.http import HttpMetrics, access_logged
 from kv_slot_tracker.replication.port import Replication
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.consistency import Consistency
@@ -59,7 +63,7 @@ from kv_slot_tracker.settings import Settings
 DESCRIPTION = (
     "Tracks active requests, KV blocks and prefill tokens of every LLM worker rank, and answers "
     "what each rank's load would be if a prompt went there. A drop-in superset of Dynamo's "
-    "standalone slot tracker API."
+    "standalone slot tracker API.\n\n" + INTEGER_LITERALS
 )
 
 # FastAPI's native OpenTelemetry probes global providers and the environment on every request
@@ -112,23 +116,35 @@ def build_http_app(
     _install_error_handlers(app)
 
     gate = None
-    slot_operations = Operations(service, settings.max_batch_operations)
-    selection_operations = SelectionOperations(selection)
-    if consistency is not None:
+    slot_operations: CallRoutes = Operations(service, settings.max_batch_operations)
+    selection_operations: CallRoutes = SelectionOperations(selection)
+    if consistency is not None:  # the same operations, composed with the replicated calls
         gate = ReadinessGate(replication)
-        ack_timeout_ms = (
-            settings.replication_ack_timeout_ms if settings.replication_ack == "redis" else None
+        acks = (
+            DurableAcks(consistency, settings.replication_ack_timeout_ms)
+            if settings.replication_ack == "redis"
+            else None
         )
-        slot_operations = ReplicatedOperations(
-            service, settings.max_batch_operations, gate, consistency, ack_timeout_ms
+        slot_operations = ReplicatedEdge(
+            Operations(service, settings.max_batch_operations), gate, consistency, acks
         )
-        selection_operations = ReplicatedSelectionOperations(
-            selection, gate, consistency, ack_timeout_ms
+        selection_operations = ReplicatedSelectionEdge(
+            SelectionOperations(selection), gate, consistency, acks
         )
-    operations: dict[str, Any] = {"slot": slot_operations, "selection": selection_operations}
+    replica_sync = ReplicaSync(replication)  # Dynamo's peer routes: no ZMQ mesh here
+    operations: dict[str, CallRoutes] = {
+        "slot": slot_operations,
+        "selection": selection_operations,
+        "replica_sync": replica_sync,
+    }
     queries = {
-        "slot": Queries(service, replication),
-        "selection": SelectionQueries(selection, index_peers, settings.kv_events_silent_seconds),
+        "slot": Queries(
+            service, replication, settings.replication_ack == "redis", settings.list_max_items
+        ),
+        "selection": SelectionQueries(
+            selection, index_peers, settings.kv_events_silent_seconds, settings.list_max_items
+        ),
+        "replica_sync": replica_sync,
     }
     lean_routes = []
     for route in ROUTES:
@@ -143,6 +159,7 @@ def build_http_app(
                         op,
                         route.body is not None,
                         tuple(p.parse for p in route.path_params),
+                        optional_body=route.optional_body,
                     )
                 )
         else:
@@ -151,6 +168,7 @@ def build_http_app(
                 handler = gate.guard(handler)
             endpoint = query_endpoint(route, handler)
         app.add_api_route(route.path, endpoint, **fastapi_route_args(route))
+    app.include_router(build_receipts_router(selection, settings.max_body_bytes))
     app.include_router(build_dashboard_router())
     app.include_router(build_docs_router(app.title, app.openapi_url or "/openapi.json"))
 
@@ -163,14 +181,17 @@ def build_http_app(
     ).add(http_metrics.instrumentation).instrument(app).expose(
         app, include_in_schema=True, should_gzip=False
     )
-    app.lean = LeanDispatcher(lean_routes, http_metrics.observe, settings.max_body_bytes, api_key)
+    lean = app.lean = LeanDispatcher(
+        lean_routes, http_metrics.observe, settings.max_body_bytes, api_key
+    )
 
     if api_key:
         app.add_middleware(
             BearerAuth, api_key=api_key, metrics_require_key=settings.metrics_require_key
         )
     app.add_middleware(
-        HeadAsGet, templated=app.lean.matches_template
+        HeadAsGet,
+        templated=lambda scope: lean.matches_template(scope) or is_receipt_path(scope),
     )  # outermost: also strips the body of a 401
     open_without_key = open_paths(settings.metrics_require_key) if api_key else None
     app.openapi = lambda: _openapi(app, open_without_key)  # type: ignore[method-assign]

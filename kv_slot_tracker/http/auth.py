@@ -35,6 +35,8 @@ METRICS = "/metrics"
 PROBE_FIELDS: dict[str, tuple[str, ...]] = {
     "/selection/ready": ("ready", "schedulable_workers"),
 }
+# Set in the scope of such a call: the handler computes only those fields (``routes.PROBE``).
+PROBE_SCOPE_KEY = "kv_slot_tracker.probe_fields"
 
 
 def authorized(scope: Scope, token: bytes) -> bool:
@@ -70,6 +72,8 @@ class BearerAuth:
         path = scope["path"]
         if path in self.open or path.startswith(DOCS_ASSETS):
             fields = PROBE_FIELDS.get(path)
+            if fields is not None:
+                scope[PROBE_SCOPE_KEY] = fields
             await self.app(scope, receive, send if fields is None else _only(fields, send))
             return
         await send_json(send, 401, self.body, headers=((b"www-authenticate", b"Bearer"),))

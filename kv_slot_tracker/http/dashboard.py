@@ -2,8 +2,10 @@
 
 The page is one static HTML file (``kv_slot_tracker/static/dashboard.html``: inline CSS and vanilla
 JavaScript, no build step, no external resources) that polls ``/loads``, ``/workers``,
-``/ready``, ``/replication``, ``/selection/loads`` and ``/selection/workers`` once a second with
-relative URLs. The HTML itself needs no key; when the
+``/ready``, ``/replication``, ``/selection/loads``, ``/selection/workers`` and ``/selection/ready``
+once a second with relative URLs. The selection table shows, per partition, each schedulable
+rank's KV-event publisher as live, silent or disconnected (``/selection/ready``'s ``kv_events``),
+never as ready when it is not. The HTML itself needs no key; when the
 instance has an API key, the page asks for it (or takes ``?key=...``), keeps it in
 ``sessionStorage`` and sends it as ``Authorization: Bearer``.
 """

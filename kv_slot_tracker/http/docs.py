@@ -89,7 +89,8 @@ def build_docs_router(title: str, openapi_url: str) -> APIRouter:
     router = APIRouter()
 
     def prefix(request: Request) -> str:
-        return request.scope.get("root_path", "").rstrip("/")
+        root: str = request.scope.get("root_path", "")
+        return root.rstrip("/")
 
     @router.get(DOCS_URL, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:

@@ -65,6 +65,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     svc.TooManyHashes: (422, _text),
     svc.NotReady: (503, _text),
     svc.TooManyTrackers: (503, _text),
+    svc.OverBudget: (503, _text),  # and its subclass OverMemoryBudget
     svc.WritesRefused: (503, _text),
     svc.NotAcknowledged: (503, _text),
     core.TooManyOutputBlocks: (422, _text),
@@ -82,6 +83,7 @@ STATUS: dict[type[Exception], tuple[int, Callable[[Any], str]]] = {
     sel.InvalidDecayFraction: (400, _text),
     sel.PinnedWorkerNotAllowed: (400, _text),
     sel.SessionBoundElsewhere: (400, _text),
+    sel.InvalidReplayEndpoints: (400, _text),
     sel.CatalogWorkerNotFound: (404, _text),
     sel.SchedulableWorkerNotFound: (404, _text),
     sel.RankNotFound: (404, _text),

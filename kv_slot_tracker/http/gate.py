@@ -3,8 +3,9 @@ refused with 503 (``NotReady``) before anything runs, so they change nothing.
 
 The instance listens at once (Kubernetes probes need no initial delay): ``/health``, ``/ready``,
 ``/replication``, ``/metrics`` and the docs answer throughout; every route of the table marked
-``needs_state`` goes through the gate. Readiness is for good once reached, so the gate opens
-once and then costs one attribute read per call.
+``needs_state`` goes through the gate. Once open the gate costs one attribute read per call;
+a replication that stops being ready (Redis replication re-reading its stream after a primary
+switch) closes it again through ``watch_readiness``, and it opens once ready again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class ReadinessGate:
     def __init__(self, replication: Replication) -> None:
         self.replication = replication
         self.closed = True  # until ``refusal`` finds the replication ready
+        watch = getattr(replication, "watch_readiness", None)  # not every mode loses readiness
+        if watch is not None:
+            watch(self.close)
+
+    def close(self) -> None:
+        """The replication is not ready any more: refuse until it is again."""
+        self.closed = True
 
     def refusal(self) -> NotReady | None:
         """The error to answer now, or None (and the gate opens for good) once ready."""

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kv_slot_tracker.http.dispatch import encoded_path
 from kv_slot_tracker.http.errors import ROUTE_NOT_FOUND, error_body
-from kv_slot_tracker.http.lean import encoded_path
 from kv_slot_tracker.http.responses import send_json
 
 _NOT_FOUND = error_body(ROUTE_NOT_FOUND)

@@ -1,7 +1,7 @@
 """Body-level operations: JSON bytes in, ``(status, JSON bytes)`` out.
 
 Each operation decodes its body into the service's command (``kv_slot_tracker.service.commands``): a plain
-body straight into it (``kv_slot_tracker.http.plain``), any other through its model (``kv_slot_tracker.http.body``,
+body straight into it (``kv_slot_tracker.http.fast_bodies``), any other through its model (``kv_slot_tracker.http.body``,
 ``kv_slot_tracker.http.schemas``, which alone write error messages); then it runs the command and encodes
 the answer. Every route, whichever path serves it (the lean dispatcher or FastAPI), runs the
 same operation, so it answers identically. Expected errors become their status and
@@ -11,29 +11,29 @@ same operation, so it answers identically. Expected errors become their status a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from kv_slot_tracker.core.types import WorkerDpRange
-from kv_slot_tracker.http import plain as p
-from kv_slot_tracker.http import schemas as s
-from kv_slot_tracker.http.body import parse_json, parse_object, repeated_fields
+from kv_slot_tracker.core.serde.shapes import repeated_fields
+from kv_slot_tracker.core.types import WorkerDpRange, WorkerWithDpRank
+from kv_slot_tracker.http import fast_bodies, schemas
+from kv_slot_tracker.http.answers import Result
+from kv_slot_tracker.http.body import parse_json, parse_object
 from kv_slot_tracker.http.errors import EXPECTED, JSON_SHAPE, HttpError, describe, error_result
 from kv_slot_tracker.http.responses import load_columns_json
-from kv_slot_tracker.service import SlotTrackerService
-from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.service import SlotTrackerService, commands
 
 OK = b'{"status":"ok"}'
-_CREATED = b'{"status":201}'
-_DONE = b'{"status":200}'
+# a batch operation's result object: applied (an add: created)
+BATCH_CREATED = b'{"status":201}'
+BATCH_DONE = b'{"status":200}'
 
-C = TypeVar("C", bound=c.Keyed)
-P = TypeVar("P", bound=c.Prompt)
-R = TypeVar("R", bound=c.Register)
-Result = tuple[int, bytes]
+C = TypeVar("C", bound=commands.Keyed)
+P = TypeVar("P", bound=commands.Prompt)
+R = TypeVar("R", bound=commands.Register)
 Operation = Callable[[bytes], Result]
 
 
@@ -60,23 +60,45 @@ def prompt_command(cls: type[P], b: Any) -> P:
     return command(cls, b)
 
 
-def add_command(b: Any) -> c.Add:
-    return prompt_command(c.Add, b)
+def add_command(b: Any) -> commands.Add:
+    return prompt_command(commands.Add, b)
 
 
-def free_command(b: Any) -> c.Free:
-    return command(c.Free, b)
+def free_command(b: Any) -> commands.Free:
+    return command(commands.Free, b)
 
 
-def prefill_command(b: Any) -> c.PrefillComplete:
-    return command(c.PrefillComplete, b)
+def prefill_command(b: Any) -> commands.PrefillComplete:
+    return command(commands.PrefillComplete, b)
 
 
-def output_block_command(b: Any) -> c.OutputBlock:
-    return command(c.OutputBlock, b)
+def output_block_command(b: Any) -> commands.OutputBlock:
+    return command(commands.OutputBlock, b)
 
 
-def worker_range(cls: type[R], b: s.RegisterBody) -> R:
+def decode_prefill_complete(raw: bytes) -> commands.PrefillComplete:
+    """A ``/prefill_complete`` body's command: a plain body decoded straight into it
+    (``kv_slot_tracker.http.fast_bodies``), any other through its model, with its messages."""
+    cmd = fast_bodies.prefill_complete_body(raw)
+    if cmd is None:
+        cmd = prefill_command(parse_json(raw, schemas.RequestBody))
+    return cmd
+
+
+def decode_free(raw: bytes) -> commands.Free:
+    """A ``/free`` body's command (as ``decode_prefill_complete``)."""
+    cmd = fast_bodies.free_body(raw)
+    if cmd is None:
+        cmd = free_command(parse_json(raw, schemas.RequestBody))
+    return cmd
+
+
+def decode_output_block(raw: bytes) -> commands.OutputBlock:
+    """An ``/output_block`` body's command (through its model: no plain path)."""
+    return output_block_command(parse_json(raw, schemas.OutputBlockBody))
+
+
+def worker_range(cls: type[R], b: schemas.RegisterBody) -> R:
     return cls(
         model_name=b.model_name,
         routing_group=b.routing_group,
@@ -87,20 +109,22 @@ def worker_range(cls: type[R], b: s.RegisterBody) -> R:
     )
 
 
-def _ranks(ws) -> list[dict[str, int]]:
+def _ranks(ws: Iterable[WorkerWithDpRank]) -> list[dict[str, int]]:
     return [{"worker_id": w.worker_id, "dp_rank": w.dp_rank} for w in ws]
 
 
 BATCH_MODELS: dict[str, type[BaseModel]] = {
-    "add": s.BatchAdd,
-    "prefill_complete": s.BatchPrefillComplete,
-    "free": s.BatchFree,
-    "output_block": s.BatchOutputBlock,
+    "add": schemas.BatchAdd,
+    "prefill_complete": schemas.BatchPrefillComplete,
+    "free": schemas.BatchFree,
+    "output_block": schemas.BatchOutputBlock,
 }
 
 
 class Operations:
-    """Every body route's operation, by name (the route table names them)."""
+    """Every body route's operation, by name (the route table names them): synchronous, each
+    answering its ``Result``. A replicated instance composes them with what sharing state
+    needs (``kv_slot_tracker.http.replicated.ReplicatedEdge``)."""
 
     def __init__(self, service: SlotTrackerService, max_batch: int) -> None:
         self.service = service
@@ -108,7 +132,7 @@ class Operations:
 
     def get(self, name: str) -> Operation:
         """The named operation, answering expected errors with their status and body."""
-        op = getattr(self, name)
+        op: Callable[[bytes], Result] = getattr(self, name)
 
         def run(raw: bytes) -> Result:
             try:
@@ -121,35 +145,39 @@ class Operations:
     # -- topology -------------------------------------------------------------------------
 
     def register(self, raw: bytes) -> Result:
-        self.service.register(worker_range(c.Register, parse_json(raw, s.RegisterBody)))
+        self.service.register(
+            worker_range(commands.Register, parse_json(raw, schemas.RegisterBody))
+        )
         return 201, OK
 
     def upsert(self, raw: bytes) -> Result:
-        created = self.service.upsert(worker_range(c.Upsert, parse_json(raw, s.UpsertBody)))
+        created = self.service.upsert(
+            worker_range(commands.Upsert, parse_json(raw, schemas.UpsertBody))
+        )
         return (201 if created else 200), OK
 
     def unregister(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.UnregisterBody)
+        b = parse_json(raw, schemas.UnregisterBody)
         self.service.unregister(
-            c.Unregister(
+            commands.Unregister(
                 model_name=b.model_name, routing_group=b.routing_group, worker_id=b.worker_id
             )
         )
         return 200, OK
 
     def heartbeat(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.HeartbeatBody)
+        b = parse_json(raw, schemas.HeartbeatBody)
         self.service.heartbeat(
-            c.Heartbeat(
+            commands.Heartbeat(
                 model_name=b.model_name, routing_group=b.routing_group, worker_id=b.worker_id
             )
         )
         return 200, OK
 
     def reconcile(self, raw: bytes) -> Result:
-        b = parse_json(raw, s.ReconcileBody)
+        b = parse_json(raw, schemas.ReconcileBody)
         change = self.service.reconcile(
-            c.Reconcile(
+            commands.Reconcile(
                 model_name=b.model_name,
                 routing_group=b.routing_group,
                 block_size=b.block_size,
@@ -164,42 +192,36 @@ class Operations:
     # -- lifecycle ------------------------------------------------------------------------
 
     def add(self, raw: bytes) -> Result:
-        cmd = p.add_body(raw)
+        cmd = fast_bodies.add_body(raw)
         if cmd is None:  # not plain: the validating path, with its messages
-            cmd = add_command(parse_json(raw, s.AddBody))
+            cmd = add_command(parse_json(raw, schemas.AddBody))
         self.service.add(cmd)
         return 201, OK
 
     def prefill_complete(self, raw: bytes) -> Result:
-        cmd = p.prefill_complete_body(raw)
-        if cmd is None:
-            cmd = prefill_command(parse_json(raw, s.RequestBody))
-        self.service.prefill_complete(cmd)
+        self.service.prefill_complete(decode_prefill_complete(raw))
         return 200, OK
 
     def free(self, raw: bytes) -> Result:
-        cmd = p.free_body(raw)
-        if cmd is None:
-            cmd = free_command(parse_json(raw, s.RequestBody))
-        self.service.free(cmd)
+        self.service.free(decode_free(raw))
         return 200, OK
 
     def output_block(self, raw: bytes) -> Result:
-        self.service.output_block(output_block_command(parse_json(raw, s.OutputBlockBody)))
+        self.service.output_block(decode_output_block(raw))
         return 200, OK
 
     # -- queries --------------------------------------------------------------------------
 
     def potential_loads(self, raw: bytes) -> Result:
-        cmd = p.potential_loads_body(raw)
+        cmd = fast_bodies.potential_loads_body(raw)
         if cmd is None:  # not plain: the validating path, with its messages
-            b = parse_json(raw, s.PotentialLoadsBody)
-            cmd = prompt_command(c.PotentialLoads, b)
+            b = parse_json(raw, schemas.PotentialLoadsBody)
+            cmd = prompt_command(commands.PotentialLoads, b)
         return 200, load_columns_json(self.service.potential_loads(cmd))
 
     def project_loads(self, raw: bytes) -> Result:
         rows = self.service.project_loads(
-            prompt_command(c.ProjectLoads, parse_json(raw, s.ProjectLoadsBody))
+            prompt_command(commands.ProjectLoads, parse_json(raw, schemas.ProjectLoadsBody))
         )
         return 200, orjson.dumps(rows)
 
@@ -211,7 +233,7 @@ class Operations:
         try:
             if name == "add":
                 service.add(add_command(b))
-                return _CREATED
+                return BATCH_CREATED
             if name == "free":
                 service.free(free_command(b))
             elif name == "prefill_complete":
@@ -219,8 +241,8 @@ class Operations:
             else:
                 service.output_block(output_block_command(b))
         except EXPECTED as e:
-            return _batch_error(e)
-        return _DONE
+            return batch_error(e)
+        return BATCH_DONE
 
     @staticmethod
     def _loose_op(op: Any) -> Any:
@@ -237,72 +259,76 @@ class Operations:
                 )
             return parse_object(op, model)
         except HttpError as e:
-            return _batch_error(e)
+            return batch_error(e)
 
     def batch(self, raw: bytes) -> Result:
-        ops = p.batch_operations(raw)
+        ops = fast_bodies.batch_operations(raw)
         if ops is None:  # not plain: the validating path, with its messages
-            return self._run_batch(self._batch_ops(raw))
-        self._check_size(len(ops))
-        return self._run_commands(ops)
+            return self.run_batch(self.validated_batch(raw))
+        self.check_size(len(ops))
+        return self.run_commands(ops)
 
-    def _run_commands(self, ops: list[c.BatchOperation]) -> Result:
-        """A plain batch's commands (``kv_slot_tracker.http.plain.batch_operations``), in order."""
+    def run_commands(self, ops: list[commands.BatchOperation]) -> Result:
+        """A plain batch's commands (``kv_slot_tracker.http.fast_bodies.batch_operations``), in order."""
         service = self.service
         add, free = service.add, service.free
         results: list[Any] = []
         append = results.append
-        free_cmd, add_cmd = c.Free, c.Add
+        free_cmd, add_cmd = commands.Free, commands.Add
         o: Any  # dispatched on its exact type below
         for o in ops:
             kind = type(o)
             try:
                 if kind is free_cmd:
                     free(o)
-                    append(_DONE)
+                    append(BATCH_DONE)
                 elif kind is add_cmd:
                     add(o)
-                    append(_CREATED)
-                elif kind is c.PrefillComplete:
+                    append(BATCH_CREATED)
+                elif kind is commands.PrefillComplete:
                     service.prefill_complete(o)
-                    append(_DONE)
+                    append(BATCH_DONE)
                 else:
                     service.output_block(o)
-                    append(_DONE)
+                    append(BATCH_DONE)
             except EXPECTED as e:
-                append(_batch_error(e))
+                append(batch_error(e))
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
-    def _batch_ops(self, raw: bytes) -> list[Any]:
+    def validated_batch(self, raw: bytes) -> list[Any]:
         """The operations of a batch body: each a validated model, or its error result (bytes)
         when it did not validate (the others still apply)."""
         ops: list[Any] | None = None
         if b"NaN" not in raw and b"Infinity" not in raw:
             # one validation pass when every operation is well formed (the common case)
             with contextlib.suppress(ValidationError):
-                ops = s.StrictBatchBody.model_validate_json(raw).operations
+                ops = schemas.StrictBatchBody.model_validate_json(raw).operations
         if ops is not None:
-            self._check_size(len(ops))
+            self.check_size(len(ops))
         else:  # malformed somewhere: validate each operation alone so the others still apply
-            loose = parse_json(raw, s.BatchBody).operations
-            self._check_size(len(loose))
+            loose = parse_json(raw, schemas.BatchBody).operations
+            self.check_size(len(loose))
             ops = [self._loose_op(op) for op in loose]
         # an operation that validated with a key given twice is refused, as a single call is
         for i, key in repeated_fields(raw, "operations").items():
             if i < len(ops) and type(ops[i]) is not bytes:
-                ops[i] = _batch_error(HttpError(422, JSON_SHAPE + f"duplicate field `{key}`"))
+                ops[i] = batch_error(HttpError(422, JSON_SHAPE + f"duplicate field `{key}`"))
         return ops
 
-    def _run_batch(self, ops: list[Any], apply: Callable[[Any], bytes] | None = None) -> Result:
+    def run_batch(self, ops: list[Any], apply: Callable[[Any], bytes] | None = None) -> Result:
+        """``validated_batch``'s operations in order, each run by ``apply`` (by default as
+        ``/batch`` runs it) unless it is already its error result."""
         apply = apply or self._apply
         results = [op if type(op) is bytes else apply(op) for op in ops]
         return 200, b'{"results":[' + b",".join(results) + b"]}"
 
-    def _check_size(self, n: int) -> None:
+    def check_size(self, n: int) -> None:
+        """Refuse a batch of more than ``max_batch`` operations (before any runs)."""
         if n > self.max_batch:
             raise HttpError(422, "too many operations in one batch")
 
 
-def _batch_error(e: Exception) -> bytes:
+def batch_error(e: Exception) -> bytes:
+    """A batch operation's result object for an error: its status and message."""
     status, message = describe(e)
     return orjson.dumps({"status": status, "error": message})

@@ -1,7 +1,14 @@
-"""The body operations of a replicated instance: ``Operations`` plus what sharing state needs.
+"""The call routes of a replicated instance: the operations composed with what sharing state
+needs.
 
-* The readiness gate (``kv_slot_tracker.http.gate``): 503 before anything runs while the instance has not
-  caught up with its peers.
+``ReplicatedEdge`` wraps the slot tracker's ``Operations`` (which stay synchronous, each
+answering its ``Result``) and answers ``Answer`` (``kv_slot_tracker.http.answers``): the
+``Result`` at once when nothing has to wait, else ``Later``, which the dispatchers await.
+``replicated_call`` and ``DurableAcks`` serve the selection API's routes too
+(``kv_slot_tracker.http.selection.replicated``).
+
+* The readiness gate (``kv_slot_tracker.http.gate``): 503 before anything runs while the
+  instance has not caught up with its peers.
 * With ``replication_ack = "redis"``, a mutating call is answered only once its records are in
   the stream: refused (503, nothing applied) while Redis is known to be unreachable, else
   applied, then answered when the append holding its last record returns (calls waiting at one
@@ -10,46 +17,45 @@
   at once.
 * Lifecycle calls for request ids this instance does not know yet (``/prefill_complete``,
   ``/output_block``, ``/free``, and the same inside ``/batch``) wait for the add's record
-  (``kv_slot_tracker.service.consistency``). Only they take this slow path: the operation returns a
-  coroutine instead of a result, which the dispatchers (``kv_slot_tracker.http.lean``, the FastAPI
-  endpoints) await. A call whose ids are all known runs synchronously, exactly as in embedded
-  mode. A batch is scanned first; an id added earlier in the same batch counts as known. Plain
-  bodies (``kv_slot_tracker.http.plain``), a batch's included, decode straight into their commands
-  as in embedded mode; only other bodies take the models.
+  (``kv_slot_tracker.service.consistency``). Only they answer ``Later``; a call whose ids are
+  all known runs synchronously, exactly as in embedded mode. A batch is scanned first; an id
+  added earlier in the same batch counts as known. Bodies decode as in embedded mode (the
+  ``decode_*`` functions and batch methods of ``kv_slot_tracker.http.operations``): plain ones
+  straight into their commands, a batch's included; only other bodies take the models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-from kv_slot_tracker.http import plain as p
-from kv_slot_tracker.http import schemas as s
-from kv_slot_tracker.http.body import parse_json
+from kv_slot_tracker.http.answers import Answer, Call, Later, Result
 from kv_slot_tracker.http.errors import EXPECTED, error_result
+from kv_slot_tracker.http.fast_bodies import batch_operations
 from kv_slot_tracker.http.gate import ReadinessGate
 from kv_slot_tracker.http.operations import (
-    _CREATED,
-    _DONE,
+    BATCH_CREATED,
+    BATCH_DONE,
     OK,
     Operations,
-    Result,
-    _batch_error,
     add_command,
+    batch_error,
+    decode_free,
+    decode_output_block,
+    decode_prefill_complete,
     free_command,
     output_block_command,
     prefill_command,
 )
-from kv_slot_tracker.service import SlotTrackerService
-from kv_slot_tracker.service import commands as c
-from kv_slot_tracker.service.consistency import Consistency
+from kv_slot_tracker.http.schemas import BatchAdd
+from kv_slot_tracker.service import commands
+from kv_slot_tracker.service.consistency import Consistency, RequestKey
 from kv_slot_tracker.service.errors import NotAcknowledged, WritesRefused
 
-Lifecycle = c.PrefillComplete | c.Free | c.OutputBlock
-Deferred = Result | Awaitable[Result]
+Lifecycle = commands.PrefillComplete | commands.Free | commands.OutputBlock
 
 # a validated batch operation's command, by its ``op``
-_COMMAND_OF: dict[str, Callable[[Any], c.BatchOperation]] = {
+_COMMAND_OF: dict[str, Callable[[Any], commands.BatchOperation]] = {
     "add": add_command,
     "prefill_complete": prefill_command,
     "free": free_command,
@@ -60,39 +66,6 @@ _COMMAND_OF: dict[str, Callable[[Any], c.BatchOperation]] = {
 MUTATING = frozenset({"register", "upsert", "unregister", "heartbeat", "reconcile", "add",
                       "prefill_complete", "free", "output_block", "batch"})  # fmt: skip
 
-
-async def finish_waiting(pending: Awaitable[Result]) -> Result:
-    """The result of an operation that had to wait, errors mapped like synchronous ones."""
-    try:
-        return await pending
-    except EXPECTED as e:
-        return error_result(e)
-
-
-def run_replicated(
-    gate: ReadinessGate, acks: DurableAcks | None, op: Callable[..., Any], raw: bytes, *args: Any
-) -> Any:
-    """One call on a replicated instance: the readiness gate, then (``acks``: a mutating call
-    with durable acknowledgements) the write refusal, the operation with expected errors
-    mapped, and the acknowledgement. An operation that had to wait returns a coroutine, which
-    the dispatchers (``kv_slot_tracker.http.lean``, the FastAPI endpoints) await."""
-    if gate.closed:
-        refused = gate.refusal()
-        if refused is not None:
-            return error_result(refused)
-    if acks is not None:
-        refused_writes = acks.refusal()
-        if refused_writes is not None:
-            return refused_writes
-    try:
-        result = op(raw, *args)
-    except EXPECTED as e:
-        result = error_result(e)  # with acks: may rest on an unconfirmed change (``finish``)
-    if acks is not None:
-        return acks.finish(result)
-    return result if type(result) is tuple else finish_waiting(result)
-
-
 # Answers that tell the client about the shared state (a change applied, a request found or
 # not found); any other status is about the request alone and never waits.
 STATE_ANSWERS = frozenset({200, 201, 204, 404, 409})
@@ -101,7 +74,7 @@ STATE_ANSWERS = frozenset({200, 201, 204, 404, 409})
 class DurableAcks:
     """``replication_ack = "redis"``: refuse a mutating call while Redis is known unreachable,
     and answer one that queued records only once they are in the stream (see the module
-    docstring). Shared by the slot-tracker and the selection operations."""
+    docstring). Shared by the slot-tracker and the selection routes."""
 
     __slots__ = ("replication", "counters", "timeout_ms")
 
@@ -118,65 +91,122 @@ class DurableAcks:
         self.counters.ack_refused += 1
         return error_result(WritesRefused(reason))
 
-    def finish(self, result: Deferred) -> Deferred:
-        """``result`` once every record this instance accepted so far is acknowledged: at once
+    def finish(self, answer: Answer) -> Answer:
+        """``answer`` once every record this instance accepted so far is acknowledged: at once
         when none waits (the call queued nothing, and nothing earlier is pending).
 
         Also for a call that changed nothing: its answer may rest on a change whose own call
         was answered 503 and is not acknowledged yet (an add retried after a timeout answers
         409), and a client takes that answer as acknowledging the change."""
         rep = self.replication
-        if type(result) is tuple and (
-            rep.last_accepted() <= rep.acknowledged_through() or result[0] not in STATE_ANSWERS
+        if not isinstance(answer, Later) and (
+            rep.last_accepted() <= rep.acknowledged_through() or answer[0] not in STATE_ANSWERS
         ):
-            return result  # nothing waits, or a refusal about the request itself (422, 413)
-        return self._acknowledged(result)
+            return answer  # nothing waits, or a refusal about the request itself (422, 413)
+        return Later(self._acknowledged(answer))
 
-    async def _acknowledged(self, result: Deferred) -> Result:
-        if type(result) is not tuple:
-            try:
-                result = await result  # type: ignore[misc]
-            except EXPECTED as e:
-                return error_result(e)
+    async def _acknowledged(self, answer: Answer) -> Result:
+        result = await answer if isinstance(answer, Later) else answer
         seq = self.replication.last_accepted()
         if seq <= self.replication.acknowledged_through():
-            return result  # type: ignore[return-value]
+            return result
         counters = self.counters
         counters.ack_waits += 1
         if await self.replication.appended(seq, self.timeout_ms / 1000):
-            return result  # type: ignore[return-value]
+            return result
         counters.ack_timeouts += 1
         return error_result(NotAcknowledged(self.timeout_ms))
 
 
-class ReplicatedOperations(Operations):
+def replicated_call(gate: ReadinessGate, acks: DurableAcks | None, op: Call) -> Call:
+    """``op`` as a replicated instance runs it: behind the readiness gate, then (``acks``: a
+    mutating call with durable acknowledgements) the write refusal, the operation, and the
+    acknowledgement. Expected errors are answered with their status, never raised."""
+    if acks is None:
+
+        def call(raw: bytes, *args: Any) -> Answer:
+            if gate.closed:
+                refused = gate.refusal()
+                if refused is not None:
+                    return error_result(refused)
+            try:
+                return op(raw, *args)
+            except EXPECTED as e:
+                return error_result(e)
+
+        return call
+
+    def acknowledged(raw: bytes, *args: Any) -> Answer:
+        if gate.closed:
+            refused = gate.refusal()
+            if refused is not None:
+                return error_result(refused)
+        refused_writes = acks.refusal()
+        if refused_writes is not None:
+            return refused_writes
+        try:
+            answer = op(raw, *args)
+        except EXPECTED as e:
+            answer = error_result(e)  # may rest on an unconfirmed change (``finish``)
+        return acks.finish(answer)
+
+    return acknowledged
+
+
+class ReplicatedEdge:
+    """The slot tracker's call routes on a replicated instance (module docstring): ``ops``
+    behind the readiness gate and, with durable acknowledgements (``acks``; None: local ones),
+    the write refusal and the acknowledgement; lifecycle calls about ids not known yet wait
+    for their add (``consistency``)."""
+
     def __init__(
         self,
-        service: SlotTrackerService,
-        max_batch: int,
+        ops: Operations,
         gate: ReadinessGate,
         consistency: Consistency,
-        ack_timeout_ms: int | None = None,
+        acks: DurableAcks | None = None,
     ) -> None:
-        super().__init__(service, max_batch)
+        self.ops = ops
+        self.service = ops.service
         self.gate = gate
         self.consistency = consistency
-        # None: local acknowledgements
-        self.acks = DurableAcks(consistency, ack_timeout_ms) if ack_timeout_ms is not None else None
+        self.known = consistency.known
+        self.acks = acks
+        # the calls that may wait for an add; every other is ``ops``' own, as it is
+        self.waiting: dict[str, Call] = {
+            "prefill_complete": self.prefill_complete,
+            "free": self.free,
+            "output_block": self.output_block,
+            "batch": self.batch,
+        }
 
-    def get(self, name: str) -> Callable[[bytes], Any]:
-        op = getattr(self, name)
-        gate = self.gate
-        acks = self.acks if name in MUTATING else None
-        return lambda raw: run_replicated(gate, acks, op, raw)
+    def get(self, name: str) -> Call:
+        """The named call route's operation (the route table names them)."""
+        op = self.waiting.get(name) or getattr(self.ops, name)
+        return replicated_call(self.gate, self.acks if name in MUTATING else None, op)
 
     # -- lifecycle calls that may wait for their add --------------------------------------
 
-    def _lifecycle(self, cmd: Lifecycle, run: Callable[[Any], Any]) -> Deferred:
-        if self.consistency.known(cmd.key, cmd.request_id):
-            run(cmd)
+    def prefill_complete(self, raw: bytes) -> Answer:
+        cmd = decode_prefill_complete(raw)
+        if self.known(cmd.key, cmd.request_id):
+            self.service.prefill_complete(cmd)
             return 200, OK
-        return self._after_wait(cmd)
+        return Later(self._after_wait(cmd))
+
+    def free(self, raw: bytes) -> Answer:
+        cmd = decode_free(raw)
+        if self.known(cmd.key, cmd.request_id):
+            self.service.free(cmd)
+            return 200, OK
+        return Later(self._after_wait(cmd))
+
+    def output_block(self, raw: bytes) -> Answer:
+        cmd = decode_output_block(raw)
+        if self.known(cmd.key, cmd.request_id):
+            self.service.output_block(cmd)
+            return 200, OK
+        return Later(self._after_wait(cmd))
 
     async def _after_wait(self, cmd: Lifecycle) -> Result:
         consistency = self.consistency
@@ -184,46 +214,31 @@ class ReplicatedOperations(Operations):
         consistency.run(cmd, certain)
         return 200, OK
 
-    def prefill_complete(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        cmd = p.prefill_complete_body(raw)  # plain bodies decode straight into the command
-        if cmd is None:  # not plain: the validating path, with its messages
-            cmd = prefill_command(parse_json(raw, s.RequestBody))
-        return self._lifecycle(cmd, self.service.prefill_complete)
-
-    def free(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        cmd = p.free_body(raw)
-        if cmd is None:
-            cmd = free_command(parse_json(raw, s.RequestBody))
-        return self._lifecycle(cmd, self.service.free)
-
-    def output_block(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        cmd = output_block_command(parse_json(raw, s.OutputBlockBody))
-        return self._lifecycle(cmd, self.service.output_block)
-
     # -- batch ----------------------------------------------------------------------------
 
-    def batch(self, raw: bytes) -> Deferred:  # type: ignore[override]
-        commands = p.batch_operations(raw)  # plain bodies decode straight into the commands
-        if commands is not None:
-            self._check_size(len(commands))
-            unknown = self._unknown_ids(commands)
+    def batch(self, raw: bytes) -> Answer:
+        ops = self.ops
+        cmds = batch_operations(raw)  # plain bodies decode straight into the commands
+        if cmds is not None:
+            ops.check_size(len(cmds))
+            unknown = self._unknown_ids(cmds)
             if not unknown:
-                return self._run_commands(commands)
-            return self._batch_after_wait(commands, unknown)
-        ops = self._batch_ops(raw)  # not plain: the validating path, with its messages
-        unknown = self._unknown_ids(ops)
+                return ops.run_commands(cmds)
+            return Later(self._batch_after_wait(cmds, unknown))
+        items = ops.validated_batch(raw)  # not plain: the validating path, with its messages
+        unknown = self._unknown_ids(items)
         if not unknown:
-            return self._run_batch(ops)
-        return self._batch_after_wait(ops, unknown)
+            return ops.run_batch(items)
+        return Later(self._batch_after_wait(items, unknown))
 
-    def _unknown_ids(self, ops: list[Any]) -> list[tuple[c.Key, str]]:
+    def _unknown_ids(self, items: list[Any]) -> list[RequestKey]:
         """Ids of the batch's lifecycle calls that neither this instance nor an earlier add of
-        the batch knows (``ops``: commands, or models and error results)."""
-        known = self.consistency.known
-        added: set[tuple[c.Key, str]] = set()
+        the batch knows (``items``: commands, or models and error results)."""
+        known = self.known
+        added: set[RequestKey] = set()
         unknown = []
-        add, add_model = c.Add, s.BatchAdd
-        for b in ops:
+        add, add_model = commands.Add, BatchAdd
+        for b in items:
             kind = type(b)
             if kind is bytes:
                 continue
@@ -234,20 +249,20 @@ class ReplicatedOperations(Operations):
                 unknown.append(rid)
         return unknown
 
-    async def _batch_after_wait(self, ops: list[Any], unknown: list[tuple[c.Key, str]]) -> Result:
+    async def _batch_after_wait(self, items: list[Any], unknown: list[RequestKey]) -> Result:
         consistency = self.consistency
         certain = await consistency.settle(unknown)
         add = self.service.add
 
         def apply(b: Any) -> bytes:
             try:
-                cmd: Any = b if isinstance(b, c.Keyed) else _COMMAND_OF[b.op](b)
-                if type(cmd) is c.Add:
+                cmd: Any = b if isinstance(b, commands.Keyed) else _COMMAND_OF[b.op](b)
+                if type(cmd) is commands.Add:
                     add(cmd)
-                    return _CREATED
+                    return BATCH_CREATED
                 consistency.run(cmd, certain)
             except EXPECTED as e:
-                return _batch_error(e)
-            return _DONE
+                return batch_error(e)
+            return BATCH_DONE
 
-        return self._run_batch(ops, apply)
+        return self.ops.run_batch(items, apply)

@@ -1,5 +1,8 @@
-"""The one place that writes raw ASGI responses, the JSON ``Response`` of FastAPI routes, and
-the JSON form of rank load rows (the slot and the selection APIs answer the same rows)."""
+"""The raw ASGI JSON response the routes and the middleware send (``send_json``), the JSON
+``Response`` of FastAPI routes, and the JSON form of rank load rows (the slot and the selection
+APIs answer the same rows). Two other places write ASGI messages themselves: the 503 beyond the
+connection limit (``connection.py``, uvicorn's own path, closing the connection) and the probe
+filter of ``auth.py``, which rewrites an answer already started."""
 
 from __future__ import annotations
 

@@ -22,8 +22,10 @@ from pydantic import BaseModel, TypeAdapter
 from starlette.datastructures import QueryParams
 
 from kv_slot_tracker.core.types import U64_MAX
-from kv_slot_tracker.http import schemas as s
-from kv_slot_tracker.http.body import read_asgi_body
+from kv_slot_tracker.http import schemas
+from kv_slot_tracker.http.answers import Call, Later
+from kv_slot_tracker.http.auth import PROBE_SCOPE_KEY
+from kv_slot_tracker.http.body import declares_body, read_asgi_body
 from kv_slot_tracker.http.errors import (
     CONTENT_TYPE,
     EXPECTED,
@@ -36,7 +38,21 @@ from kv_slot_tracker.http.errors import (
     query_error,
 )
 from kv_slot_tracker.http.responses import JSON, json_response, raw_response
-from kv_slot_tracker.http.selection import schemas as ss
+from kv_slot_tracker.http.selection import schemas as selection_schemas
+from kv_slot_tracker.http.selection.outcome import ReservationOutcomeBody
+from kv_slot_tracker.http.selection.replica_sync import PeerBody
+from kv_slot_tracker.http.selection.responses import (
+    OverlapScoresResponse,
+    PartitionDump,
+    PartitionLoads,
+    RankLoad,
+    ReservationResponse,
+    SelectAndReserveResponse,
+    SelectionReady,
+    SelectionStatus,
+    SelectResponse,
+    WorkerRecord,
+)
 from kv_slot_tracker.replication.port import Replication
 from kv_slot_tracker.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
 
@@ -73,7 +89,7 @@ ERROR_EXAMPLES: dict[int, str] = {
 def error_responses(codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
     return {
         c: {
-            "model": s.ErrorBody,
+            "model": schemas.ErrorBody,
             "description": ERROR_DOCS[c],
             "content": {JSON: {"example": {"error": ERROR_EXAMPLES[c]}}},
         }
@@ -99,9 +115,14 @@ class QueryParam:
     annotation: Any
     default: Any
     description: str
+    schema: dict[str, Any] | None = None  # what the document says of it (else its annotation)
 
 
 U64_PATH = r"\+?[0-9]+"
+
+# A query parameter the edge adds for a caller without the key on an open probe that answers
+# such a caller only some fields (``auth.PROBE_FIELDS``): the handler computes only those.
+PROBE = "kv_slot_tracker_probe"
 
 
 def parse_u64_path(value: str) -> int:
@@ -120,6 +141,7 @@ class PathParam:
     name: str
     description: str
     parse: Callable[[str], Any] = _text_path  # raises ``HttpError`` on a bad value
+    schema: dict[str, Any] | None = None  # what the document says of it (else a string)
 
 
 @dataclass(frozen=True)
@@ -138,13 +160,17 @@ class Route:
     needs_state: bool = True  # reads or writes tracker state: 503 while not ready (gate.py)
     extra: dict[str, Any] = field(default_factory=dict)  # other FastAPI route arguments
     path_params: tuple[PathParam, ...] = ()
-    api: str = "slot"  # "slot" or "selection": which operations serve it
+    api: str = "slot"  # "slot", "selection" or "replica_sync": which operations serve it
     tag: str = ""  # the OpenAPI group (``TAGS``); selection routes are all "selection"
     description: str = ""  # the OpenAPI description: what a caller needs beyond the summary
+    op_id: str = ""  # the operationId, when the operation's name is served at two paths
+    optional_body: bool = False  # ``body`` may be left out (read only when one is declared)
 
     @property
     def operation_id(self) -> str:
         """The stable, short OpenAPI ``operationId``: the operation's name, per API."""
+        if self.op_id:
+            return self.op_id
         return self.name if self.api == "slot" else f"{self.api}_{self.name}"
 
     @property
@@ -155,80 +181,133 @@ class Route:
 
 _MODEL_Q = QueryParam("model_name", str | None, None, "Only this model.")
 _GROUP_Q = QueryParam("routing_group", str | None, None, "Only this routing group.")
+# A listing answers at most ``list_max_items`` items (or ``limit``); when more remain, the
+# ``x-next-cursor`` response header gives the ``cursor`` of the next page. The body keeps the
+# reference's shape.
+_LIMIT_Q = QueryParam(
+    "limit", str | None, None,
+    "Most items to answer (at least 1; `list_max_items` when absent or larger).",
+    {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+)  # fmt: skip
+_CURSOR_Q = QueryParam(
+    "cursor", str | None, None,
+    "Where to continue: the `x-next-cursor` header of the previous page.",
+    {"anyOf": [{"type": "string", "pattern": "^[0-9]{1,18}$"}, {"type": "null"}]},
+)  # fmt: skip
+PAGE_QUERY = (_LIMIT_Q, _CURSOR_Q)
+NEXT_CURSOR = "x-next-cursor"
+
+
+def page_of(params: QueryParams, max_items: int) -> tuple[int, int]:
+    """The ``(start, limit)`` of the page ``params`` ask for (400 for a bad value)."""
+    limit_text, cursor = query_value(params, "limit"), query_value(params, "cursor")
+    limit = max_items
+    if limit_text is not None:
+        if not (limit_text.isascii() and limit_text.isdigit()) or int(limit_text) < 1:
+            raise query_error("limit: expected a positive integer")
+        limit = min(int(limit_text), max_items)
+    start = 0
+    if cursor is not None:
+        if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
+            raise query_error("cursor: expected the x-next-cursor header of the previous page")
+        start = int(cursor)
+    return start, limit
+
+
+def paged(items: list[Any], params: QueryParams, max_items: int) -> tuple[list[Any], str | None]:
+    """One page of ``items`` and the cursor of the next one (None: this is the last)."""
+    start, limit = page_of(params, max_items)
+    end = start + limit
+    return items[start:end], (str(end) if end < len(items) else None)
+
+
+def paged_response(payload: Any, cursor: str | None) -> Response:
+    response = json_response(payload)
+    if cursor is not None:
+        response.headers[NEXT_CURSOR] = cursor
+    return response
+
 
 # -- the selection API (SELECTION.md): Dynamo's selection service under /selection ------------
 
 SEL = "/selection"
 _SEL_ID = PathParam("selection_id", "Reservation (selection) id, percent-encoded.")
-_WORKER_ID = PathParam("worker_id", "Worker id (u64).", parse_u64_path)
+_WORKER_ID = PathParam(
+    "worker_id",
+    "Worker id (u64): anything else is answered 400.",
+    parse_u64_path,
+    {"type": "integer", "format": "uint64", "minimum": 0, "maximum": U64_MAX},
+)
 SELECT_ERRORS = (400, 401, 409, 413, 415, 422, 503)
 BOOK_ERRORS = (400, 401, 404, 409, 413, 415, 422, 503)
 QUERY_ERRORS = (400, 401, 413, 415, 422, 503)
 LIFECYCLE_ERRORS = (401, 404)
+OUTCOME_ERRORS = (400, 401, 404, 413, 415, 422)  # lifecycle calls with an optional body
 
 SELECTION_ROUTES: tuple[Route, ...] = (
-    Route(SEL + "/health", "GET", "health", "Selection API liveness", response=ss.SelectionStatus,
+    Route(SEL + "/health", "GET", "health", "Selection API liveness", response=SelectionStatus,
           errors=(), api="selection", needs_state=False,
           description="Always 200 while the process runs; the selection API's own liveness answer, as the reference gives it."),
     Route(SEL + "/ready", "GET", "ready", "200 while some worker is schedulable, else 503",
-          response=ss.SelectionReady, errors=(), api="selection", needs_state=False,
-          extra={"responses": {503: {"model": ss.SelectionReady,
+          response=SelectionReady, errors=(), api="selection", needs_state=False,
+          extra={"responses": {503: {"model": SelectionReady,
                                      "description": "No schedulable worker anywhere."}}},
           description='200 while at least one worker of any partition is schedulable (and, with `indexer_peers`, once the KV index is loaded from a peer or none answered), else 503 with the same body. Lists the worker catalog and, with KV events on, the publishers this instance cannot reach or has not heard from (`kv_events`).'),
     Route(SEL + "/workers", "POST", "upsert_worker",
-          "Register a worker or replace it (it may move partition)", ss.WorkerBody,
-          ss.WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection",
+          "Register a worker or replace it (it may move partition)", selection_schemas.WorkerBody,
+          WorkerRecord, 201, (400, 401, 413, 415, 422), api="selection",
           description='Upsert by `worker_id`: a worker given again is replaced, and moves when its model or routing group changes. Answers the catalog record with its `lifecycle` (`schedulable`, `incomplete` with `not_schedulable_reasons`, or `unschedulable`); an incomplete worker is stored too.'),
     Route(SEL + "/workers", "GET", "workers", "The worker catalog",
-          response=list[ss.WorkerRecord], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          response=list[WorkerRecord], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q, *PAGE_QUERY),
           api="selection",
-          description="Every worker's catalog record, optionally only one model and/or routing group (an unknown filter answers `[]`)."),
+          description="Every worker's catalog record, optionally only one model and/or routing group (an unknown filter answers `[]`); at most `list_max_items` (or `limit`) per answer, the `x-next-cursor` header giving the `cursor` of the next page."),
     Route(SEL + "/workers/{worker_id}", "PATCH", "patch_worker",
-          "Change some fields of a worker", ss.WorkerPatchBody, ss.WorkerRecord,
+          "Change some fields of a worker", selection_schemas.WorkerPatchBody, WorkerRecord,
           errors=BODY_ERRORS, path_params=(_WORKER_ID,), lean=True, api="selection",
           description='Applies only the fields given (a `model_name` is ignored). Changing `data_parallel_size` adds or removes ranks at once.'),
     Route(SEL + "/workers/{worker_id}", "DELETE", "delete_worker",
-          "Remove a worker; its reservations are freed", response=ss.WorkerRecord,
+          "Remove a worker; its reservations are freed", response=WorkerRecord,
           errors=(400, 401, 404), path_params=(_WORKER_ID,), lean=True, api="selection",
           description='The worker becomes `unschedulable` and leaves its partition; its reservations are freed from the loads, but their ids stay taken until a lifecycle call on each answers 404.'),
     Route(SEL + "/select", "POST", "select", "Choose a worker rank for a prompt (books nothing)",
-          ss.SelectBody, ss.SelectResponse, errors=SELECT_ERRORS, lean=True, api="selection",
+          selection_schemas.SelectBody, SelectResponse, errors=SELECT_ERRORS, lean=True, api="selection",
           description="Runs the cost function over the partition's candidate ranks and answers the winner with every rank's logit. Books nothing; with a `selection_id` the choice is kept as a pending selection that `POST /selection/reservations` can book later."),
     Route(SEL + "/select_and_reserve", "POST", "select_and_reserve",
-          "Choose a worker rank and book the prompt there", ss.SelectBody,
-          ss.SelectAndReserveResponse, errors=SELECT_ERRORS, lean=True, api="selection",
+          "Choose a worker rank and book the prompt there", selection_schemas.SelectBody,
+          SelectAndReserveResponse, errors=SELECT_ERRORS, lean=True, api="selection",
           description='Selection and booking in one call (200, as the reference answers): the prompt is added to the chosen rank under `selection_id` until that reservation is freed.'),
     Route(SEL + "/reservations", "POST", "reserve",
-          "Book a pending selection, or a prompt on a given rank", ss.ReservationBody,
-          ss.ReservationResponse, 201, BOOK_ERRORS, lean=True, api="selection",
+          "Book a pending selection, or a prompt on a given rank", selection_schemas.ReservationBody,
+          ReservationResponse, 201, BOOK_ERRORS, lean=True, api="selection",
           description='Books either a pending selection (only `selection_id` and its partition) or a prompt on a rank given explicitly. 409 when the id is already booked.'),
     Route(SEL + "/reservations/{selection_id}/prefill_complete", "POST",
           "reservation_prefill_complete", "The reservation's prefill is done",
-          response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS, path_params=(_SEL_ID,),
-          lean=True, api="selection",
-          description="The reservation's prompt no longer counts as prefill load; idempotent while booked."),
+          ReservationOutcomeBody, response=SelectionStatus, errors=OUTCOME_ERRORS,
+          path_params=(_SEL_ID,), lean=True, api="selection", optional_body=True,
+          description="The reservation's prompt no longer counts as prefill load; idempotent while booked. The body is optional: `cached_tokens` reports the engine's cached prompt tokens for the selection's routing receipt."),
     Route(SEL + "/reservations/{selection_id}/output_block", "POST", "reservation_output_block",
-          "Add a generated block to the reservation", ss.ReservationOutputBlockBody, ss.SelectionStatus,
+          "Add a generated block to the reservation", selection_schemas.ReservationOutputBlockBody, SelectionStatus,
           errors=BODY_ERRORS, path_params=(_SEL_ID,), lean=True, api="selection",
           description="One more decode block on the reservation's rank; `decay_fraction` (0 to 1) also decays the prompt's remaining prefill."),
     Route(SEL + "/reservations/{selection_id}", "DELETE", "delete_reservation",
-          "Free a reservation", response=ss.SelectionStatus, errors=LIFECYCLE_ERRORS,
-          path_params=(_SEL_ID,), lean=True, api="selection",
-          description='Frees the reservation and its blocks; a second free answers 404.'),
+          "Free a reservation", ReservationOutcomeBody, response=SelectionStatus,
+          errors=OUTCOME_ERRORS, path_params=(_SEL_ID,), lean=True, api="selection",
+          optional_body=True,
+          description='Frees the reservation and its blocks; a second free answers 404. The body is optional: `cached_tokens` reports the engine\'s cached prompt tokens for the selection\'s routing receipt.'),
     Route(SEL + "/loads", "GET", "loads", "Current load of every rank, per partition",
-          response=list[ss.PartitionLoads], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
+          response=list[PartitionLoads], errors=(400, 401), query=(_MODEL_Q, _GROUP_Q),
           api="selection",
           description="Per partition: every rank's active prefill tokens, decode blocks and requests, and the pending selections."),
     Route(SEL + "/potential_loads", "POST", "potential_loads",
-          "Load of every rank if a prompt went there", ss.PromptBody, list[ss.RankLoad],
+          "Load of every rank if a prompt went there", selection_schemas.PromptBody, list[RankLoad],
           errors=QUERY_ERRORS, lean=True, api="selection",
           description="What every rank's prefill tokens and decode blocks would be if the prompt were booked there; changes nothing."),
     Route(SEL + "/overlap_scores", "POST", "overlap_scores",
-          "Cached prefix of a prompt on every rank (approximate cache)", ss.PromptBody,
-          ss.OverlapScoresResponse, errors=QUERY_ERRORS, lean=True, api="selection",
+          "Cached prefix of a prompt on every rank (approximate cache)", selection_schemas.PromptBody,
+          OverlapScoresResponse, errors=QUERY_ERRORS, lean=True, api="selection",
           description="How many of the prompt's leading blocks each rank holds, per storage tier."),
     Route(SEL + "/dump", "GET", "dump", "The approximate caches as stored events",
-          response=dict[str, ss.PartitionDump], errors=(401,), api="selection",
+          response=dict[str, PartitionDump], errors=(401,), api="selection",
           description="Each partition's cache contents as the stored-block events that would rebuild them."),
     Route(SEL + "/kv_index", "GET", "kv_index",
           "This instance's KV-event index, for another instance to start from", errors=(401, 404),
@@ -239,6 +318,30 @@ SELECTION_ROUTES: tuple[Route, ...] = (
           description="What `indexer_peers` loads at start: per partition and rank, every block (tier, engine hash, parent hash, tokens hash) and the sequence number of the rank's last applied batch, so that the loader's listener continues from there. Streamed, one partition read at a time. 404 when KV events are off."),
 )  # fmt: skip
 
+# -- Dynamo's replica-sync peer routes (kv_slot_tracker.http.selection.replica_sync): the
+# slot tracker's at the root, the selection service's under /selection; no ZMQ mesh here.
+
+_PEER_ERRORS = (400, 401, 413, 415, 422)
+
+
+def _replica_sync_routes(prefix: str, op_prefix: str) -> tuple[Route, ...]:
+    """Left out of the OpenAPI document: compatibility for Dynamo's clients, never an operation
+    of this service (a generated client would get calls that always answer 409)."""
+    hidden = {"include_in_schema": False}
+    return (
+        Route(prefix + "/replica_sync/peers", "GET", "peers", "Dynamo's replica-sync peers: none",
+              errors=(401,), needs_state=False, api="replica_sync", extra=hidden,
+              op_id=op_prefix + "peers"),
+        Route(prefix + "/replica_sync/register_peer", "POST", "register_peer",
+              "Dynamo's replica-sync peer registration: 409", PeerBody, None, 409, _PEER_ERRORS,
+              needs_state=False, api="replica_sync", extra=hidden, op_id=op_prefix + "register_peer"),
+        Route(prefix + "/replica_sync/deregister_peer", "POST", "deregister_peer",
+              "Dynamo's replica-sync peer removal: 409", PeerBody, None, 409, _PEER_ERRORS,
+              needs_state=False, api="replica_sync", extra=hidden,
+              op_id=op_prefix + "deregister_peer"),
+    )  # fmt: skip
+
+
 ROUTES: tuple[Route, ...] = (
     Route("/health", "GET", "health", "Liveness: 200 with an empty body", errors=(),
           needs_state=False,
@@ -246,64 +349,67 @@ ROUTES: tuple[Route, ...] = (
                  "responses": {200: {"description": "Alive.", "content": {}}}}, tag="operations",
           description='200 with an empty body while the process runs; never needs a key. Use `/ready` to know whether it can serve.'),
     Route("/ready", "GET", "ready", "Readiness: 200 once the instance can serve",
-          response=s.ReadyBody, errors=(), needs_state=False,
-          extra={"responses": {503: {"model": s.ReadyBody, "description": "Not ready yet."}}}, tag="operations",
-          description="200 once the instance has loaded the shared state and can serve; 503 with the reason until then (a load balancer's readiness probe)."),
+          response=schemas.ReadyBody, errors=(), needs_state=False,
+          extra={"responses": {503: {"model": schemas.ReadyBody, "description": "Not ready (yet, or for now)."}}}, tag="operations",
+          description="200 once the instance has loaded the shared state and can serve; 503 with the reason until then, while it re-reads the stream after a Redis failover, and, with `replication_ack = \"redis\"`, while it refuses changes (`writes refused: Redis unreachable`) (a load balancer's readiness probe)."),
     Route("/replication", "GET", "replication_status", "Replication status of this instance",
-          response=s.ReplicationStatus, errors=(401,), needs_state=False, tag="operations",
+          response=schemas.ReplicationStatus, errors=(401,), needs_state=False, tag="operations",
           description='Mode, positions, counts and health of the replication between instances (`mode: embedded` for a single instance).'),
-    Route("/register", "POST", "register", "Register a worker's ranks", s.RegisterBody,
-          s.StatusOk, 201, TOPOLOGY_ERRORS, tag="topology",
+    Route("/register", "POST", "register", "Register a worker's ranks", schemas.RegisterBody,
+          schemas.StatusOk, 201, TOPOLOGY_ERRORS, tag="topology",
           description='Adds ranks `dp_start … dp_start + dp_size - 1` of a worker to the tracker of `(model_name, routing_group)`, creating the tracker (with `block_size`) on first use. 409 when the worker id is registered already.'),
     Route("/upsert", "POST", "upsert", "Register a worker or replace its ranks (201 when created)",
-          s.UpsertBody, s.StatusOk, 200, TOPOLOGY_ERRORS,
+          schemas.UpsertBody, schemas.StatusOk, 200, TOPOLOGY_ERRORS,
           other_ok={201: "Created: the worker id was new."}, tag="topology",
           description='Like `/register`, but replaces the ranks of a known worker (requests on removed ranks are freed): 201 when the id was new, 200 otherwise.'),
     Route("/unregister", "POST", "unregister", "Remove a worker with all its ranks and requests",
-          s.UnregisterBody, s.StatusOk, tag="topology",
+          schemas.UnregisterBody, schemas.StatusOk, tag="topology",
           description="Removes the worker's ranks and frees their active requests."),
-    Route("/heartbeat", "POST", "heartbeat", "Renew a worker's lease", s.HeartbeatBody,
-          s.StatusOk, 200, BODY_ERRORS, tag="topology",
+    Route("/heartbeat", "POST", "heartbeat", "Renew a worker's lease", schemas.HeartbeatBody,
+          schemas.StatusOk, 200, BODY_ERRORS, tag="topology",
           description="With `worker_ttl_seconds` set, a worker that is not renewed within that "
           "many seconds (by this call, `/register` or `/upsert`) is unregistered on every "
           "instance. Without it the call changes nothing. 404 for an unknown worker."),
     Route("/reconcile", "POST", "reconcile",
-          "Make a list of workers the whole topology of a tracker", s.ReconcileBody,
-          s.ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",
+          "Make a list of workers the whole topology of a tracker", schemas.ReconcileBody,
+          schemas.ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",
           description="Makes the given workers the tracker's whole topology in one step: adds, replaces and removes ranks, and answers what changed."),
-    Route("/workers", "GET", "workers", "Registered workers", response=list[s.WorkerRow],
-          errors=(400, 401), query=(_MODEL_Q, _GROUP_Q), tag="topology",
-          description="Every tracker's registered workers and ranks, optionally only one model and/or routing group."),
-    Route("/add", "POST", "add", "Add an active request to a rank", s.AddBody, s.StatusOk, 201,
+    Route("/workers", "GET", "workers", "Registered workers", response=list[schemas.WorkerRow],
+          errors=(400, 401), query=(_MODEL_Q, _GROUP_Q, *PAGE_QUERY), tag="topology",
+          description="Every tracker's registered workers and ranks, optionally only one model and/or routing group; at most `list_max_items` (or `limit`) per answer, the `x-next-cursor` header giving the `cursor` of the next page."),
+    Route("/add", "POST", "add", "Add an active request to a rank", schemas.AddBody, schemas.StatusOk, 201,
           ADD_ERRORS, lean=True, tag="lifecycle",
           description='Adds an active request (its prompt as `sequence_hashes` or `token_ids`) to a rank: its new blocks become decode load and its input tokens prefill load until `/prefill_complete`. 409 for an id that is active already, 404 for an unknown rank.'),
     Route("/prefill_complete", "POST", "prefill_complete", "Mark a request's prefill as done",
-          s.RequestBody, s.StatusOk, lean=True, tag="lifecycle",
+          schemas.RequestBody, schemas.StatusOk, lean=True, tag="lifecycle",
           description="The request's prefill tokens stop counting. 404 for an unknown id."),
-    Route("/free", "POST", "free", "Free a request (unknown ids succeed)", s.RequestBody,
-          s.StatusOk, lean=True, tag="lifecycle",
+    Route("/free", "POST", "free", "Free a request (unknown ids succeed)", schemas.RequestBody,
+          schemas.StatusOk, lean=True, tag="lifecycle",
           description='Removes the request and its blocks. An unknown or already freed id succeeds too, as in the reference (a retried free is harmless).'),
     Route("/output_block", "POST", "output_block", "Add a generated (output) block to a request",
-          s.OutputBlockBody, s.StatusOk, lean=True, tag="lifecycle",
+          schemas.OutputBlockBody, schemas.StatusOk, lean=True, tag="lifecycle",
           description="One generated block more on the request's rank; `decay_fraction` also decays the remaining modeled prefill."),
-    Route("/loads", "GET", "loads", "Current load of every rank", response=list[s.LoadRow],
+    Route("/loads", "GET", "loads", "Current load of every rank", response=list[schemas.LoadRow],
           errors=(400, 401), query=(_MODEL_Q, _GROUP_Q), tag="loads",
           description="Every rank's active requests, decode blocks, prefill tokens and modeled remaining prefill time. An unknown `model_name` answers `[]`, as the reference does: check the spelling with `GET /workers`."),
     Route("/potential_loads", "POST", "potential_loads", "Load of every rank if a prompt went there",
-          s.PotentialLoadsBody, list[s.PotentialLoadRow], lean=True, tag="loads",
+          schemas.PotentialLoadsBody, list[schemas.PotentialLoadRow], lean=True, tag="loads",
           description="What every rank's prefill tokens and decode blocks would be if the prompt went there (blocks already active on a rank are not counted twice); changes nothing."),
     Route("/project_loads", "POST", "project_loads", "Projected load of every rank for a prompt",
-          s.ProjectLoadsBody, list[s.ProjectedLoadRow], lean=True, tag="loads",
+          schemas.ProjectLoadsBody, list[schemas.ProjectedLoadRow], lean=True, tag="loads",
           description="Like `/potential_loads`, plus each rank's prefix overlap and modeled prefill time."),
     Route("/lora_counts", "GET", "lora_counts", "Active requests per LoRA name",
-          response=s.LoraCounts, errors=(400, 401, 404),
+          response=schemas.LoraCounts, errors=(400, 401, 404),
           query=(QueryParam("model_name", str, ..., "Model name."),
-                 QueryParam("routing_group", str, DEFAULT_ROUTING_GROUP, "Routing group.")), tag="loads",
-          description='Active requests per LoRA adapter name in one tracker.'),
-    Route("/batch", "POST", "batch", "Apply many lifecycle operations in one call", s.BatchBody,
-          s.BatchResponse, lean=True, tag="lifecycle",
+                 QueryParam("routing_group", str, DEFAULT_ROUTING_GROUP, "Routing group."),
+                 *PAGE_QUERY), tag="loads",
+          description='Active requests per LoRA adapter name in one tracker, by name; at most `list_max_items` names (or `limit`) per answer, the `x-next-cursor` header giving the `cursor` of the next page.'),
+    Route("/batch", "POST", "batch", "Apply many lifecycle operations in one call", schemas.BatchBody,
+          schemas.BatchResponse, lean=True, tag="lifecycle",
           description='Many `add`, `prefill_complete`, `output_block` and `free` operations in one call, applied in order; each answers its own status, and one failing changes nothing for the others. At most `max_batch_operations` operations.'),
+    *_replica_sync_routes("", "replica_sync_"),
     *SELECTION_ROUTES,
+    *_replica_sync_routes(SEL, "selection_replica_sync_"),
 )  # fmt: skip
 
 
@@ -311,7 +417,7 @@ def body_models() -> list[type[BaseModel]]:
     """Request models of the body routes, for the OpenAPI document's components."""
     seen: list[type[BaseModel]] = []
     for r in ROUTES:
-        if r.body is not None and r.body not in seen:
+        if r.body is not None and r.body not in seen and r.extra.get("include_in_schema", True):
             seen.append(r.body)
     return seen
 
@@ -342,16 +448,30 @@ def query_value(params: QueryParams, name: str) -> str | None:
 class Queries:
     """The GET routes' handlers: query parameters in, ``Response`` out."""
 
-    def __init__(self, service: SlotTrackerService, replication: Replication) -> None:
+    def __init__(
+        self,
+        service: SlotTrackerService,
+        replication: Replication,
+        durable_acks: bool = False,
+        list_max_items: int = 1000,
+    ) -> None:
         self.service = service
         self.replication = replication
+        # ``replication_ack = "redis"``: while changes are refused, the instance is not ready
+        self.durable_acks = durable_acks
+        self.list_max_items = list_max_items
 
     def health(self, params: QueryParams) -> Response:
         return Response(status_code=200)
 
     def ready(self, params: QueryParams) -> Response:
         if self.replication.ready():
-            return json_response({"status": "ready", "reason": None})
+            refused = self.replication.write_refusal() if self.durable_acks else None
+            if refused is None:
+                return json_response({"status": "ready", "reason": None})
+            return json_response(
+                {"status": "not_ready", "reason": f"writes refused: {refused}"}, 503
+            )
         reason = self.replication.status().not_ready_reason or "replication is catching up"
         return json_response({"status": "not_ready", "reason": reason}, 503)
 
@@ -360,7 +480,8 @@ class Queries:
 
     def workers(self, params: QueryParams) -> Response:
         m, g = query_value(params, "model_name"), query_value(params, "routing_group")
-        return json_response(self.service.workers(m, g))
+        rows, cursor = paged(self.service.workers(m, g), params, self.list_max_items)
+        return paged_response(rows, cursor)
 
     def loads(self, params: QueryParams) -> Response:
         m, g = query_value(params, "model_name"), query_value(params, "routing_group")
@@ -369,8 +490,11 @@ class Queries:
     def lora_counts(self, params: QueryParams) -> Response:
         m, g = query_value(params, "model_name"), query_value(params, "routing_group")
         key = (m or "", g if g is not None else DEFAULT_ROUTING_GROUP)
-        counts = self.service.lora_counts(key)
-        return json_response({"model_name": key[0], "routing_group": key[1], "lora_counts": counts})
+        names, cursor = paged(
+            list(self.service.lora_counts(key).items()), params, self.list_max_items
+        )
+        payload = {"model_name": key[0], "routing_group": key[1], "lora_counts": dict(names)}
+        return paged_response(payload, cursor)
 
 
 def fastapi_route_args(route: Route) -> dict[str, Any]:
@@ -388,7 +512,10 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
         if route.body is not None:
             ref = f"#/components/schemas/{route.body.__name__}"
             args["openapi_extra"] = {
-                "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": ref}}}}
+                "requestBody": {
+                    "required": not route.optional_body,
+                    "content": {JSON: {"schema": {"$ref": ref}}},
+                }
             }
         args["status_code"] = route.status
         args["response_model"] = None
@@ -411,10 +538,10 @@ def fastapi_route_args(route: Route) -> dict[str, Any]:
     return args
 
 
-def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) -> Callable[..., Any]:
+def call_endpoint(route: Route, operation: Call, max_body: int) -> Callable[..., Any]:
     """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
     parsed first, then the body is read (when the route has one), as the reference does. The
-    operation answers ``(status, body)``, or an awaitable of it (``kv_slot_tracker.http.replicated``)."""
+    operation answers its ``Result``, or ``Later`` (``kv_slot_tracker.http.answers``)."""
 
     async def endpoint(request: Request, **_: Any) -> Response:
         try:
@@ -422,15 +549,14 @@ def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) ->
             raw = (
                 await read_asgi_body(request.scope, request.receive, max_body)
                 if route.body is not None
+                and (not route.optional_body or declares_body(request.scope["headers"]))
                 else b""
             )
         except EXPECTED as e:
             status, payload = error_result(e)
         else:
-            result = operation(raw, *args)
-            if type(result) is not tuple:
-                result = await result
-            status, payload = result
+            answer = operation(raw, *args)
+            status, payload = await answer if isinstance(answer, Later) else answer
         return raw_response(payload, status)
 
     params = [
@@ -441,7 +567,7 @@ def call_endpoint(route: Route, operation: Callable[..., Any], max_body: int) ->
             inspect.Parameter(
                 p.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=Path(description=p.description),
+                default=Path(description=p.description, json_schema_extra=p.schema),
                 annotation=str,
             )
         )
@@ -456,7 +582,10 @@ def query_endpoint(route: Route, handler: Callable[[QueryParams], Response]) -> 
 
     async def endpoint(request: Request, **_: Any) -> Response:
         try:
-            return handler(request.query_params)
+            params = request.query_params
+            if request.scope.get(PROBE_SCOPE_KEY):  # a caller without the key: the probe's part
+                params = QueryParams([*params.multi_items(), (PROBE, "1")])
+            return handler(params)
         except EXPECTED as e:
             status, payload = error_result(e)
             return raw_response(payload, status)
@@ -466,9 +595,9 @@ def query_endpoint(route: Route, handler: Callable[[QueryParams], Response]) -> 
     ]
     for q in route.query:
         default = (
-            Query(q.default, description=q.description)
+            Query(q.default, description=q.description, json_schema_extra=q.schema)
             if q.default is not ...
-            else Query(description=q.description)
+            else Query(description=q.description, json_schema_extra=q.schema)
         )
         params.append(
             inspect.Parameter(

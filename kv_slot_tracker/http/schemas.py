@@ -32,17 +32,47 @@ from kv_slot_tracker.core.limits import (
 )
 from kv_slot_tracker.core.types import I64_MAX, I64_MIN, U32_MAX, U64_MAX
 from kv_slot_tracker.replication import port
-from kv_slot_tracker.service.commands import DEFAULT_ROUTING_GROUP
+from kv_slot_tracker.service.commands import DEFAULT_ROUTING_GROUP, MAX_CACHED_TOKENS
 
-U64 = Annotated[StrictInt, Field(ge=0, le=U64_MAX)]
-U32 = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
-Hash = Annotated[StrictInt, Field(ge=I64_MIN, le=I64_MAX)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=U32_MAX)]
-# a worker's ranks: any u32 parses; the service answers 400 above the limit (its own text)
+# Integers are JSON integer literals, as the reference's serde reads them: ``1.0`` or ``1e3``
+# is refused (422) although JSON Schema's ``integer`` admits them. No JSON Schema keyword can
+# say "no fraction or exponent in the literal", so the document says it in words: in its
+# description (``INTEGER_LITERALS``) and with a ``format`` on every such field.
+INTEGER_LITERALS = (
+    "Integer fields take JSON integer literals only: a number written with a fraction or an "
+    "exponent (`1.0`, `1e3`) is refused with 422 even when its value is whole, as the reference "
+    "service (Rust serde) refuses it. JSON Schema's `integer` cannot express that; the fields' "
+    "`format` (`uint32`, `uint64`, `int64`) names the Rust type they are read as."
+)
+
+
+def integer_schema(low: int, high: int, fmt: str) -> dict[str, Any]:
+    """The JSON Schema of an integer field read as the Rust type ``fmt`` names."""
+    return {"type": "integer", "format": fmt, "minimum": low, "maximum": high}
+
+
+U64 = Annotated[
+    StrictInt, Field(ge=0, le=U64_MAX), WithJsonSchema(integer_schema(0, U64_MAX, "uint64"))
+]
+U32 = Annotated[
+    StrictInt, Field(ge=0, le=U32_MAX), WithJsonSchema(integer_schema(0, U32_MAX, "uint32"))
+]
+Hash = Annotated[
+    StrictInt,
+    Field(ge=I64_MIN, le=I64_MAX),
+    WithJsonSchema(integer_schema(I64_MIN, I64_MAX, "int64")),
+]
+TokenId = U32
+# a block size: any u32 parses; 0 is answered 400 by the service, and the schema says 1 at least
+BlockSize = Annotated[
+    StrictInt, Field(ge=0, le=U32_MAX), WithJsonSchema(integer_schema(1, U32_MAX, "uint32"))
+]
+# a worker's ranks: any u32 parses; the service answers 400 for 0 and above the limit (its own
+# text)
 DpSize = Annotated[
     StrictInt,
     Field(ge=0, le=U32_MAX),
-    WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_DP_SIZE}),
+    WithJsonSchema({"type": "integer", "format": "uint32", "minimum": 1, "maximum": MAX_DP_SIZE}),
 ]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_LENGTH)]  # model, routing group, LoRA
 Id = Annotated[StrictStr, Field(max_length=MAX_ID_LENGTH)]  # request and selection ids
@@ -88,7 +118,7 @@ class _Keyed(_Body):
 
 class RegisterBody(_Keyed):
     worker_id: U64 = Field(description="Worker (engine process) id.")
-    block_size: U32 = Field(
+    block_size: BlockSize = Field(
         description="Tokens per KV block; fixed per tracker by its first worker."
     )
     dp_start: U32 = Field(description="First data-parallel rank of the worker.")
@@ -139,7 +169,7 @@ class ReconcileWorker(_Body):
 
 
 class ReconcileBody(_Keyed):
-    block_size: U32 = Field(description="Tokens per KV block of this tracker.")
+    block_size: BlockSize = Field(description="Tokens per KV block of this tracker.")
     workers: list[ReconcileWorker] = Field(
         description="The complete topology of the tracker; every other worker is removed."
     )
@@ -190,15 +220,35 @@ class AddBody(_Keyed):
     )
 
 
-class RequestBody(_Keyed):
+class _RequestIdBody(_Keyed):
     request_id: Id = Field(description="Request id.")
+
+
+class RequestBody(_RequestIdBody):
+    """The body of `/prefill_complete` and `/free`."""
+
+    cached_tokens: (
+        Annotated[
+            StrictInt,
+            Field(ge=0, le=MAX_CACHED_TOKENS),
+            WithJsonSchema(integer_schema(0, MAX_CACHED_TOKENS, "uint64")),
+        ]
+        | None
+    ) = Field(
+        None,
+        description="Prompt tokens the engine found cached, as its OpenAI-compatible answer "
+        "reports them (`usage.prompt_tokens_details.cached_tokens` in vLLM and SGLang): the "
+        "observed outcome of the routing receipt of the selection whose id is `request_id` "
+        "in this model and routing group, when this instance made it (the first report "
+        "counts). Without it the call is the reference's.",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={"examples": [{"model_name": "llama", "request_id": "r1"}]}
     )
 
 
-class OutputBlockBody(RequestBody):
+class OutputBlockBody(_RequestIdBody):
     decay_fraction: number(0, 1) | None = Field(  # type: ignore[valid-type]
         None, description="Weight (0..1) given to the blocks held only by this request."
     )
@@ -542,12 +592,21 @@ class ReplicationStatus(port.ReplicationStatus):
                     "dropped": 0,
                     "records_rejected": {
                         "undecodable": 0,
+                        "seq_jump": 0,
                         "envelope": 0,
                         "topology": 0,
                         "event": 0,
                         "early": 0,
                         "selection": 0,
                         "conflict": 0,
+                    },
+                    "anomalies": {
+                        "seq_jump": 0,
+                        "new_origin_gap": 0,
+                        "origins_evicted": 0,
+                        "snapshot_invalid": 0,
+                        "snapshot_lease_held": 0,
+                        "stream_exhausted": 0,
                     },
                     "gaps": 0,
                     "resets": 0,

@@ -50,9 +50,10 @@ import h11
 import msgspec
 import orjson
 
+from kv_slot_tracker.core.bounds import I64_MIN, U32_MAX, U64_MAX
 from kv_slot_tracker.core.hashing import to_signed, to_unsigned
-from kv_slot_tracker.core.selection.kv_index import TIERS
-from kv_slot_tracker.core.types import U64_MAX, WorkerWithDpRank
+from kv_slot_tracker.core.selection.kv_blocks import TIERS
+from kv_slot_tracker.core.types import WorkerWithDpRank
 
 from .port import KvIndexHost, PartitionKey, RankKey
 from .zmq import ZmqIngest
@@ -68,8 +69,6 @@ MAX_DUMP_BYTES = 512 << 20
 HEAD_MAX_BYTES = 64 << 10  # the status line and headers of a peer's answer
 RETRY_PAUSE_S = 0.5
 PENDING_TTL_S = 60
-_I64_MIN = -(1 << 63)
-_U32_MAX = (1 << 32) - 1
 
 Entry = tuple[int, int, int | None, int]
 
@@ -302,7 +301,7 @@ class IndexPeers:
             elif not header:
                 raise PeerError("the dump does not start with its header")
             elif isinstance(msg, _Partition):
-                if not 0 < msg.block_size <= _U32_MAX:
+                if not 0 < msg.block_size <= U32_MAX:
                     self._malformed(out, f"block_size {msg.block_size} out of range")
                     out.append(_PartitionDump((msg.model_name, msg.routing_group), 0, tainted=True))
                     continue
@@ -321,7 +320,7 @@ class IndexPeers:
             log.warning("KV index recovery: a rank before any partition skipped")
             return
         part = out[-1]
-        if not (0 <= msg.worker_id <= U64_MAX and 0 <= msg.dp_rank <= _U32_MAX) or not (
+        if not (0 <= msg.worker_id <= U64_MAX and 0 <= msg.dp_rank <= U32_MAX) or not (
             msg.seq is None or 0 <= msg.seq <= U64_MAX
         ):
             self._malformed(out, f"rank {msg.worker_id}:{msg.dp_rank} out of range")
@@ -429,8 +428,8 @@ def _valid(e: Entry) -> bool:
     tier, h, parent, local = e
     return (
         tier in TIERS
-        and _I64_MIN <= h <= U64_MAX
-        and (parent is None or _I64_MIN <= parent <= U64_MAX)
+        and I64_MIN <= h <= U64_MAX
+        and (parent is None or I64_MIN <= parent <= U64_MAX)
         and 0 <= local <= U64_MAX
     )
 

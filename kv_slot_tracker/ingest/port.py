@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from kv_slot_tracker.core.selection.kv_index import KvIndex
@@ -21,6 +22,8 @@ class Subscription:
     """The engine's ZMQ ROUTER address serving missed batches, when it has one."""
     epoch: int
     """Changes when the worker leaves and comes back: its listener then starts afresh."""
+    ranks: range = range(0, 1 << 32)
+    """The worker's dp ranks: a batch naming another rank is rejected (counted)."""
 
 
 RankKey = tuple[int, int]
@@ -46,6 +49,11 @@ class KvEventSink(Protocol):
 
     def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
         """Forget what the rank holds (its events were lost)."""
+        ...
+
+    @property
+    def stores_refused(self) -> int:
+        """Stores the index refused so far (parent unknown on the rank, or a hash repeated)."""
         ...
 
 
@@ -97,6 +105,32 @@ class IngestCounters:
     """Publishers seen starting again at sequence 0: the rank's index was cleared."""
     heap_trims: int = 0
     """Free C-heap pages handed back after a burst of messages drained (``gc_tuning``)."""
+    reconnects: int = 0
+    """SUB connections libzmq dropped for good (an oversized or broken message) and the
+    listener connected again."""
+    applied: Counter[str] = field(default_factory=Counter)
+    """Events handed to the index, by type (``stored``, ``removed``, ``cleared``), and the
+    stores it refused (``stored_refused``)."""
+    warnings: Counter[str] = field(default_factory=Counter)
+    """Suspicious messages and stream events, by kind (``WARNING_KINDS``)."""
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The plain totals (the per-kind counts are read from ``applied`` and ``warnings``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
+
+
+WARNING_KINDS = {
+    "malformed_frames": "a live message without the three frames (topic, seq, payload)",
+    "malformed_seq": "a sequence-number frame that is not 8 bytes",
+    "malformed_payload": "a payload that does not decode (msgpack, batch or event shape)",
+    "dp_rank_out_of_range": "a batch naming a dp rank the worker does not have (rejected)",
+    "batch_too_large": "a batch carrying more blocks than kv_events_max_batch_blocks (rejected)",
+    "seq_out_of_line": "a sequence number far from the stream's (held until the next confirms it)",
+    "stale": "a batch at or below the last sequence number applied (skipped)",
+    "gap": "a sequence gap (batches missed)",
+    "replay_incomplete": "a gap the replay socket did not fill, or no replay endpoint",
+    "gap_cleared": "a rank cleared after a lost gap (kv_events_gap_policy clear)",
+    "publisher_restart": "a publisher starting again at sequence 0 (the rank is cleared)",
+    "connection_dropped": "a SUB connection libzmq dropped for good (reconnected)",
+}
+"""Every ``warning_kind`` of ``kv_cache_event_warnings`` (all exported, zeros included)."""

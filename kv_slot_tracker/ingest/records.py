@@ -1,28 +1,49 @@
 """KV-event messages as the engines publish them, decoded and validated.
 
-The wire format (vLLM ``vllm/distributed/kv_events.py``; SGLang publishes the same): a ZMQ
-multipart message of three frames on a PUB socket,
+The wire format (vLLM ``vllm/distributed/kv_events.py``; SGLang
+``sglang/srt/disaggregation/kv_events.py`` publishes the same): a ZMQ multipart message of three
+frames on a PUB socket,
 
 1. a topic (any bytes; subscribers subscribe to everything),
 2. the batch's sequence number, 8 bytes big-endian (0, 1, 2, ... per publisher),
-3. a msgpack ``EventBatch``: the array ``[ts, [event, ...], data_parallel_rank]`` (the rank may
-   be absent or nil: the socket's rank applies).
+3. a msgpack ``EventBatch`` (msgspec ``array_like``): the array ``[ts, [event, ...],
+   data_parallel_rank]`` (SGLang names the third ``attn_dp_rank``; it may be absent or nil: the
+   socket's rank applies; a negative rank is read as the u32 of the same 32 bits).
 
-An event is a msgspec tagged struct, sent either as an array whose first element is the tag or as
-a map with a ``type`` key:
+An event is a msgspec tagged struct. Both engines (vLLM 0.33, SGLang 0.5.23) encode it as a map
+with a ``type`` key and omit fields left at their default; the older positional form, an array
+whose first element is the tag, is read too, in vLLM's field order:
 
-* ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]``
-* ``["BlockRemoved", block_hashes, medium, group_idx, kv_cache_spec_kind, ...]``
-* ``["AllBlocksCleared"]``
+* ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality,
+  ownership, session_id, lookahead_token_ids`` (SGLang's map adds ``cache_salt``);
+* ``BlockRemoved``: ``block_hashes, medium, group_idx, locality, ownership`` (vLLM's order; the
+  reader takes the four positions after ``medium`` as ``group_idx, kv_cache_spec_kind,
+  kv_cache_spec_sliding_window, locality, ownership`` when their types fit that layout, else as
+  loose metadata, as the reference does);
+* ``AllBlocksCleared`` (``ownership``); ``Ignored``.
+
+What the reference (Dynamo 1.6.1) does with each field, and so this module (the stateless part;
+the per-listener part, KV cache groups and cache salts, is ``normalize.py``):
+
+* ``ownership`` present (any string, ``""`` too): the event is not the framework's; skipped.
+* ``locality`` other than ``"LOCAL"`` (``"REMOTE"``, any other string, case-sensitive):
+  skipped.
+* ``medium``: ``GPU``/``DEVICE`` (or absent, nil, ``""``) the device tier; ``CPU``/
+  ``CPU_PINNED``/``CPU_TIER1`` host; ``CPU_TIER2``/``DISK``/``NVME``/``STORAGE`` disk;
+  ``EXTERNAL``/``NETWORK``/``REMOTE``/``SHARED`` the external tier; any other value skipped.
+* ``cache_salt`` (a map key), else a ``"dynamo-cache-salt:"`` item of the first block's
+  ``extra_keys`` (after an item equal to ``lora_name``): the event's cache namespace; ``""`` is
+  none.
+* ``token_ids`` as bigram pairs (EAGLE): the first token of each pair, then the last pair's
+  second token; each block is then hashed with the token after it (``eagle``).
+* ``lora_id``, ``session_id``, ``lookahead_token_ids``, ``kv_cache_spec_sliding_window``: read,
+  not used; unknown map keys and extra positions are ignored.
 
 Block hashes must be integers (signed or unsigned 64-bit, the same block either way: they are
 decoded in the service's signed form, ``kv_slot_tracker.core.hashing``); vLLM's bytes hashes
 (``--prefix-caching-hash-algo sha256`` without an integer form) do not decode, as on the
-reference. Trailing elements and unknown map keys are ignored. A store or removal of a KV
-cache group other than the main attention group (``group_idx`` not 0, or a ``kv_cache_spec_kind``
-other than full/MLA/sink-full attention) is ignored. Token ids may be bigram pairs (EAGLE): the
-first token of each pair, then the last pair's second token.
+reference.
 
 The replay socket (vLLM's ROUTER at ``replay_endpoint``): a DEALER sends ``[b"", start_seq]``
 (8 bytes big-endian) and receives ``[b"", seq, payload]`` per buffered batch from ``start_seq``
@@ -30,26 +51,26 @@ on, then ``[b"", -1 (8 bytes, signed), b""]``.
 
 Everything the publisher controls is bounded: the message size by the socket (``MAXMSGSIZE``),
 the events, hashes and tokens by that size. Any violation raises ``MalformedMessage`` and the
-whole message is skipped (the reference drops a batch that fails to decode the same way).
+whole message is skipped (the reference drops a batch that fails to decode the same way; a field
+of the wrong type in a map fails the batch there too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
+from kv_slot_tracker.core.bounds import I64_MIN, U32_LIMIT, U64_LIMIT
 from kv_slot_tracker.core.hashing import to_signed
-from kv_slot_tracker.core.selection.kv_index import tier_of_medium
+from kv_slot_tracker.core.selection.kv_blocks import tier_of_medium
 
 SEQ_BYTES = 8
 END_OF_REPLAY = -1
-I64_MIN = -(1 << 63)
-U64_LIMIT = 1 << 64
-U32_LIMIT = 1 << 32
 
-_MAIN_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+CACHE_SALT_PREFIX = "dynamo-cache-salt:"
+"""How Dynamo tags a cache salt it hands vLLM, which vLLM publishes in ``extra_keys``."""
 
 
 class MalformedMessage(ValueError):
@@ -62,15 +83,24 @@ class BlocksStored:
     parent_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
-    tier: int | None
-    """``kv_index`` tier of the medium; ``None`` for storage outside the worker (ignored)."""
+    tier: int
+    """``kv_index`` tier of the medium."""
     lora_name: str | None
+    cache_salt: str | None = None
+    """The event's cache namespace (non-empty), or ``None``."""
+    group_idx: int | None = None
+    kind: str | None = None
+    """``kv_cache_spec_kind`` as published."""
+    eagle: bool = False
+    """``token_ids`` came as bigrams: each block's hash covers the token after it."""
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
     block_hashes: tuple[int, ...]
-    tier: int | None
+    tier: int
+    group_idx: int | None = None
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +150,20 @@ def decode_batch(seq: int, payload: bytes) -> KvBatch:
         raise MalformedMessage("data_parallel_rank must be an i32 or nil")
     if rank is not None and rank < 0:
         rank &= U32_LIMIT - 1  # the reference casts the i32 to u32
-    decoded = [e for e in (_event(ev) for ev in events) if e is not None]
+    decoded: list[KvEvent] = []
+    for ev in events:
+        if type(ev) is list:
+            out = _array_event(ev)
+        elif type(ev) is dict:
+            out = _map_event(ev)
+        else:
+            raise MalformedMessage("event must be a tagged array or map")
+        if out is not None:
+            decoded.append(out)
     return KvBatch(seq, rank, tuple(decoded))
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -135,18 +174,20 @@ def _hash(v: Any, what: str) -> int:
 
 
 def _hashes(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list):
+    if type(v) is not list:
         raise MalformedMessage("block_hashes must be an array")
     return tuple(_hash(h, "block hash") for h in v)
 
 
-def _tokens(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list):
+def _tokens(v: Any) -> tuple[tuple[int, ...], bool]:
+    """The token ids and whether they came as EAGLE bigrams."""
+    if type(v) is not list:
         raise MalformedMessage("token_ids must be an array")
-    if v and isinstance(v[0], list):  # EAGLE bigrams
+    eagle = bool(v) and type(v[0]) is list
+    if eagle:
         out = []
         for pair in v:
-            if not isinstance(pair, list) or len(pair) != 2:
+            if type(pair) is not list or len(pair) != 2:
                 raise MalformedMessage("token_ids bigrams must be pairs")
             out.append(pair[0])
         out.append(v[-1][1])
@@ -154,76 +195,232 @@ def _tokens(v: Any) -> tuple[int, ...]:
     for t in v:
         if not _is_int(t) or not 0 <= t < U32_LIMIT:
             raise MalformedMessage("token ids must be u32")
-    return tuple(v)
+    return tuple(v), eagle
 
 
 def _opt_str(v: Any, what: str) -> str | None:
-    if v is not None and not isinstance(v, str):
+    if v is not None and type(v) is not str:
         raise MalformedMessage(f"{what} must be a string or nil")
     return v
 
 
-def _ignored_group(group_idx: Any, kind: Any) -> bool:
-    if isinstance(kind, str):
-        return kind not in _MAIN_ATTENTION
-    return _is_int(group_idx) and group_idx != 0
+def _opt_u32(v: Any, what: str) -> int | None:
+    if v is None:
+        return None
+    if not _is_int(v) or not 0 <= v < U32_LIMIT:
+        raise MalformedMessage(f"{what} must be a u32 or nil")
+    return v
 
 
-def _event(ev: Any) -> KvEvent | None:
-    if isinstance(ev, dict):
-        tag = ev.get("type")
-        fields = ev
-    elif isinstance(ev, list) and ev and isinstance(ev[0], str):
-        tag = ev[0]
-        names = _POSITIONS.get(tag, ())
-        fields = dict(zip(names, ev[1:], strict=False))
-    else:
-        raise MalformedMessage("event must be a tagged array or map")
+def _tier(medium: Any) -> int | None:
+    """The tier of ``medium`` (nil and ``""`` are the device); ``None``: a medium the reference
+    does not know (the event is skipped)."""
+    return tier_of_medium(_opt_str(medium, "medium") or None)
+
+
+def _salt(cache_salt: Any, extra_keys: Any, lora_name: str | None) -> str | None:
+    """The event's cache namespace: ``cache_salt``, else the tagged item of ``extra_keys``."""
+    if cache_salt is None and extra_keys is None:
+        return None
+    salt = _opt_str(cache_salt, "cache_salt")
+    keys = _extra_keys(extra_keys)
+    if salt:
+        return salt
+    if salt is None and keys and keys[0]:
+        unmatched = lora_name or None
+        for item in keys[0]:
+            if type(item) is not str:
+                continue
+            if unmatched is not None and item == unmatched:
+                unmatched = None
+                continue
+            if item.startswith(CACHE_SALT_PREFIX) and len(item) > len(CACHE_SALT_PREFIX):
+                return item[len(CACHE_SALT_PREFIX) :]
+    return None
+
+
+_EXTRA_ITEM = (str, int, float, bool, bytes)
+
+
+def _extra_keys(v: Any) -> list[Any] | None:
+    """``extra_keys``: nil, or per block nil or a list of strings, ``[string, int]`` pairs,
+    bytes, numbers or booleans."""
+    if v is None:
+        return None
+    if type(v) is not list:
+        raise MalformedMessage("extra_keys must be an array or nil")
+    for block in v:
+        if block is None:
+            continue
+        if type(block) is not list:
+            raise MalformedMessage("extra_keys entries must be arrays or nil")
+        for item in block:
+            if isinstance(item, _EXTRA_ITEM):
+                continue
+            if type(item) is list and len(item) == 2 and type(item[0]) is str and _is_int(item[1]):
+                continue
+            raise MalformedMessage("extra_keys items must be strings, numbers or pairs")
+    return v
+
+
+def _not_local(locality: Any) -> bool:
+    """``locality`` present and not ``"LOCAL"``: the blocks are not the worker's own."""
+    return _opt_str(locality, "locality") not in (None, "LOCAL")
+
+
+def _stored(
+    hashes: Any, parent: Any, tokens: Any, bs: Any, medium: Any, lora: Any,
+    salt: str | None, group: int | None, kind: str | None,
+) -> BlocksStored | None:  # fmt: skip
+    block_hashes = _hashes(hashes)
+    parent_hash = None if parent is None else _hash(parent, "parent_block_hash")
+    token_ids, eagle = _tokens(tokens)
+    if not _is_int(bs) or not 0 <= bs < U64_LIMIT:
+        raise MalformedMessage("block_size must be an unsigned integer")
+    tier = _tier(medium)
+    if tier is None:
+        return None
+    return BlocksStored(
+        block_hashes, parent_hash, token_ids, bs, tier, lora, salt, group, kind, eagle
+    )
+
+
+def _map_event(ev: dict[str, Any]) -> KvEvent | None:
+    tag = ev.get("type")
     if tag == "BlockStored":
         for name in ("block_hashes", "token_ids", "block_size"):
-            if fields.get(name) is None:
+            if name not in ev:
                 raise MalformedMessage(f"BlockStored: missing {name}")
-        hashes = _hashes(fields["block_hashes"])
-        parent = fields.get("parent_block_hash")
-        parent = None if parent is None else _hash(parent, "parent_block_hash")
-        tokens = _tokens(fields["token_ids"])
-        bs = fields["block_size"]
-        if not _is_int(bs) or not 0 <= bs < U64_LIMIT:
-            raise MalformedMessage("block_size must be an unsigned integer")
-        medium = _opt_str(fields.get("medium"), "medium")
-        lora = _opt_str(fields.get("lora_name"), "lora_name")
-        if _ignored_group(fields.get("group_idx"), fields.get("kv_cache_spec_kind")):
+        lora = _opt_str(ev.get("lora_name"), "lora_name")
+        salt = _salt(ev.get("cache_salt"), ev.get("extra_keys"), lora)
+        group = _opt_u32(ev.get("group_idx"), "group_idx")
+        kind = _opt_str(ev.get("kv_cache_spec_kind"), "kv_cache_spec_kind")
+        _opt_u32(ev.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window")
+        _opt_str(ev.get("session_id"), "session_id")
+        if _opt_str(ev.get("ownership"), "ownership") is not None or _not_local(ev.get("locality")):
+            _stored(ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"],
+                    ev["block_size"], ev.get("medium"), lora, None, None, None)  # fmt: skip
             return None
-        return BlocksStored(hashes, parent, tokens, bs, tier_of_medium(medium), lora)
+        return _stored(
+            ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"], ev["block_size"],
+            ev.get("medium"), lora, salt, group, kind,
+        )  # fmt: skip
     if tag == "BlockRemoved":
-        if fields.get("block_hashes") is None:
+        if "block_hashes" not in ev:
             raise MalformedMessage("BlockRemoved: missing block_hashes")
-        hashes = _hashes(fields["block_hashes"])
-        medium = _opt_str(fields.get("medium"), "medium")
-        if _ignored_group(fields.get("group_idx"), fields.get("kv_cache_spec_kind")):
+        hashes = _hashes(ev["block_hashes"])
+        tier = _tier(ev.get("medium"))
+        group = _opt_u32(ev.get("group_idx"), "group_idx")
+        kind = _opt_str(ev.get("kv_cache_spec_kind"), "kv_cache_spec_kind")
+        _opt_u32(ev.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window")
+        skip = _opt_str(ev.get("ownership"), "ownership") is not None
+        if _not_local(ev.get("locality")) or skip or tier is None:
             return None
-        return BlocksRemoved(hashes, tier_of_medium(medium))
+        return BlocksRemoved(hashes, tier, group, kind)
     if tag == "AllBlocksCleared":
-        return AllCleared()
+        return AllCleared() if _opt_str(ev.get("ownership"), "ownership") is None else None
     if tag == "Ignored":
         return None
+    if tag is None:
+        raise MalformedMessage("event map without a type")
     raise MalformedMessage(f"unknown event type {str(tag)[:64]!r}")
 
 
-_POSITIONS = {
-    "BlockStored": (
-        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-    ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx", "kv_cache_spec_kind"),
-    "AllBlocksCleared": (),
-    "Ignored": (),
-}  # fmt: skip
+def _at(ev: list[Any], i: int) -> Any:
+    return ev[i] if len(ev) > i else None
+
+
+# A trailing positional field, as the reference classifies it: a u32, a text, a list (block
+# multimodal infos, BlockStored only) or anything else (ignored).
+_U, _T, _L, _X = 0, 1, 2, 3
+
+
+def _trailing_kind(v: Any) -> int:
+    if _is_int(v) and 0 <= v < U32_LIMIT:
+        return _U
+    if type(v) is str:
+        return _T
+    if type(v) is list:
+        return _L
+    return _X
+
+
+def _trailing(
+    fields: list[Any], stored: bool
+) -> tuple[int | None, str | None, bool]:  # (group_idx, kind, skipped: not local / not framework)
+    """The metadata after ``extra_keys`` (stored) or ``medium`` (removed): at most five fields,
+    read as the fixed layout ``group_idx, kind, sliding_window, locality, ownership`` when there
+    are four or more and their types fit it, else each u32 as the group (then the sliding
+    window) and each text as the kind."""
+    fields = fields[:5]
+    kinds = [None if v is None else _trailing_kind(v) for v in fields]
+    if not stored:
+        kinds = [_X if k == _L else k for k in kinds]
+    layout = (_U, _T, _U, _T, _T)
+    if len(fields) >= 4 and all(
+        k is None or k == want for k, want in zip(kinds, layout, strict=False)
+    ):
+        group = fields[0]
+        kind = fields[1] if len(fields) > 1 else None
+        locality = fields[3] if len(fields) > 3 else None
+        ownership = fields[4] if len(fields) > 4 else None
+        skipped = ownership is not None or locality not in (None, "LOCAL")
+        return group, kind, skipped
+    group = kind = None
+    window = None
+    for v, k in zip(fields, kinds, strict=True):
+        if k == _U:
+            if group is None:
+                group = v
+            elif window is None:
+                window = v
+        elif k == _T:
+            kind = v
+    return group, kind, False
+
+
+_NO_TRAILING: tuple[int | None, str | None, bool] = (None, None, False)
+
+
+def _array_event(ev: list[Any]) -> KvEvent | None:
+    if not ev or type(ev[0]) is not str:
+        raise MalformedMessage("event must be a tagged array or map")
+    tag = ev[0]
+    if tag == "BlockStored":
+        if len(ev) < 4 or ev[3] is None:
+            raise MalformedMessage("BlockStored: missing token_ids")
+        if len(ev) < 5 or ev[4] is None:
+            raise MalformedMessage("BlockStored: missing block_size")
+        if ev[1] is None:
+            raise MalformedMessage("BlockStored: missing block_hashes")
+        lora_id = _at(ev, 5)
+        if lora_id is not None and (not _is_int(lora_id) or not 0 <= lora_id < U64_LIMIT):
+            raise MalformedMessage("lora_id must be a u64 or nil")
+        lora = _opt_str(_at(ev, 7), "lora_name")
+        salt = _salt(None, _at(ev, 8), lora)
+        group, kind, skipped = _trailing(ev[9:], True) if len(ev) > 9 else _NO_TRAILING
+        event = _stored(ev[1], ev[2], ev[3], ev[4], _at(ev, 6), lora, salt, group, kind)
+        return None if skipped else event
+    if tag == "BlockRemoved":
+        if len(ev) < 2 or ev[1] is None:
+            raise MalformedMessage("BlockRemoved: missing block_hashes")
+        hashes = _hashes(ev[1])
+        tier = _tier(_at(ev, 2))
+        group, kind, skipped = _trailing(ev[3:], False) if len(ev) > 3 else _NO_TRAILING
+        if skipped or tier is None:
+            return None
+        return BlocksRemoved(hashes, tier, group, kind)
+    if tag == "AllBlocksCleared":
+        return AllCleared() if _opt_str(_at(ev, 1), "ownership") is None else None
+    if tag == "Ignored":
+        return None
+    raise MalformedMessage(f"unknown event type {tag[:64]!r}")
 
 
 def encode_batch(ts: float, events: list[Any], dp_rank: int | None = 0) -> bytes:
     """A payload in the engines' format (tests, benchmarks and the example publisher)."""
-    return msgpack.packb([ts, events, dp_rank])
+    payload: bytes = msgpack.packb([ts, events, dp_rank])
+    return payload
 
 
 def seq_frame(seq: int) -> bytes:

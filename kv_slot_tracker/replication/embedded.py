@@ -6,8 +6,6 @@ way; the service gets no replicator in this mode, so its trackers emit no replic
 
 from __future__ import annotations
 
-from typing import Any
-
 from kv_slot_tracker.replication.port import ReplicatedState, ReplicationStatus
 from kv_slot_tracker.replication.records import resolve_instance_id
 from kv_slot_tracker.settings import Settings
@@ -20,7 +18,7 @@ class EmbeddedReplication:
     def __init__(self, settings: Settings) -> None:
         self.instance_id = resolve_instance_id(settings.instance_id)
 
-    def publish(self, record: dict[str, Any]) -> int:
+    def publish(self, record: bytes, ts: int) -> int:
         """Nothing to send to: a no-op."""
         return 0
 

@@ -8,10 +8,11 @@ first, so the reader can be given it before everything the collector reads exist
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
@@ -21,6 +22,25 @@ LAG_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0,
 )  # fmt: skip
+
+
+# What a party with write access to Redis (or a corrupt record or snapshot) can cause, by the
+# reason label of ``kv_slot_tracker_replication_anomalies_total`` and ``/replication``'s
+# ``anomalies``: each is detected, counted, logged (rate-limited) and shown as degraded.
+ANOMALIES = {
+    "seq_jump": "a record whose sequence number lies more than replication_max_seq_jump past "
+    "its origin's last applied one (forged or corrupt: rejected, the ledger not moved)",
+    "new_origin_gap": "a record of an origin not in the ledger that is not its first, with no "
+    "snapshot covering the records before it (applied; no snapshot loaded for it)",
+    "origins_evicted": "ledger rows of the longest-silent origins dropped to stay within "
+    "replication_max_origins",
+    "snapshot_invalid": "a stored snapshot whose stream id is not one or lies beyond the "
+    "stream's last generated id (ignored: the stream is read instead)",
+    "snapshot_lease_held": "the snapshot lease held longer than a snapshot round (its expiry "
+    "cut back to one round)",
+    "stream_exhausted": "appends refused: the stream has exhausted the last possible id (an "
+    "entry with the largest id was added); see docs/redis-ha.md",
+}
 
 
 @dataclass(slots=True)
@@ -34,10 +54,19 @@ class ReplicationCounters:
     resent: int = 0  # records appended again after Redis lost them
     malformed: int = 0  # stream entries that were not records (rejected as undecodable)
     last_malformed_ns: int | None = None  # wall time of the newest
+    # anomalies by reason (``ANOMALIES``), and the wall time of the newest of each
+    anomalies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ANOMALIES, 0))
+    anomaly_at: dict[str, int] = field(default_factory=dict)
     own_skipped: int = 0  # our own records read back
     write_refused: int = 0  # appends Redis refused for lack of memory (maxmemory, noeviction)
     snapshots_written: int = 0
     bootstraps: int = 0
+
+    def anomaly(self, reason: str, wall_ns: int, n: int = 1) -> int:
+        """Count ``n`` anomalies of ``reason``; returns how many so far."""
+        self.anomalies[reason] = total = self.anomalies.get(reason, 0) + n
+        self.anomaly_at[reason] = wall_ns
+        return total
 
 
 _COUNTERS = (
@@ -67,7 +96,7 @@ class _Collector(Collector):
         self.connected = connected
         self.rejected = rejected
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         for name, doc in _COUNTERS:
             c = CounterMetricFamily(f"kv_slot_tracker_replication_{name}", doc)
             c.add_metric([], getattr(self.counters, name))
@@ -80,6 +109,15 @@ class _Collector(Collector):
         for reason, count in self.rejected().items():
             rejected.add_metric([reason], count)
         yield rejected
+        anomalies = CounterMetricFamily(
+            "kv_slot_tracker_replication_anomalies",
+            "Replication anomalies detected (forged or corrupt records, snapshots, stream), "
+            "by reason",
+            labels=["reason"],
+        )
+        for reason, count in self.counters.anomalies.items():
+            anomalies.add_metric([reason], count)
+        yield anomalies
         depth = GaugeMetricFamily(
             "kv_slot_tracker_replication_outbox_depth", "Replica records waiting to be published"
         )
@@ -138,7 +176,7 @@ def count_applied(
         if isinstance(record, OwnReadBack):
             continue
         applied += 1
-        lag_ns = max(0, now_ns - record["ts"])
+        lag_ns = max(0, now_ns - record.ts)
         observe(lag_ns / NS_PER_S)
     counters.applied += applied
     return lag_ns / NS_PER_MS if applied else None

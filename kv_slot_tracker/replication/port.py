@@ -1,9 +1,15 @@
 """The seam between the service and replication, both ways, and the one status model.
 
-Wiring is one-phase: the composition root builds the replication from settings first (it owns
-the instance id), then the service with ``instance_id=replication.instance_id`` and, unless the
-mode is embedded, ``replicator=replication``; ``start(service)`` then hands it the service as
-its ``ReplicatedState``. The service only ever calls ``publish``; replication only ever calls the
+Wiring is in two phases, construction then hook-up. The composition root builds the
+replication from settings first (it owns the instance id), then the service with
+``instance_id=replication.instance_id`` and, unless the mode is embedded,
+``replicator=replication``; ``start(service)`` then hands it the service as its
+``ReplicatedState``. Between the two, collaborators are joined by setting attributes after
+construction: the service sets its replica records' and registry's limits, the Redis facade
+points its reader's callbacks at its read barrier and at itself (and its outbox's group-commit
+observer at a histogram), ``Consistency`` registers ``on_applied`` on the service's replica
+records, the composition root calls ``use_early_calls``, and the index peers set the ingest's
+``seed``. The service only ever calls ``publish``; replication only ever calls the
 ``ReplicatedState`` methods.
 """
 
@@ -13,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from pydantic import ConfigDict
+
+from kv_slot_tracker.replication.records import Delivered
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +32,7 @@ class OwnReadBack:
     seq: int
 
 
-Batch = list[dict[str, Any] | OwnReadBack]
+Batch = list[Delivered | OwnReadBack]
 """Peers' records in stream order, with the control messages where they fall."""
 
 
@@ -74,9 +82,10 @@ class Replication(Protocol):
     # whatever ``replication_ack`` (the hub has each sibling send what it accepted first)
     barrier_covers_acknowledged: bool
 
-    def publish(self, record: dict[str, Any]) -> int:
-        """Queue one of the service's records for the peers; never blocks, never raises.
-        Returns the record's sequence number among this process's records (0: not queued)."""
+    def publish(self, record: bytes, ts: int) -> int:
+        """Queue one of the service's records (its bytes, never read here; ``ts``: the
+        producer's wall-clock time) for the peers; never blocks, never raises. Returns the
+        record's sequence number among this process's records (0: not queued)."""
         ...
 
     async def start(self, target: ReplicatedState) -> None:
@@ -147,6 +156,7 @@ class ReplicationStatus:
     duplicates: int = 0
     dropped: int = 0
     records_rejected: dict[str, int] = field(default_factory=dict)  # peers' records, by reason
+    anomalies: dict[str, int] = field(default_factory=dict)  # by reason (replication/metrics.py)
     gaps: int = 0
     resets: int = 0
     resent: int = 0

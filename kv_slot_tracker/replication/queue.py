@@ -1,10 +1,11 @@
-"""The bounded FIFO publish queue for replica events (SPEC §6.3), transport-free.
+"""A bounded FIFO publish queue (SPEC §6.3), transport-free and blind to what it holds: the
+Redis outbox queues its records in it (the ports of the seeds' tests, their events).
 
-``try_send`` never blocks: a full queue drops the *newest* event (``PublishQueueFull``; the caller
-logs and counts it), a closed queue refuses it (``PublishQueueClosed``, saying whether that
-happened during shutdown). Both are ``PublishRejected``, the core's contract for a publisher that
-refuses an event. Consumers take events one at a time (``recv``) or in batches capped by count and
-by time (``collect_batch``).
+``try_send`` never blocks: a full queue drops the *newest* item (``PublishQueueFull``; the caller
+logs and counts it, naming what it dropped), a closed queue refuses it (``PublishQueueClosed``,
+saying whether that happened during shutdown). Both are ``PublishRejected``, the core's contract
+for a publisher that refuses an event. Consumers take items one at a time (``recv``) or in
+batches capped by count and by time (``collect_batch``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kv_slot_tracker.core.errors import PublishRejected
-from kv_slot_tracker.core.events import ActiveSequenceEvent
-from kv_slot_tracker.core.types import WorkerWithDpRank
 
 REPLICA_EVENT_CHANNEL_CAPACITY = 100_000
 
@@ -29,24 +28,16 @@ class PublishQueueError(PublishRejected):
 
 
 class PublishQueueFull(PublishQueueError):
-    def __init__(self, request_id: str, worker: WorkerWithDpRank, capacity: int) -> None:
-        self.request_id, self.worker, self.capacity = request_id, worker, capacity
-        super().__init__(
-            "active-sequence publish queue full; dropping newest event "
-            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
-        )
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        super().__init__(f"publish queue full; dropping the newest item (capacity={capacity})")
 
 
 class PublishQueueClosed(PublishQueueError):
-    def __init__(
-        self, request_id: str, worker: WorkerWithDpRank, capacity: int, during_shutdown: bool
-    ) -> None:
-        self.request_id, self.worker, self.capacity = request_id, worker, capacity
+    def __init__(self, capacity: int, during_shutdown: bool) -> None:
+        self.capacity = capacity
         self.during_shutdown = during_shutdown
-        super().__init__(
-            "active-sequence publish queue closed; dropping event "
-            f"(request_id={request_id}, worker={worker.debug()}, capacity={capacity})"
-        )
+        super().__init__(f"publish queue closed; dropping the item (capacity={capacity})")
 
 
 class EventQueue(Generic[T]):
@@ -69,12 +60,10 @@ class EventQueue(Generic[T]):
 
     def try_send(self, item: T) -> None:
         if self._closed:
-            rid, worker = describe(item)
-            raise PublishQueueClosed(rid, worker, self.capacity, self.shutting_down)
+            raise PublishQueueClosed(self.capacity, self.shutting_down)
         if len(self._items) >= self.capacity:
             self.dropped += 1
-            rid, worker = describe(item)
-            raise PublishQueueFull(rid, worker, self.capacity)
+            raise PublishQueueFull(self.capacity)
         self._items.append(item)
         self._ready.set()
 
@@ -113,18 +102,10 @@ class EventQueue(Generic[T]):
         return True
 
 
-def describe(item: object) -> tuple[str, WorkerWithDpRank]:
-    """``(request_id, worker)`` of a queued item, for messages."""
-    event = getattr(item, "event", item)
-    if isinstance(event, ActiveSequenceEvent):
-        return event.request_id, event.worker
-    return str(getattr(item, "request_id", "")), WorkerWithDpRank(0, 0)
+Waiter = Callable[["EventQueue[Any]", int], Awaitable[bool]]
 
 
-Waiter = Callable[["EventQueue", int], Awaitable[bool]]
-
-
-async def _real_wait(queue: EventQueue, timeout_ns: int) -> bool:
+async def _real_wait(queue: EventQueue[Any], timeout_ns: int) -> bool:
     return await queue.wait_ready(timeout_ns / 1e9)
 
 

@@ -29,6 +29,11 @@ __all__ = ["DEFAULT_ROUTING_GROUP", "Key", "Keyed", "Prompt"]  # re-exported: de
 
 Fraction = Annotated[int, Meta(ge=0, le=1)] | Annotated[float, Meta(ge=0, le=1)]
 
+MAX_CACHED_TOKENS = 1 << 40
+CachedTokens = Annotated[int, Meta(ge=0, le=MAX_CACHED_TOKENS)]
+"""Prompt tokens an engine reported cached (``usage.prompt_tokens_details.cached_tokens``):
+the observed outcome of a selection's routing receipt (``kv_slot_tracker.core.selection.receipts``)."""
+
 
 @dataclass(slots=True, kw_only=True)
 class Command:
@@ -95,10 +100,14 @@ class Add(core.Add, tag_field="op", tag="add", kw_only=True):
 
 class PrefillComplete(Keyed, tag_field="op", tag="prefill_complete", kw_only=True):
     request_id: Id
+    cached_tokens: CachedTokens | None = None
+    """Reported for the routing receipt of the selection ``request_id`` names, if any."""
 
 
 class Free(Keyed, tag_field="op", tag="free", kw_only=True):
     request_id: Id
+    cached_tokens: CachedTokens | None = None
+    """Reported for the routing receipt of the selection ``request_id`` names, if any."""
 
 
 class OutputBlock(Keyed, tag_field="op", tag="output_block", kw_only=True):

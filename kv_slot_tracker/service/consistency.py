@@ -14,7 +14,7 @@ and for at most ``consistency_wait_ms``:
 
 Then it runs like any call, synchronously, and ids still unknown are resolved
 (``resolve``): a free becomes a replicated tombstone and a prefill completion a replicated
-pending mark (``kv_slot_tracker.service.early``), both answered like a success: the request may exist on a
+pending mark (``kv_slot_tracker.service.early_calls``), both answered like a success: the request may exist on a
 peer whose record has not arrived yet (an outbox, a Redis stall), so "unknown" would be wrong,
 and nothing is lost: the add is cancelled, or its prefill completed, when it arrives, on every
 instance. When the barrier proved the id unknown and every acknowledged add is already in the
@@ -37,13 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv_slot_tracker.replication.port import Replication
-from kv_slot_tracker.service import commands as c
-from kv_slot_tracker.service.early import FREE, PREFILL_COMPLETE
+from kv_slot_tracker.service import commands
+from kv_slot_tracker.service.early_calls import FREE, PREFILL_COMPLETE
 from kv_slot_tracker.service.service import SlotTrackerService
 
 log = logging.getLogger(__name__)
 
-RequestKey = tuple[c.Key, str]
+RequestKey = tuple[commands.Key, str]
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class Consistency:
         self._applied: asyncio.Event | None = None  # set after a batch of peers' records
         service.replica.on_applied = self._on_applied
 
-    def known(self, key: c.Key, request_id: str) -> bool:
+    def known(self, key: commands.Key, request_id: str) -> bool:
         t = self.service.registry.trackers.get(key)
         return t is not None and t.has_request(request_id)
 
@@ -122,15 +122,17 @@ class Consistency:
             await self.next_batch(remaining)
         return False
 
-    def resolve(self, cmd: c.PrefillComplete | c.Free | c.OutputBlock, certain: bool) -> None:
+    def resolve(
+        self, cmd: commands.PrefillComplete | commands.Free | commands.OutputBlock, certain: bool
+    ) -> None:
         """Run a lifecycle call whose id is still unknown after ``settle`` (``certain``: its
         answer). Raises the service's not-found errors when the id is certainly unknown."""
         replica = self.service.replica
-        if isinstance(cmd, c.Free):
+        if isinstance(cmd, commands.Free):
             replica.remember_early(cmd.key, FREE, cmd.request_id)
             if certain:
                 self.service.free(cmd)  # a no-op for the id; raises NoTracker
-        elif isinstance(cmd, c.PrefillComplete):
+        elif isinstance(cmd, commands.PrefillComplete):
             if certain:
                 self.service.prefill_complete(cmd)  # raises NoTracker / RequestNotFound
             replica.remember_early(cmd.key, PREFILL_COMPLETE, cmd.request_id)
@@ -144,20 +146,22 @@ class Consistency:
                 self.wait_s * 1000,
             )
 
-    def release_unknown(self, selection_id: str, keys: list[c.Key]) -> None:
+    def release_unknown(self, selection_id: str, keys: list[commands.Key]) -> None:
         """A reservation released while still unknown here after the wait: its id is gone for
         good. Its request may yet arrive (a peer's outbox, a Redis stall), in any of the
         partitions ``keys``, so each gets a replicated tombstone of the id."""
         for key in keys:
             self.service.replica.remember_early(key, FREE, selection_id)
 
-    def run(self, cmd: c.PrefillComplete | c.Free | c.OutputBlock, certain: bool) -> None:
+    def run(
+        self, cmd: commands.PrefillComplete | commands.Free | commands.OutputBlock, certain: bool
+    ) -> None:
         """After ``settle``: the call as usual when its id is known now, else ``resolve``."""
         if not self.known(cmd.key, cmd.request_id):
             self.resolve(cmd, certain)
-        elif isinstance(cmd, c.Free):
+        elif isinstance(cmd, commands.Free):
             self.service.free(cmd)
-        elif isinstance(cmd, c.PrefillComplete):
+        elif isinstance(cmd, commands.PrefillComplete):
             self.service.prefill_complete(cmd)
         else:
             self.service.output_block(cmd)

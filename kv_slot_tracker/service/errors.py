@@ -47,6 +47,30 @@ class TooManyTrackers(ServiceError):
         )
 
 
+class OverBudget(ServiceError):
+    """A call that would grow the state past one of the instance's global budgets
+    (``kv_slot_tracker.core.limits.Budgets``): refused before anything changes."""
+
+    def __init__(self, budget: str, held: int, adding: int, limit: int, setting: str) -> None:
+        self.budget = budget
+        super().__init__(
+            f"this instance is at its {budget} budget: it holds {held:,}, the call adds "
+            f"{adding:,}, the budget is {limit:,} ({setting}); retry later or on another "
+            "instance, or free or unregister what is no longer used"
+        )
+
+
+class OverMemoryBudget(OverBudget):
+    def __init__(self, resident: int, limit: int) -> None:
+        ServiceError.__init__(
+            self,
+            f"this instance is at its memory budget: {resident:,} bytes resident, the budget is "
+            f"{limit:,} (memory_budget_bytes); retry later or on another instance, or free or "
+            "unregister what is no longer used",
+        )
+        self.budget = "memory"
+
+
 class InvalidTopology(ServiceError):
     """A topology value the service refuses before the core sees it."""
 

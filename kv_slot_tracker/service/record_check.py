@@ -1,32 +1,27 @@
-"""A peer's replica record, checked with the rules of the call that would have produced it.
+"""Why a peer's replica record is rejected, and the checks of a snapshot.
 
 Records come from the shared stream, which anyone who reaches Redis can write to: a record is
 input like an HTTP body. Before a record reaches a tracker it passes the checks the HTTP edge
-and the service apply to the same values (``kv_slot_tracker.core.limits`` and
-``kv_slot_tracker.service.topology_rules``): types, u32/u64 ranges, block sizes, rank caps, the prompt's
-length. A record that fails is *rejected* with one of ``REASONS``; the replica counts it, logs
-it (rate-limited) and goes on with the records behind it.
+and the service apply to the same values: its types, u32/u64 ranges and lengths while it is
+decoded (``kv_slot_tracker.service.records``), then the block sizes, rank caps
+(``kv_slot_tracker.service.topology_rules``) and the prompt's length. A record that fails is
+*rejected* with one of ``REASONS``; the replica counts it, logs it (rate-limited) and goes on
+with the records behind it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kv_slot_tracker.core.bounds import I64_MAX, I64_MIN, U64_MAX, is_u32, is_u64
 from kv_slot_tracker.core.errors import TrackerError
-from kv_slot_tracker.core.events import (
-    ActiveSequenceEvent,
-    AddRequest,
-    EventDecodeError,
-    event_from_wire,
-)
 from kv_slot_tracker.core.limits import (
     MAX_BLOCK_SIZE,
     MAX_ID_LENGTH,
     MAX_NAME_LENGTH,
 )
 from kv_slot_tracker.core.snapshot import SNAPSHOT_FORMAT
-from kv_slot_tracker.core.types import I64_MAX, I64_MIN, U32_MAX, U64_MAX
-from kv_slot_tracker.service.early import OPS
+from kv_slot_tracker.service.early_calls import OPS
 from kv_slot_tracker.service.errors import ServiceError
 from kv_slot_tracker.service.topology_rules import check_capacity, check_reconcile
 
@@ -39,9 +34,8 @@ EARLY = "early"  # a tombstone or pending mark of the wrong shape
 SELECTION = "selection"  # a selection change of the wrong shape or beyond the limits
 CONFLICT = "conflict"  # well formed, but refused by the state here (e.g. block size)
 SNAPSHOT = "snapshot"  # a snapshot read at bootstrap that fails these checks (not restored)
-REASONS = (ENVELOPE, TOPOLOGY, EVENT, EARLY, SELECTION, CONFLICT, SNAPSHOT)
-
-_KINDS = ("topology", "event", "early")
+RELEASED = "released"  # a booking (its add or its selection record) of a released reservation id
+REASONS = (ENVELOPE, TOPOLOGY, EVENT, EARLY, SELECTION, CONFLICT, SNAPSHOT, RELEASED)
 
 
 class RejectedRecord(ValueError):
@@ -56,113 +50,16 @@ def _uint(v: Any, high: int) -> bool:
     return type(v) is int and 0 <= v <= high
 
 
-def check_envelope(rec: dict[str, Any]) -> tuple[str, tuple[str, str], int]:
-    """A tracker record's kind (``topology``, ``event`` or ``early``), key (model name, routing
-    group) and block size."""
-    has_event = "event" in rec  # the common kind, tested first; one kind and only one
-    if has_event + ("topology" in rec) + ("early" in rec) != 1:
-        kinds = [k for k in _KINDS if k in rec]
-        raise RejectedRecord(ENVELOPE, f"a record carries one of {_KINDS}, not {kinds}")
-    model, group, block_size = (
-        rec.get("model_name"),
-        rec.get("routing_group"),
-        rec.get("block_size"),
-    )
-    if type(model) is not str or type(group) is not str:
-        raise RejectedRecord(
-            ENVELOPE,
-            f"model_name and routing_group must be strings, not {model!r:.80}, {group!r:.80}",
-        )
-    if len(model) > MAX_NAME_LENGTH or len(group) > MAX_NAME_LENGTH:
-        raise RejectedRecord(ENVELOPE, f"model_name or routing_group over {MAX_NAME_LENGTH}")
-    if type(block_size) is not int or not 0 <= block_size <= MAX_BLOCK_SIZE:
-        raise RejectedRecord(ENVELOPE, f"block_size {block_size!r:.80} is not a u32")
-    kind = "event" if has_event else "topology" if "topology" in rec else "early"
-    return kind, (model, group), block_size
-
-
-def check_topology(op: Any) -> tuple[str, Any]:
-    """A topology change's kind and, typed, what the service's topology methods take:
-    ``(worker_id, dp_start, dp_size)`` for an upsert, ``worker_id`` for an unregister or a
-    lease renewal and a
-    list of those triples for a reconcile. The ranges and caps are the service's own checks
-    (``topology_rules``), run by the caller with the tracker at hand."""
-    if type(op) is not dict:
-        raise RejectedRecord(TOPOLOGY, "topology is not a map")
-    kind = op.get("op")
-    if kind == "upsert":
-        return kind, _triple([op.get("worker_id"), op.get("dp_start"), op.get("dp_size")])
-    if kind in ("unregister", "renew"):
-        wid = op.get("worker_id")
-        if not _uint(wid, U64_MAX):
-            raise RejectedRecord(TOPOLOGY, f"worker_id {wid!r:.80} is not a u64")
-        return kind, wid
-    if kind == "reconcile":
-        workers = op.get("workers")
-        if type(workers) is not list:
-            raise RejectedRecord(TOPOLOGY, "reconcile workers is not a list")
-        return kind, [_triple(w) for w in workers]
-    raise RejectedRecord(TOPOLOGY, f"unknown topology op {kind!r:.80}")
-
-
 def _triple(w: Any) -> tuple[int, int, int]:
     if (
         type(w) is not list
         or len(w) != 3
-        or not _uint(w[0], U64_MAX)
-        or not _uint(w[1], U32_MAX)
-        or not _uint(w[2], U32_MAX)
+        or not is_u64(w[0])
+        or not is_u32(w[1])
+        or not is_u32(w[2])
     ):
         raise RejectedRecord(TOPOLOGY, f"worker range {w!r:.120} is not (u64, u32, u32)")
     return w[0], w[1], w[2]
-
-
-def check_event(wire: Any, max_hashes: int) -> ActiveSequenceEvent:
-    """A lifecycle event decoded (``kv_slot_tracker.core.events`` checks every field's type and range), with
-    at most ``max_hashes`` prompt blocks, as ``/add`` allows."""
-    try:
-        event = event_from_wire(wire)
-    except EventDecodeError as err:
-        raise RejectedRecord(EVENT, str(err)) from None
-    if len(event.request_id) > MAX_ID_LENGTH:
-        raise RejectedRecord(EVENT, f"request_id longer than {MAX_ID_LENGTH}")
-    lora = event.lora_name
-    if lora is not None and len(lora) > MAX_NAME_LENGTH:
-        raise RejectedRecord(EVENT, f"lora_name longer than {MAX_NAME_LENGTH}")
-    data = event.data
-    if type(data) is AddRequest:
-        seq = data.token_sequence
-        if seq is not None and len(seq) > max_hashes:
-            raise RejectedRecord(EVENT, f"{len(seq)} prompt blocks exceed the maximum {max_hashes}")
-    return event
-
-
-def check_selection(change: Any, max_hashes: int) -> None:
-    """The lengths of a selection change's hash lists, as the selection routes bound them
-    (the selection wire decoder checks every field's type and string length)."""
-    if type(change) is not dict:
-        return  # the decoder rejects it
-    entry = change.get("entry")
-    lists = [change.get("bh"), change.get("ch")]
-    if type(entry) is dict:
-        lists += [entry.get("sh"), entry.get("bh")]
-    for hashes in lists:
-        if type(hashes) is list and len(hashes) > max_hashes:
-            raise RejectedRecord(
-                SELECTION, f"{len(hashes)} block hashes exceed the maximum {max_hashes}"
-            )
-
-
-def check_early(op: Any) -> tuple[str, str]:
-    """A tombstone or pending mark: ``(op, request_id)``."""
-    if (
-        type(op) is not dict
-        or op.get("op") not in OPS
-        or type(op.get("request_id")) is not str
-        or len(op["request_id"]) > MAX_ID_LENGTH
-    ):
-        raise RejectedRecord(EARLY, f"malformed early call {op!r:.120}")
-    return op["op"], op["request_id"]
 
 
 # -- snapshots ---------------------------------------------------------------------------------
@@ -239,7 +136,7 @@ def _check_tracker(key: tuple[str, str], data: Any, max_hashes: int) -> None:
         _snap(type(slot) is dict, "slot", slot)
         worker = slot.get("worker")
         _snap(
-            _row(worker, 2) and _uint(worker[0], U64_MAX) and _uint(worker[1], U32_MAX),
+            _row(worker, 2) and is_u64(worker[0]) and is_u32(worker[1]),
             "worker",
             worker,
         )
@@ -254,7 +151,7 @@ def _check_tracker(key: tuple[str, str], data: Any, max_hashes: int) -> None:
                 and type(req[1]) is list
                 and len(req[1]) <= max_hashes
                 and _instant(req[2])
-                and (req[3] is None or _uint(req[3], U32_MAX))
+                and (req[3] is None or is_u32(req[3]))
                 and type(req[4]) is bool
                 and (req[5] is None or _text(req[5], MAX_NAME_LENGTH)),
                 "request",
@@ -265,7 +162,7 @@ def _check_tracker(key: tuple[str, str], data: Any, max_hashes: int) -> None:
             _snap(
                 _row(pre, 3)
                 and _text(pre[0], MAX_ID_LENGTH)
-                and _uint(pre[1], U64_MAX)
+                and is_u64(pre[1])
                 and (pre[2] is None or _uint(pre[2], I64_MAX)),
                 "prefill",
                 pre,
@@ -275,8 +172,8 @@ def _check_tracker(key: tuple[str, str], data: Any, max_hashes: int) -> None:
         _snap(
             _row(row, 4)
             and _text(row[0], MAX_ID_LENGTH)
-            and _uint(row[1], U64_MAX)
-            and _uint(row[2], U32_MAX)
+            and is_u64(row[1])
+            and is_u32(row[2])
             and (row[3] is None or _text(row[3], MAX_NAME_LENGTH)),
             "indexed request",
             row,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
+from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS, UNLIMITED, Budgets, Usage
 from kv_slot_tracker.core.publisher import ReplicaWorkerPolicy, SequencePublisher
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
 from kv_slot_tracker.core.types import LifecycleCounts
 from kv_slot_tracker.service.commands import Key
-from kv_slot_tracker.service.errors import NoTracker, TooManyTrackers
+from kv_slot_tracker.service.errors import NoTracker, OverBudget, OverMemoryBudget, TooManyTrackers
 from kv_slot_tracker.service.leases import Leases
+from kv_slot_tracker.service.memory import MemoryWatch
 
 WORKER_TYPE = "standalone"
 
@@ -44,6 +45,68 @@ class TrackerRegistry:
         self.max_trackers = DEFAULT_MAX_TRACKERS
         self.leases = Leases(0)  # worker leases (``worker_ttl_seconds``; off: 0)
         self.workers_expired = 0  # workers removed because their lease ran out
+        # the global budgets (``admit_*``): what every tracker holds, counted as it changes
+        self.usage = Usage()
+        self.budgets: Budgets = UNLIMITED
+        # resident memory in bytes, sampled (``service.budget.MemoryWatch``); None: not watched
+        self.resident: Callable[[], int] | None = None
+        self.refusals: dict[str, int] = {}  # calls refused, per budget
+        # workers in the selection catalog (the selection service's, when there is one)
+        self.catalog_size: Callable[[], int] = lambda: 0
+
+    # -- budgets: O(1) checks before a call grows the state -------------------------------------
+
+    def _refuse(self, error: OverBudget) -> OverBudget:
+        self.refusals[error.budget] = self.refusals.get(error.budget, 0) + 1
+        return error
+
+    def admit_memory(self) -> None:
+        """``OverMemoryBudget`` when the process is past its memory budget."""
+        if self.resident is not None:
+            resident = self.resident()
+            limit = self.budgets.memory_bytes
+            if resident > limit and isinstance(self.resident, MemoryWatch):
+                resident = self.resident.after_trim()  # free pages the allocator kept
+            if resident > limit:
+                raise self._refuse(OverMemoryBudget(resident, limit))
+
+    def admit_ranks(self, adding: int) -> None:
+        held, limit = self.usage.ranks, self.budgets.ranks
+        if adding > 0 and held + adding > limit:
+            raise self._refuse(OverBudget("worker ranks", held, adding, limit, "max_ranks"))
+        self.admit_memory()
+
+    def admit_request(self, hashes: int) -> None:
+        usage, budgets = self.usage, self.budgets
+        if usage.requests >= budgets.active_requests:
+            raise self._refuse(OverBudget("active requests", usage.requests, 1,
+                                          budgets.active_requests, "max_active_requests"))  # fmt: skip
+        if hashes and usage.hashes + hashes > budgets.block_hashes:
+            raise self._refuse(OverBudget("block hashes", usage.hashes, hashes,
+                                          budgets.block_hashes, "max_block_hashes"))  # fmt: skip
+        # ``admit_memory`` only past the budget (it trims, reads again, refuses): one call
+        # fewer on every add (``resident`` is a sampled reading: both read the same value)
+        resident = self.resident
+        if resident is None:
+            return
+        value = resident.reading() if type(resident) is MemoryWatch else resident()
+        if value > budgets.memory_bytes:
+            self.admit_memory()
+
+    def admit_selection_worker(self, held: int) -> None:
+        limit = self.budgets.selection_workers
+        if held >= limit:
+            raise self._refuse(
+                OverBudget("selection workers", held, 1, limit, "max_selection_workers")
+            )
+        self.admit_memory()
+
+    def recount(self) -> None:
+        """Count what the trackers hold from scratch (after their wholesale replacement)."""
+        usage = self.usage
+        usage.ranks = usage.requests = usage.hashes = 0
+        for t in self.trackers.values():
+            t.count_into(usage)
 
     def check_room(self, key: Key) -> None:
         """``TooManyTrackers`` when ``key`` has no tracker and there is no room for one."""
@@ -69,6 +132,7 @@ class TrackerRegistry:
             check_interval_ns=self.check_interval_ns,
             replica_worker_policy=ReplicaWorkerPolicy.REQUIRE_REGISTERED,
             counts=self.counters.setdefault(key, LifecycleCounts()),
+            usage=self.usage,
         )
         self.trackers[key] = tracker
         return tracker
@@ -85,6 +149,10 @@ class TrackerRegistry:
     def drop_if_empty(self, key: Key) -> None:
         t = self.trackers.get(key)
         if t is not None and not t.has_registered_workers():
+            usage = self.usage
+            usage.ranks -= t.num_ranks()
+            usage.requests -= t.num_requests()
+            usage.hashes -= t.held_hashes()
             del self.trackers[key]
             self.counters.pop(key, None)
 
@@ -106,6 +174,7 @@ class TrackerRegistry:
         Every worker gets a full lease from now: a snapshot carries no lease deadlines, and a
         worker that is really gone expires one ttl later."""
         self.trackers = trackers
+        self.recount()
         now = self.clock()
         for key, t in trackers.items():
             for r in t.worker_ranges():

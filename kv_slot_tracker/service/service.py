@@ -17,6 +17,7 @@ from msgspec import UNSET, UnsetType
 from kv_slot_tracker.core.hashing import sequence_hashes_for_tokens
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS
 from kv_slot_tracker.core.loads import Columns, RankLoadRow
+from kv_slot_tracker.core.selection.errors import ReservationReleased
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.topology import TopologyChange
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker
@@ -25,7 +26,7 @@ from kv_slot_tracker.core.types import (
     LifecycleCounts,
 )
 from kv_slot_tracker.replication.port import Batch
-from kv_slot_tracker.service import commands as c
+from kv_slot_tracker.service import commands
 from kv_slot_tracker.service.errors import (
     BlockSizeMismatch,
     TooManyHashes,
@@ -42,7 +43,9 @@ from kv_slot_tracker.service.topology_rules import (
     check_upsert,
 )
 
-Key = c.Key
+Key = commands.Key
+OutcomeSink = Callable[[Key, str, int, bool], None]
+"""``(key, request_id, cached_tokens, freed)``: a lifecycle call's reported cached tokens."""
 
 
 class SlotTrackerService:
@@ -75,6 +78,14 @@ class SlotTrackerService:
         self.registry.max_trackers = max_trackers
         self.registry.leases = Leases(worker_ttl_seconds * NS_PER_S)
         self.replica.bind(self.registry)
+        self.outcome_sink: OutcomeSink | None = None
+        """Where a ``/prefill_complete`` or ``/free`` carrying ``cached_tokens`` reports it
+        (the selection's routing receipts: ``report_outcomes_to``); None: nowhere."""
+
+    def report_outcomes_to(self, sink: OutcomeSink | None) -> None:
+        """Report the ``cached_tokens`` of lifecycle calls to ``sink``: ``(key, request_id,
+        cached_tokens, freed)``, after the call succeeded."""
+        self.outcome_sink = sink
 
     # -- the registry ----------------------------------------------------------------------
 
@@ -101,13 +112,14 @@ class SlotTrackerService:
             raise BlockSizeMismatch(key, t.block_size, block_size)
         return t
 
-    def register(self, cmd: c.Register) -> None:
+    def register(self, cmd: commands.Register) -> None:
         key = cmd.key
         check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
         t = self._tracker_for_topology(key, cmd.block_size)
         if t is not None and t.has_worker(cmd.worker_id):
             raise WorkerExists(key, cmd.worker_id)
         check_capacity(key, (t.num_ranks() if t is not None else 0) + cmd.dp_size)
+        self.registry.admit_ranks(cmd.dp_size)
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         r = cmd.ranks
@@ -115,13 +127,15 @@ class SlotTrackerService:
         self.registry.leases.renew(key, cmd.worker_id, self.clock())
         self.replica.emit_upsert(key, cmd.block_size, r)
 
-    def upsert(self, cmd: c.Upsert) -> bool:
+    def upsert(self, cmd: commands.Upsert) -> bool:
         """Register or replace one worker's ranks; True when the worker id was new."""
         key = cmd.key
         check_range(cmd.block_size, cmd.dp_start, cmd.dp_size)
         t = self._tracker_for_topology(key, cmd.block_size)
         check_upsert(key, t, cmd.worker_id, cmd.dp_size)
         created = t is None or not t.has_worker(cmd.worker_id)
+        held = None if created or t is None else t.worker_range(cmd.worker_id)
+        self.registry.admit_ranks(cmd.dp_size - (held.dp_size if held is not None else 0))
         if t is None:
             t = self.registry.create(key, cmd.block_size)
         r = cmd.ranks
@@ -134,7 +148,7 @@ class SlotTrackerService:
             self.replica.emit_renew(key, cmd.block_size, cmd.worker_id)
         return created
 
-    def heartbeat(self, cmd: c.Heartbeat) -> None:
+    def heartbeat(self, cmd: commands.Heartbeat) -> None:
         """Renew a worker's lease (``worker_ttl_seconds``); accepted, changing nothing, when
         leases are off."""
         key = cmd.key
@@ -155,13 +169,13 @@ class SlotTrackerService:
             if t is None or not t.has_worker(worker_id):
                 continue
             self.unregister(
-                c.Unregister(model_name=key[0], routing_group=key[1], worker_id=worker_id)
+                commands.Unregister(model_name=key[0], routing_group=key[1], worker_id=worker_id)
             )
             self.registry.workers_expired += 1
             expired.append((key, worker_id))
         return expired
 
-    def unregister(self, cmd: c.Unregister) -> None:
+    def unregister(self, cmd: commands.Unregister) -> None:
         key = cmd.key
         t = self.registry.find(key)
         if t is None or not t.has_worker(cmd.worker_id):
@@ -171,12 +185,15 @@ class SlotTrackerService:
         self.registry.drop_if_empty(key)
         self.replica.emit_unregister(key, t.block_size, cmd.worker_id)
 
-    def reconcile(self, cmd: c.Reconcile) -> TopologyChange:
+    def reconcile(self, cmd: commands.Reconcile) -> TopologyChange:
         """Make the listed workers the whole topology of the key; returns the ranks added and
         removed."""
         key, block_size, workers = cmd.key, cmd.block_size, cmd.workers
         check_reconcile(key, block_size, workers)
         t = self._tracker_for_topology(key, block_size)
+        self.registry.admit_ranks(
+            sum(w.dp_size for w in workers) - (t.num_ranks() if t is not None else 0)
+        )
         if t is None:
             if not workers:
                 return TopologyChange()
@@ -206,7 +223,7 @@ class SlotTrackerService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def prompt_hashes(self, cmd: c.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
+    def prompt_hashes(self, cmd: commands.Prompt) -> tuple[ActiveSequencesMultiWorker, list[int]]:
         """The tracker of the command's key and its prompt as block hashes."""
         t = self.registry.get((cmd.model_name, cmd.routing_group))
         return t, self._hashes(t, cmd.sequence_hashes, cmd.token_ids, cmd.lora_name)
@@ -230,27 +247,38 @@ class SlotTrackerService:
             raise TooManyHashes(len(hashes), self.max_hashes)
         return hashes
 
-    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.plain``)
+    # The lifecycle commands arrive as the HTTP edge decoded them (``kv_slot_tracker.http.fast_bodies``)
     # or built them from the models, and go on to the tracker as they are: an add is the core's
     # struct (``kv_slot_tracker.core.commands.Add``), which ``add_on_rank`` reads itself.
 
-    def add(self, cmd: c.Add) -> None:
-        t = self.registry.get((cmd.model_name, cmd.routing_group))
+    def add(self, cmd: commands.Add) -> None:
+        key = (cmd.model_name, cmd.routing_group)
+        t = self.registry.get(key)
+        selection = self.replica.selection
+        if selection is not None and selection.released(cmd.request_id, key):
+            # the peers drop this add's record (``released``): refuse it here too, so that
+            # every instance agrees (O(1): no lookup while no reservation was released lately)
+            raise ReservationReleased(cmd.request_id)
         hashes, tokens = cmd.sequence_hashes, cmd.token_ids
         if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
             pass  # what ``_hashes`` returns for them, without the call
         else:
             hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
+        self.registry.admit_request(len(hashes) if hashes else 0)
         t.add_on_rank(cmd, hashes, self.clock())
 
-    def prefill_complete(self, cmd: c.PrefillComplete) -> None:
+    def prefill_complete(self, cmd: commands.PrefillComplete) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
         t.mark_prefill_completed(cmd.request_id, self.clock())
+        if cmd.cached_tokens is not None and self.outcome_sink is not None:
+            self.outcome_sink(cmd.key, cmd.request_id, cmd.cached_tokens, False)
 
-    def free(self, cmd: c.Free) -> None:
+    def free(self, cmd: commands.Free) -> None:
         self.registry.get((cmd.model_name, cmd.routing_group)).free(cmd.request_id, self.clock())
+        if cmd.cached_tokens is not None and self.outcome_sink is not None:
+            self.outcome_sink(cmd.key, cmd.request_id, cmd.cached_tokens, True)
 
-    def output_block(self, cmd: c.OutputBlock) -> None:
+    def output_block(self, cmd: commands.OutputBlock) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))
         t.add_output_block(cmd.request_id, cmd.decay_fraction)
 
@@ -282,13 +310,13 @@ class SlotTrackerService:
             for row in rows
         ]
 
-    def potential_loads(self, cmd: c.PotentialLoads) -> Columns:
+    def potential_loads(self, cmd: commands.PotentialLoads) -> Columns:
         """Per rank, sorted, as parallel lists: the ranks and their potential prefill tokens,
         potential decode blocks and active requests (``tracker.potential_columns``)."""
         t, hashes = self.prompt_hashes(cmd)
         return t.potential_columns(hashes, cmd.new_isl_tokens, self.clock())
 
-    def project_loads(self, cmd: c.ProjectLoads) -> list[dict[str, Any]]:
+    def project_loads(self, cmd: commands.ProjectLoads) -> list[dict[str, Any]]:
         t, hashes = self.prompt_hashes(cmd)
         proj = t.project_worker_loads(hashes, self.clock())
         return [

@@ -334,12 +334,6 @@ class ApproximateCache:
         """Ranks holding at least one block (expired or not yet swept)."""
         return list(self._by_rank)
 
-    @property
-    def pending_expiries(self) -> int:
-        """Block entries waiting in the expiry heap, stale ones (refreshed or removed blocks)
-        included."""
-        return self._heap_keys
-
     def __len__(self) -> int:
         """Stored (rank, block) entries, including expired ones not yet swept by ``expire``."""
         return self._live

@@ -10,6 +10,7 @@ which reasons keep a worker off the schedule, and how a partial update (PATCH) m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -30,6 +31,14 @@ KV_TRANSFER_ENFORCEMENTS = ("required", "preferred")
 ENDPOINT_REQUIRED = "endpoint is required"
 BLOCK_SIZE_ZERO = "block_size must be greater than 0"
 DP_SIZE_ZERO = "data_parallel_size must be greater than 0"
+# With KV events on (as the reference): the replay protocol carries no rank and each rank
+# publishes on its own sockets, so one replay endpoint cannot serve several ranks.
+REPLAY_NEEDS_ONE_RANK = "replay_endpoint is supported only for data_parallel_size 1"
+
+# ``replay_endpoints`` (an extension of the reference's body): one replay socket per dp rank,
+# entry i for rank ``data_parallel_start_rank + i``. An address a ZMQ DEALER can connect to:
+# ``tcp://HOST:PORT`` or ``ipc://PATH``.
+_ZMQ_ADDRESS = re.compile(r"tcp://[^\s/]+:[0-9]{1,5}|ipc://\S+")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +68,9 @@ class WorkerSpec:
     kv_transfer_domain: str | None = None
     kv_transfer_enforcement: str | None = None
     kv_transfer_preferred_weight: float | None = None
+    replay_endpoints: tuple[str, ...] | None = None
+    """One replay socket per dp rank (an extension of the reference's body, declared last as
+    the replica record declares it: entry i serves rank ``dp_start + i``)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -78,6 +90,14 @@ class WorkerSpec:
 
     def has_rank(self, dp_rank: int) -> bool:
         return self.dp_start <= dp_rank < self.dp_start + self.dp_size
+
+    def replay_for(self, dp_rank: int) -> str | None:
+        """The replay socket of ``dp_rank``: its ``replay_endpoints`` entry, else the one
+        ``replay_endpoint`` of a worker of one rank (one socket cannot serve several ranks)."""
+        if self.replay_endpoints is not None:
+            i = dp_rank - self.dp_start
+            return self.replay_endpoints[i] if 0 <= i < len(self.replay_endpoints) else None
+        return self.replay_endpoint or None if self.dp_size == 1 else None
 
 
 # Fields a PATCH may change: everything but the id and the partition (the reference ignores
@@ -109,6 +129,31 @@ def intrinsic_reasons(spec: WorkerSpec) -> list[str]:
             f"data_parallel_start_rank + data_parallel_size must not exceed {U32_MAX + 1}"
         )
     return reasons
+
+
+def replay_endpoints_problem(spec: WorkerSpec) -> str | None:
+    """Why the spec's ``replay_endpoints`` cannot be taken (None when it can, or is absent).
+
+    Checked on every registration and on the result of every PATCH, before anything changes:
+    the list belongs to the worker's ranks, so it is refused (not kept ``incomplete``) when it
+    does not fit them. O(len(replay_endpoints)).
+    """
+    given = spec.replay_endpoints
+    if given is None:
+        return None
+    if spec.replay_endpoint is not None:
+        return "give either replay_endpoint or replay_endpoints, not both"
+    if len(given) != spec.dp_size:
+        return (
+            f"replay_endpoints must have one entry per dp rank: data_parallel_size is "
+            f"{spec.dp_size}, replay_endpoints has {len(given)}"
+        )
+    for i, address in enumerate(given):
+        if not _ZMQ_ADDRESS.fullmatch(address) or (
+            address.startswith("tcp") and int(address.rpartition(":")[2]) > 65535
+        ):
+            return f"replay_endpoints[{i}] must be tcp://HOST:PORT or ipc://PATH"
+    return None
 
 
 def block_size_mismatch(key: tuple[str, str], existing: int, requested: int) -> str:

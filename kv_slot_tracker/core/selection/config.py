@@ -15,11 +15,11 @@ import math
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
-from kv_slot_tracker.core.serde import unexpected
+from kv_slot_tracker.core.serde.values import unexpected
 
 from .errors import InvalidRouterConfig, InvalidRouterConfigOverride
 
@@ -116,25 +116,6 @@ class RouterConfig:
     def router_ttl_ns(self) -> int:
         return round(self.router_ttl_secs * 1_000_000_000)
 
-    def with_override(self, override: RouterConfigOverride | None) -> RouterConfig:
-        """This config with the fields the request overrides (CREDIT, SCALE, T, tracking...).
-
-        DECAY, W and the TTL cannot be overridden per request (as in the reference).
-        """
-        if override is None:
-            return self
-        changes = {
-            f.name: getattr(override, f.name)
-            for f in fields(override)
-            if getattr(override, f.name) is not None
-        }
-        return replace(self, **changes) if changes else self
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> RouterConfig:
-        """Defaults overridden by the ``DYN_ROUTER_*`` variables present in ``env``."""
-        return cls().with_env(env)
-
     def with_env(self, env: Mapping[str, str]) -> RouterConfig:
         """This config with the ``DYN_ROUTER_*`` variables present in ``env`` applied on top.
 
@@ -143,7 +124,7 @@ class RouterConfig:
         credit to 0. Unlike the reference, which silently keeps the default when a value does not
         parse, an unparsable value raises ``InvalidRouterConfig`` naming the variable.
         """
-        values: dict[str, float | bool] = {}
+        values: dict[str, Any] = {}  # field name -> value, each parsed for its field
         for var, name in _FLOAT_ENV:
             if var in env:
                 values[name] = _env_float(var, env[var])
@@ -157,7 +138,7 @@ class RouterConfig:
         for var, name in _BOOL_ENV:
             if var in env:
                 values[name] = _env_bool(var, env[var])
-        return replace(self, **values) if values else self  # type: ignore[arg-type]
+        return replace(self, **values) if values else self
 
 
 _FLOAT_ENV = (

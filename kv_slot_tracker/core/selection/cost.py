@@ -49,10 +49,6 @@ def request_blocks(isl_tokens: int, block_size: int) -> int:
     return -(-isl_tokens // block_size)
 
 
-def cached_tokens(overlap_blocks: int, block_size: int) -> int:
-    return overlap_blocks * block_size
-
-
 def effective_prefill_tokens(isl_tokens: int, overlap_blocks: int, block_size: int) -> int:
     """Prompt tokens the rank still has to prefill: ``isl - min(isl, k*bs)`` (never credit-scaled)."""
     return isl_tokens - min(isl_tokens, overlap_blocks * block_size)
@@ -80,10 +76,6 @@ def _rust_max(a: float, b: float) -> float:
     if b != b:
         return a
     return a if a >= b else b
-
-
-def min_active_prefill_tokens(ranks: list[RankInput]) -> int:
-    return min((r.active_prefill_tokens for r in ranks), default=0)
 
 
 def rank_logit(

@@ -123,6 +123,20 @@ class ReservationConflict(SelectionError):
         super().__init__(f"selection {selection_id} is already reserved or being reserved")
 
 
+class ReservationReleased(ReservationConflict):
+    """A booking of an id whose reservation was released lately (its tombstone lasts): a late
+    duplicate of a booking the client already used and freed (not in the reference, which
+    books a freed id again)."""
+
+    def __init__(self, selection_id: str) -> None:
+        self.selection_id = selection_id
+        SelectionError.__init__(
+            self,
+            f"selection {selection_id} was released and cannot be reserved again "
+            "(a late duplicate of a finished booking; use a new selection_id)",
+        )
+
+
 class PendingSelectionNotFound(SelectionError):
     def __init__(self, selection_id: str, model_name: str, routing_group: str) -> None:
         self.selection_id = selection_id
@@ -184,6 +198,15 @@ class CatalogWorkerNotFound(SelectionError):
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
         super().__init__(f"worker {worker_id} not found")
+
+
+class InvalidReplayEndpoints(SelectionError):
+    """A registration (or the worker a PATCH would leave) whose ``replay_endpoints`` do not fit
+    its ranks (``catalog.replay_endpoints_problem`` says why)."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail)
 
 
 class PendingWorkerGone(SelectionError):

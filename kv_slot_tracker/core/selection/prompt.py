@@ -41,10 +41,14 @@ class Prompt:
 
 
 def prompt_from_tokens(
-    token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> Prompt:
-    """Hash a token prompt: full blocks only; ``isl`` is the token count (0 is accepted)."""
-    blocks = compute_block_hash_for_seq(list(token_ids), block_size, lora_name)
+    """Hash a token prompt: full blocks only; ``isl`` is the token count (0 is accepted); a
+    non-empty ``cache_salt`` shifts the hashes' seed as the engines' salted blocks are."""
+    blocks = compute_block_hash_for_seq(list(token_ids), block_size, lora_name, cache_salt)
     return Prompt(
         block_hashes=tuple(signed_hashes(blocks)),
         sequence_hashes=tuple(signed_hashes(compute_seq_hash_for_block(blocks))),
@@ -91,11 +95,12 @@ def normalize_prompt(
     sequence_hashes: Sequence[int] | None = None,
     isl_tokens: int | None = None,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
     for_booking: bool = False,
 ) -> Prompt:
     """``token_ids`` when present (the hash fields are then ignored), else the hash triple."""
     if token_ids is not None:
-        return prompt_from_tokens(token_ids, block_size, lora_name)
+        return prompt_from_tokens(token_ids, block_size, lora_name, cache_salt)
     return prompt_from_hashes(
         block_hashes=block_hashes,
         sequence_hashes=sequence_hashes,

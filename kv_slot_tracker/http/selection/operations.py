@@ -27,16 +27,17 @@ from kv_slot_tracker.core.selection.catalog import (
     WorkerSpec,
 )
 from kv_slot_tracker.core.types import U32_MAX, WorkerWithDpRank
+from kv_slot_tracker.http.answers import Result
 from kv_slot_tracker.http.body import parse_json
 from kv_slot_tracker.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
 from kv_slot_tracker.http.responses import json_response, load_rows_json
-from kv_slot_tracker.http.routes import query_value
-from kv_slot_tracker.http.selection import schemas as ss
+from kv_slot_tracker.http.routes import PROBE, paged, paged_response, query_value
+from kv_slot_tracker.http.selection import schemas
+from kv_slot_tracker.http.selection.outcome import reported_cached_tokens
 from kv_slot_tracker.ingest.peers import MEDIA_TYPE, IndexPeers
-from kv_slot_tracker.service.selection import commands as sc
-from kv_slot_tracker.service.selection.service import OverlapScores, SelectionService, SelectOutcome
-
-Result = tuple[int, bytes]
+from kv_slot_tracker.service.selection import commands
+from kv_slot_tracker.service.selection.service import SelectionService
+from kv_slot_tracker.service.selection.types import OverlapScores, SelectOutcome
 
 OK = b'{"status":"ok"}'
 _SHARED_CACHE_OFF = {"enabled": False, "total_hit_blocks": 0, "ranges": [], "error": None}
@@ -51,7 +52,7 @@ def f32(value: float) -> float | None:
     overflow is infinite, which the reference's JSON writes as ``null``."""
     if abs(value) > _F32_MAX:
         return None
-    (single,) = _F32.unpack(_F32.pack(value))
+    single: float = _F32.unpack(_F32.pack(value))[0]
     for digits in range(1, 10):
         text = f"{single:.{digits}g}"
         if _F32.unpack(_F32.pack(float(text)))[0] == single:
@@ -75,7 +76,7 @@ def _rank_keys(endpoints: dict[str, str] | None) -> dict[str, str] | None:
     return {str(k): v for k, v in sorted(out.items())}
 
 
-def _worker_fields(b: ss._WorkerFields) -> dict[str, Any]:
+def _worker_fields(b: schemas.WorkerBody | schemas.WorkerPatchBody) -> dict[str, Any]:
     enforcement = b.kv_transfer_enforcement
     if enforcement is not None and enforcement not in _ENFORCEMENTS:
         raise HttpError(
@@ -89,6 +90,7 @@ def _worker_fields(b: ss._WorkerFields) -> dict[str, Any]:
         "kv_events_endpoint": b.kv_events_endpoint,
         "kv_events_endpoints": _rank_keys(b.kv_events_endpoints),
         "replay_endpoint": b.replay_endpoint,
+        "replay_endpoints": None if b.replay_endpoints is None else tuple(b.replay_endpoints),
         "block_size": b.block_size,
         "data_parallel_start_rank": b.data_parallel_start_rank,
         "data_parallel_size": b.data_parallel_size,
@@ -115,8 +117,10 @@ def worker_json(r: WorkerRecord) -> dict[str, Any]:
     }
     if s.kv_events_endpoints:  # the reference leaves an empty map out, as it leaves out none
         out["kv_events_endpoints"] = s.kv_events_endpoints
+    out["replay_endpoint"] = s.replay_endpoint
+    if s.replay_endpoints:  # an extension: absent unless given (as an empty map above)
+        out["replay_endpoints"] = list(s.replay_endpoints)
     out.update(
-        replay_endpoint=s.replay_endpoint,
         block_size=s.block_size,
         data_parallel_start_rank=s.data_parallel_start_rank,
         data_parallel_size=s.data_parallel_size,
@@ -135,7 +139,7 @@ def worker_json(r: WorkerRecord) -> dict[str, Any]:
     return out
 
 
-def _prompt_fields(b: ss.PromptBody) -> dict[str, Any]:
+def _prompt_fields(b: schemas.PromptBody) -> dict[str, Any]:
     return {
         "model_name": b.model_name,
         "routing_group": b.routing_group,
@@ -144,13 +148,14 @@ def _prompt_fields(b: ss.PromptBody) -> dict[str, Any]:
         "sequence_hashes": b.sequence_hashes,
         "isl_tokens": b.isl_tokens,
         "lora_name": b.lora_name,
+        "cache_salt": b.cache_salt,
         "router_config_override": RouterConfigOverride.from_json(b.router_config_override),
     }
 
 
-def select_command(b: ss.SelectBody, *, reserve: bool) -> sc.Select:
+def select_command(b: schemas.SelectBody, *, reserve: bool) -> commands.Select:
     pinned = b.pinned_worker
-    return sc.Select(
+    return commands.Select(
         **_prompt_fields(b),
         selection_id=b.selection_id,
         pinned_worker=None
@@ -250,7 +255,7 @@ class SelectionOperations:
         self.service = service
 
     def get(self, name: str) -> Callable[..., Result]:
-        op = getattr(self, name)
+        op: Callable[..., Result] = getattr(self, name)
 
         def run(raw: bytes, *args: Any) -> Result:
             try:
@@ -263,7 +268,7 @@ class SelectionOperations:
     # -- workers ---------------------------------------------------------------------------
 
     def upsert_worker(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.WorkerBody, ss.SERDE)
+        b = parse_json(raw, schemas.WorkerBody, schemas.SERDE)
         spec = WorkerSpec(
             worker_id=b.worker_id,
             model_name=b.model_name,
@@ -272,51 +277,53 @@ class SelectionOperations:
             topology_domains=dict(b.topology_domains),
             **_worker_fields(b),
         )
-        record = self.service.upsert_worker(sc.UpsertWorker(spec=spec))
+        record = self.service.upsert_worker(commands.UpsertWorker(spec=spec))
         return 201, orjson.dumps(worker_json(record))
 
     def patch_worker(self, raw: bytes, worker_id: int) -> Result:
-        b = parse_json(raw, ss.WorkerPatchBody, ss.SERDE)
+        b = parse_json(raw, schemas.WorkerPatchBody, schemas.SERDE)
         changes = _worker_fields(b)
         if b.taints is not None:
             changes["taints"] = tuple(b.taints)
         if b.topology_domains is not None:
             changes["topology_domains"] = dict(b.topology_domains)
-        record = self.service.patch_worker(sc.PatchWorker(worker_id=worker_id, changes=changes))
+        record = self.service.patch_worker(
+            commands.PatchWorker(worker_id=worker_id, changes=changes)
+        )
         return 200, orjson.dumps(worker_json(record))
 
     def delete_worker(self, raw: bytes, worker_id: int) -> Result:
-        record = self.service.delete_worker(sc.DeleteWorker(worker_id=worker_id))
+        record = self.service.delete_worker(commands.DeleteWorker(worker_id=worker_id))
         return 200, orjson.dumps(worker_json(record))
 
     # -- selection -------------------------------------------------------------------------
 
     def select(self, raw: bytes) -> Result:
-        cmd = select_command(parse_json(raw, ss.SelectBody, ss.SERDE), reserve=False)
+        cmd = select_command(parse_json(raw, schemas.SelectBody, schemas.SERDE), reserve=False)
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=False))
 
     def select_and_reserve(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.SelectBody, ss.SERDE, "SelectAndReserveRequest")
+        b = parse_json(raw, schemas.SelectBody, schemas.SERDE, "SelectAndReserveRequest")
         cmd = select_command(b, reserve=True)
         return 200, orjson.dumps(select_json(self.service.select(cmd), reserve=True))
 
     def potential_loads(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody, ss.SERDE, "PotentialLoadsRequest")
-        rows = self.service.potential_loads(sc.PotentialLoads(**_prompt_fields(b)))
+        b = parse_json(raw, schemas.PromptBody, schemas.SERDE, "PotentialLoadsRequest")
+        rows = self.service.potential_loads(commands.PotentialLoads(**_prompt_fields(b)))
         return 200, load_rows_json(rows)
 
     def overlap_scores(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.PromptBody, ss.SERDE, "OverlapScoresRequest")
-        scores = self.service.overlap_scores(sc.OverlapScores(**_prompt_fields(b)))
+        b = parse_json(raw, schemas.PromptBody, schemas.SERDE, "OverlapScoresRequest")
+        scores = self.service.overlap_scores(commands.OverlapScores(**_prompt_fields(b)))
         return 200, orjson.dumps(overlap_json(scores))
 
     # -- reservations ----------------------------------------------------------------------
 
     def reserve(self, raw: bytes) -> Result:
-        b = parse_json(raw, ss.ReservationBody, ss.SERDE, "ReservationRequest")
+        b = parse_json(raw, schemas.ReservationBody, schemas.SERDE, "ReservationRequest")
         if b.worker_id is None:
             booked = self.service.replay(
-                sc.ReplaySelection(
+                commands.ReplaySelection(
                     model_name=b.model_name,
                     routing_group=b.routing_group,
                     selection_id=b.selection_id,
@@ -324,7 +331,7 @@ class SelectionOperations:
             )
         else:
             booked = self.service.book(
-                sc.BookExplicit(
+                commands.BookExplicit(
                     **_prompt_fields(b),
                     selection_id=b.selection_id,
                     worker_id=b.worker_id,
@@ -337,19 +344,25 @@ class SelectionOperations:
         return 201, _booked_json(booked)
 
     def reservation_prefill_complete(self, raw: bytes, selection_id: str) -> Result:
-        self.service.prefill_complete(sc.ReservationCall(selection_id=selection_id))
+        cached = reported_cached_tokens(raw)
+        self.service.prefill_complete(
+            commands.ReservationCall(selection_id=selection_id, cached_tokens=cached)
+        )
         return 200, OK
 
     def reservation_output_block(self, raw: bytes, selection_id: str) -> Result:
-        b = parse_json(raw, ss.ReservationOutputBlockBody, ss.SERDE)
+        b = parse_json(raw, schemas.ReservationOutputBlockBody, schemas.SERDE)
         f = None if b.decay_fraction is None else float(b.decay_fraction)
         self.service.output_block(
-            sc.ReservationOutputBlock(selection_id=selection_id, decay_fraction=f)
+            commands.ReservationOutputBlock(selection_id=selection_id, decay_fraction=f)
         )
         return 200, OK
 
     def delete_reservation(self, raw: bytes, selection_id: str) -> Result:
-        self.service.release(sc.ReservationCall(selection_id=selection_id))
+        cached = reported_cached_tokens(raw)
+        self.service.release(
+            commands.ReservationCall(selection_id=selection_id, cached_tokens=cached)
+        )
         return 200, OK
 
 
@@ -361,8 +374,10 @@ class SelectionQueries:
         service: SelectionService,
         peers: IndexPeers | None = None,
         silent_seconds: float = 60.0,
+        list_max_items: int = 1000,
     ) -> None:
         self.service = service
+        self.list_max_items = list_max_items
         self.peers = peers
         """KV events on: the listeners' state and the index shared with other instances."""
         self.silent_seconds = silent_seconds
@@ -371,14 +386,18 @@ class SelectionQueries:
         return json_response({"status": "ok"})
 
     def ready(self, params: QueryParams) -> Response:
-        records = self.service.workers(None, None)
-        count = sum(1 for r in records if r.schedulable)
+        if params.get(PROBE):  # a caller without the key sees two fields: O(1), not the catalog
+            count = self.service.schedulable_count()
+            body: dict[str, Any] = {"ready": count > 0, "schedulable_workers": count}
+        else:
+            records = self.service.workers(None, None)
+            count = sum(1 for r in records if r.schedulable)
+            body = {
+                "ready": count > 0,
+                "schedulable_workers": count,
+                "workers": [worker_json(r) for r in records],
+            }
         ready = count > 0
-        body: dict[str, Any] = {
-            "ready": ready,
-            "schedulable_workers": count,
-            "workers": [worker_json(r) for r in records],
-        }
         if self.peers is not None:
             body["kv_events"] = kv = self.peers.status(self.silent_seconds)
             body["ready"] = ready = ready and not kv["recovering"]
@@ -393,7 +412,8 @@ class SelectionQueries:
 
     def workers(self, params: QueryParams) -> Response:
         m, g = query_value(params, "model_name"), query_value(params, "routing_group")
-        return json_response([worker_json(r) for r in self.service.workers(m, g)])
+        records, cursor = paged(self.service.workers(m, g), params, self.list_max_items)
+        return paged_response([worker_json(r) for r in records], cursor)
 
     def loads(self, params: QueryParams) -> Response:
         m, g = query_value(params, "model_name"), query_value(params, "routing_group")
@@ -411,37 +431,42 @@ class SelectionQueries:
         )
 
     def dump(self, params: QueryParams) -> Response:
-        """The hashes as u64, as the reference shows them (the service keeps them signed)."""
+        """The hashes as u64, as the reference shows them (the service keeps them signed);
+        event ids count from 0 within each storage tier, as the reference numbers them."""
         u = to_unsigned
         out: dict[str, Any] = {}
         for key, block_size, runs in self.service.dump():
-            events = [
-                {
-                    "worker_id": run.worker.worker_id,
-                    "storage_tier": run.storage_tier,
-                    "residency_domain": "worker",
-                    "event": {
-                        "event_id": i,
-                        "data": {
-                            "stored": {
-                                "parent_hash": None
-                                if run.parent_hash is None
-                                else u(run.parent_hash),
-                                "start_position": None,
-                                "blocks": [
-                                    {
-                                        "block_hash": u(block_hash),
-                                        "tokens_hash": u(tokens_hash),
-                                        "mm_extra_info": None,
-                                    }
-                                    for block_hash, tokens_hash in run.blocks
-                                ],
-                            }
+            ids: dict[str, int] = {}
+            events = []
+            for run in runs:
+                i = ids.get(run.storage_tier, 0)
+                ids[run.storage_tier] = i + 1
+                events.append(
+                    {
+                        "worker_id": run.worker.worker_id,
+                        "storage_tier": run.storage_tier,
+                        "residency_domain": "worker",
+                        "event": {
+                            "event_id": i,
+                            "data": {
+                                "stored": {
+                                    "parent_hash": None
+                                    if run.parent_hash is None
+                                    else u(run.parent_hash),
+                                    "start_position": None,
+                                    "blocks": [
+                                        {
+                                            "block_hash": u(block_hash),
+                                            "tokens_hash": u(tokens_hash),
+                                            "mm_extra_info": None,
+                                        }
+                                        for block_hash, tokens_hash in run.blocks
+                                    ],
+                                }
+                            },
+                            "dp_rank": run.worker.dp_rank,
                         },
-                        "dp_rank": run.worker.dp_rank,
-                    },
-                }
-                for i, run in enumerate(runs)
-            ]
+                    }
+                )
             out[f"{key[0]}:{key[1]}"] = {"block_size": block_size, "events": events}
         return json_response(out)

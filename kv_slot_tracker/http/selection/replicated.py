@@ -1,5 +1,6 @@
-"""The selection API's operations on a replicated instance: ``SelectionOperations`` plus what
-sharing state needs, as ``kv_slot_tracker.http.replicated`` does for the slot-tracker routes.
+"""The selection API's call routes on a replicated instance: ``SelectionOperations`` composed
+with what sharing state needs, as ``kv_slot_tracker.http.replicated`` does for the slot-tracker
+routes (the operations stay synchronous; a call that waits answers ``Later``).
 
 * The readiness gate: 503 before anything runs while the instance has not caught up.
 * With ``replication_ack = "redis"``, a call that changed shared state (a worker, a booking, a
@@ -14,7 +15,7 @@ sharing state needs, as ``kv_slot_tracker.http.replicated`` does for the slot-tr
   already in the stream).
 * With local acknowledgements a reservation may still be on its way after the wait (a peer's
   outbox, a Redis stall). Its ``DELETE`` answers 404 as the reference does, and nothing is
-  lost: the id gets a replicated tombstone in every partition (``kv_slot_tracker.service.early``), so if its
+  lost: the id gets a replicated tombstone in every partition (``kv_slot_tracker.service.early_calls``), so if its
   request arrives later it is cancelled on every instance, including the one that made it. An
   operation decides before it changes anything, so running it again is safe. Only then is the
   404 answered.
@@ -32,11 +33,11 @@ from kv_slot_tracker.core.selection.errors import (
     ReservationNotFound,
     SchedulableWorkerNotFound,
 )
+from kv_slot_tracker.http.answers import Answer, Call, Later, Result
 from kv_slot_tracker.http.gate import ReadinessGate
-from kv_slot_tracker.http.replicated import DurableAcks, run_replicated
-from kv_slot_tracker.http.selection.operations import Result, SelectionOperations
+from kv_slot_tracker.http.replicated import DurableAcks, replicated_call
+from kv_slot_tracker.http.selection.operations import SelectionOperations
 from kv_slot_tracker.service.consistency import Consistency
-from kv_slot_tracker.service.selection.service import SelectionService
 
 # Not found here, but perhaps made on a peer a moment ago. (A 503 for a partition without
 # schedulable workers does not wait: it already tells the client to try again.)
@@ -49,33 +50,38 @@ NOT_YET_KNOWN = (
 )
 
 
-class ReplicatedSelectionOperations(SelectionOperations):
+class ReplicatedSelectionEdge:
+    """The selection API's call routes on a replicated instance (module docstring): ``ops``
+    behind the readiness gate and, with durable acknowledgements (``acks``; None: local ones),
+    the write refusal and the acknowledgement; a call about something not known here yet
+    waits for the peers' records and runs again (``consistency``)."""
+
     def __init__(
         self,
-        service: SelectionService,
+        ops: SelectionOperations,
         gate: ReadinessGate,
         consistency: Consistency,
-        ack_timeout_ms: int | None = None,
+        acks: DurableAcks | None = None,
     ) -> None:
-        super().__init__(service)
+        self.ops = ops
         self.gate = gate
         self.consistency = consistency
-        self.acks = DurableAcks(consistency, ack_timeout_ms) if ack_timeout_ms is not None else None
+        self.acks = acks
 
-    def get(self, name: str) -> Callable[..., Any]:
-        op = getattr(self, name)
-        gate, acks = self.gate, self.acks
+    def get(self, name: str) -> Call:
+        """The named call route's operation (the route table names them)."""
+        op: Callable[..., Result] = getattr(self.ops, name)
 
-        def call(raw: bytes, *args: Any) -> Any:
+        def call(raw: bytes, *args: Any) -> Answer:
             try:
                 return op(raw, *args)
             except NOT_YET_KNOWN:
-                return self._after_wait(name, op, raw, args)
+                return Later(self._after_wait(name, op, raw, args))
 
-        return lambda raw, *args: run_replicated(gate, acks, call, raw, *args)
+        return replicated_call(self.gate, self.acks, call)
 
     async def _after_wait(
-        self, name: str, op: Callable[..., Result], raw: bytes, args: tuple
+        self, name: str, op: Callable[..., Result], raw: bytes, args: tuple[Any, ...]
     ) -> Result:
         """Run ``op`` again once the peers' records that may concern it were applied."""
         consistency = self.consistency
@@ -95,5 +101,5 @@ class ReplicatedSelectionOperations(SelectionOperations):
             return op(raw, *args)
         except NOT_YET_KNOWN:
             if name == "delete_reservation" and not consistency.barrier_certain:
-                consistency.release_unknown(args[0], sorted(self.service.partitions))
+                consistency.release_unknown(args[0], sorted(self.ops.service.partitions))
             raise

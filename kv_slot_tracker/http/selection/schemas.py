@@ -1,4 +1,6 @@
-"""Request and response models of the selection API (``/selection/*``, SELECTION.md).
+"""Request models of the selection API (``/selection/*``, SELECTION.md), and how the reference's
+serde words a body of the wrong shape on these routes (``SERDE``); the answers' models are in
+``kv_slot_tracker.http.selection.responses``.
 
 Request models validate JSON bytes with strict types, as the slot-tracker models do
 (``kv_slot_tracker.http.schemas``): integers must be JSON integers in the Rust type's range, strings must be
@@ -22,7 +24,8 @@ from pydantic import (
 )
 
 from kv_slot_tracker.core.selection.catalog import KV_TRANSFER_ENFORCEMENTS
-from kv_slot_tracker.http.body import SeqField, SeqStruct, SerdeDialect
+from kv_slot_tracker.core.serde.sequences import SeqField, SeqStruct
+from kv_slot_tracker.core.serde.shapes import SerdeDialect
 from kv_slot_tracker.http.schemas import U32, U64, Hash, Id, Name, Text, TokenId
 
 USIZE = U64
@@ -54,7 +57,7 @@ _STRINGS = ("model_name", "routing_group", "selection_id", "session_id", "lora_n
             "stable_routing_id", "kv_transfer_domain")  # fmt: skip
 # The reference's WorkerPatchRequest fields in declaration order (WorkerRequest has the same
 # between its own): serde also reads those structs from a JSON array, element i as field i
-# (``body.SeqStruct``); found by probing the reference field by field.
+# (``core.serde.sequences.SeqStruct``); found by probing the reference field by field.
 _WORKER_SEQUENCE = (
     SeqField("endpoint", "a string"),
     SeqField("kv_events_endpoint", "a string"),
@@ -90,7 +93,8 @@ SERDE = SerdeDialect(
         **dict.fromkeys(("isl_tokens", "effective_prefill_tokens"), "usize"),
         **dict.fromkeys(("advisory", "track_prefill_tokens", "is_eagle"), "a boolean"),
         **dict.fromkeys(
-            ("sequence_hashes", "block_hashes", "token_ids", "taints", "allowed_worker_ids"),
+            ("sequence_hashes", "block_hashes", "token_ids", "taints", "allowed_worker_ids",
+             "replay_endpoints"),
             "a sequence",
         ),  # fmt: skip
         **dict.fromkeys(("topology_domains", "kv_events_endpoints"), "a map"),
@@ -104,6 +108,7 @@ SERDE = SerdeDialect(
         "token_ids": "u32",
         "allowed_worker_ids": "u64",
         "taints": "a string",
+        "replay_endpoints": "a string",
     },  # fmt: skip
     # the prompt's fields are a flattened struct in the reference
     flattened=frozenset(
@@ -152,7 +157,18 @@ class _WorkerFields(_Body):
     kv_events_endpoints: dict[Text, Text] | None = Field(
         None, description="Per dp rank (keys are numbers in quotes); accepted and echoed."
     )
-    replay_endpoint: Text | None = Field(None, description="Accepted and echoed.")
+    replay_endpoint: Text | None = Field(
+        None,
+        description="The engine's replay socket; with KV events on, only for a worker of one "
+        "dp rank (see `replay_endpoints`).",
+    )
+    replay_endpoints: list[Text] | None = Field(
+        None,
+        description="Extension: one replay socket per dp rank, entry i for rank "
+        "`data_parallel_start_rank + i`; exactly `data_parallel_size` entries, each "
+        "`tcp://HOST:PORT` or `ipc://PATH`; not with `replay_endpoint`. Not read from the "
+        "array form of the body.",
+    )
     block_size: U32 | None = Field(
         None,
         description="Tokens per KV block (> 0); the first schedulable worker of a "
@@ -230,7 +246,11 @@ class PromptBody(_Body):
     sequence_hashes: list[Hash] | None = SEQUENCE_HASHES
     isl_tokens: USIZE | None = ISL
     lora_name: Name | None = Field(None, description="LoRA adapter; changes token hashes.")
-    cache_salt: Text | None = Field(None, description="Accepted; not used.")
+    cache_salt: Text | None = Field(
+        None,
+        description="Cache namespace; a non-empty salt changes token hashes (an engine's salted "
+        "blocks match only the same salt).",
+    )
     router_config_override: dict[str, Any] | None = Field(
         None,
         description="Per-request knobs, validated as the reference does: `overlap_score_credit`, "
@@ -318,443 +338,3 @@ class ReservationOutputBlockBody(_Body):
     ) = Field(None, description="0..1: weight of the blocks held only by this reservation.")
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"decay_fraction": 0.5}]})
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-class SelectionStatus(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ok"}]})
-
-    status: str = "ok"
-
-
-WORKER_EXAMPLE: dict[str, Any] = {
-    "worker_id": 7,
-    "model_name": "qwen",
-    "routing_group": "default",
-    "lifecycle": "schedulable",
-    "endpoint": "http://w7:8000",
-    "kv_events_endpoint": None,
-    "replay_endpoint": None,
-    "block_size": 16,
-    "data_parallel_start_rank": None,
-    "data_parallel_size": 2,
-    "max_num_batched_tokens": None,
-    "total_kv_blocks": None,
-    "stable_routing_id": None,
-    "is_eagle": None,
-    "taints": [],
-    "topology_domains": {},
-    "kv_transfer_domain": None,
-    "kv_transfer_enforcement": None,
-    "kv_transfer_preferred_weight": None,
-}
-"""A schedulable worker as the service answers it (the examples of the worker routes)."""
-
-
-class WorkerRecord(BaseModel):
-    model_config = ConfigDict(
-        extra="allow",
-        json_schema_extra={
-            "examples": [
-                WORKER_EXAMPLE,
-                {
-                    **WORKER_EXAMPLE,
-                    "worker_id": 8,
-                    "lifecycle": "incomplete",
-                    "endpoint": None,
-                    "data_parallel_size": None,
-                    "not_schedulable_reasons": ["endpoint is required"],
-                },
-            ]
-        },
-    )
-    worker_id: int
-    model_name: str
-    routing_group: str
-    lifecycle: str = Field(description="`schedulable`, `incomplete` or `unschedulable`.")
-    endpoint: str | None
-    block_size: int | None
-    data_parallel_start_rank: int | None
-    data_parallel_size: int | None
-    not_schedulable_reasons: list[str] | None = Field(
-        None, description="Present only when the worker is not schedulable."
-    )
-
-
-class KvEventsReady(BaseModel):
-    recovering: bool = Field(
-        description="Still loading the KV index from `indexer_peers` at start (not ready)."
-    )
-    peers: list[str] = Field(description="The `indexer_peers`.")
-    recovered_from: str | None = Field(description="The peer the index was loaded from.")
-    listening_ranks: int = Field(description="Ranks subscribed to their engine's publisher.")
-    disconnected_ranks: list[tuple[int, int]] = Field(
-        description="`[worker_id, dp_rank]` of the ranks with no connection to their publisher."
-    )
-    silent_ranks: list[tuple[int, int]] = Field(
-        description="`[worker_id, dp_rank]` of the ranks that sent nothing for "
-        "`kv_events_silent_seconds` (their blocks stay indexed, the worker schedulable)."
-    )
-
-
-class SelectionReady(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "ready": True,
-                    "schedulable_workers": 1,
-                    "workers": [WORKER_EXAMPLE],
-                },
-                {"ready": False, "schedulable_workers": 0, "workers": []},
-            ]
-        }
-    )
-
-    ready: bool
-    schedulable_workers: int
-    workers: list[WorkerRecord] | None = Field(
-        None, description="Absent when a key is set and the caller did not send it."
-    )
-    kv_events: KvEventsReady | None = Field(
-        None, description="With KV events on: the engines' publishers as this instance sees them."
-    )
-
-
-class Overlap(BaseModel):
-    longest_matched: int
-    gpu: int
-    dp: dict[str, int] = Field(description="Overlap tokens per dp rank of the chosen worker.")
-    cpu: int
-    disk: int
-
-
-class WorkerLoad(BaseModel):
-    active_prefill_tokens: int
-    prefill_token_capacity: int
-    total_kv_blocks: int | None = None
-
-
-class SelectResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "selection_id": "req-1",
-                    "model_name": "qwen",
-                    "routing_group": "default",
-                    "worker_id": 7,
-                    "dp_rank": 1,
-                    "endpoint": "http://w7:8000",
-                    "block_size": 16,
-                    "overlap": {
-                        "longest_matched": 0,
-                        "gpu": 0,
-                        "dp": {"0": 0, "1": 0},
-                        "cpu": 0,
-                        "disk": 0,
-                    },
-                    "effective_prefill_tokens": 33,
-                    "potential_decode_blocks": 3,
-                }
-            ]
-        }
-    )
-
-    selection_id: str | None = None
-    model_name: str
-    routing_group: str
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-    block_size: int
-    overlap: Overlap
-    effective_prefill_tokens: int
-    potential_decode_blocks: int
-    worker_load: WorkerLoad | None = None
-
-
-class SelectAndReserveResponse(SelectResponse):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "selection_id": "req-2",
-                    "sequence_hashes": [-1583300653928780152, -5980354406663771828],
-                    "isl_tokens": 33,
-                    "track_prefill_tokens": True,
-                    "model_name": "qwen",
-                    "routing_group": "default",
-                    "worker_id": 8,
-                    "dp_rank": 0,
-                    "endpoint": "http://w8:8000",
-                    "block_size": 16,
-                    "overlap": {
-                        "longest_matched": 0,
-                        "gpu": 0,
-                        "dp": {"0": 0},
-                        "cpu": 0,
-                        "disk": 0,
-                    },
-                    "effective_prefill_tokens": 33,
-                    "potential_decode_blocks": 3,
-                }
-            ]
-        }
-    )
-
-    selection_id: str
-    sequence_hashes: list[int]
-    isl_tokens: int
-    track_prefill_tokens: bool
-
-
-class ReservationResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "selection_id": "req-1",
-                    "model_name": "qwen",
-                    "routing_group": "default",
-                    "worker_id": 7,
-                    "dp_rank": 1,
-                    "endpoint": "http://w7:8000",
-                }
-            ]
-        }
-    )
-
-    selection_id: str
-    model_name: str
-    routing_group: str
-    worker_id: int
-    dp_rank: int
-    endpoint: str
-
-
-class RankLoad(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "worker_id": 7,
-                    "dp_rank": 0,
-                    "potential_prefill_tokens": 33,
-                    "potential_decode_blocks": 2,
-                    "active_requests": 0,
-                },
-                {
-                    "worker_id": 7,
-                    "dp_rank": 1,
-                    "potential_prefill_tokens": 1,
-                    "potential_decode_blocks": 2,
-                    "active_requests": 1,
-                },
-                {
-                    "worker_id": 8,
-                    "dp_rank": 0,
-                    "potential_prefill_tokens": 34,
-                    "potential_decode_blocks": 2,
-                    "active_requests": 1,
-                },
-            ]
-        }
-    )
-
-    worker_id: int
-    dp_rank: int
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    active_requests: int
-
-
-class PartitionLoads(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "model_name": "qwen",
-                    "routing_group": "default",
-                    "loads": [
-                        {
-                            "worker_id": 7,
-                            "dp_rank": 0,
-                            "potential_prefill_tokens": 0,
-                            "potential_decode_blocks": 0,
-                            "active_requests": 0,
-                        },
-                        {
-                            "worker_id": 7,
-                            "dp_rank": 1,
-                            "potential_prefill_tokens": 0,
-                            "potential_decode_blocks": 2,
-                            "active_requests": 1,
-                        },
-                        {
-                            "worker_id": 8,
-                            "dp_rank": 0,
-                            "potential_prefill_tokens": 33,
-                            "potential_decode_blocks": 2,
-                            "active_requests": 1,
-                        },
-                    ],
-                    "pending_count": 0,
-                    "pending_isl_tokens": 0,
-                }
-            ]
-        }
-    )
-
-    model_name: str
-    routing_group: str
-    loads: list[RankLoad]
-    pending_count: int
-    pending_isl_tokens: int
-
-
-class RankOverlap(BaseModel):
-    worker_id: int
-    dp_rank: int
-    device_blocks: int
-    host_pinned_blocks: int
-    disk_blocks: int
-    host_pinned_extension_blocks: int
-    disk_extension_blocks: int
-    shared_beyond_device_blocks: int | None
-
-
-class SharedCache(BaseModel):
-    enabled: bool
-    total_hit_blocks: int
-    ranges: list[Any]
-    error: str | None
-
-
-class OverlapScoresResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "block_size": 16,
-                    "num_blocks": 2,
-                    "workers": [
-                        {
-                            "worker_id": 7,
-                            "dp_rank": 0,
-                            "device_blocks": 0,
-                            "host_pinned_blocks": 0,
-                            "disk_blocks": 0,
-                            "host_pinned_extension_blocks": 0,
-                            "disk_extension_blocks": 0,
-                            "shared_beyond_device_blocks": None,
-                        },
-                        {
-                            "worker_id": 7,
-                            "dp_rank": 1,
-                            "device_blocks": 2,
-                            "host_pinned_blocks": 2,
-                            "disk_blocks": 2,
-                            "host_pinned_extension_blocks": 0,
-                            "disk_extension_blocks": 0,
-                            "shared_beyond_device_blocks": None,
-                        },
-                        {
-                            "worker_id": 8,
-                            "dp_rank": 0,
-                            "device_blocks": 2,
-                            "host_pinned_blocks": 2,
-                            "disk_blocks": 2,
-                            "host_pinned_extension_blocks": 0,
-                            "disk_extension_blocks": 0,
-                            "shared_beyond_device_blocks": None,
-                        },
-                    ],
-                    "shared_cache": {
-                        "enabled": False,
-                        "total_hit_blocks": 0,
-                        "ranges": [],
-                        "error": None,
-                    },
-                }
-            ]
-        }
-    )
-
-    block_size: int
-    num_blocks: int
-    workers: list[RankOverlap]
-    shared_cache: SharedCache
-
-
-class PartitionDump(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "block_size": 16,
-                    "events": [
-                        {
-                            "worker_id": 7,
-                            "storage_tier": "device",
-                            "residency_domain": "worker",
-                            "event": {
-                                "event_id": 0,
-                                "data": {
-                                    "stored": {
-                                        "parent_hash": None,
-                                        "start_position": None,
-                                        "blocks": [
-                                            {
-                                                "block_hash": 16863443419780771464,
-                                                "tokens_hash": 16863443419780771464,
-                                                "mm_extra_info": None,
-                                            },
-                                            {
-                                                "block_hash": 12466389667045779788,
-                                                "tokens_hash": 2287610619914608821,
-                                                "mm_extra_info": None,
-                                            },
-                                        ],
-                                    }
-                                },
-                                "dp_rank": 1,
-                            },
-                        },
-                        {
-                            "worker_id": 8,
-                            "storage_tier": "device",
-                            "residency_domain": "worker",
-                            "event": {
-                                "event_id": 1,
-                                "data": {
-                                    "stored": {
-                                        "parent_hash": None,
-                                        "start_position": None,
-                                        "blocks": [
-                                            {
-                                                "block_hash": 16863443419780771464,
-                                                "tokens_hash": 16863443419780771464,
-                                                "mm_extra_info": None,
-                                            },
-                                            {
-                                                "block_hash": 12466389667045779788,
-                                                "tokens_hash": 2287610619914608821,
-                                                "mm_extra_info": None,
-                                            },
-                                        ],
-                                    }
-                                },
-                                "dp_rank": 0,
-                            },
-                        },
-                    ],
-                }
-            ]
-        }
-    )
-
-    block_size: int
-    events: list[dict[str, Any]] = Field(description="Stored events of the approximate cache.")

@@ -1,9 +1,11 @@
 """Host-local replication: the server processes of one supervisor (``workers`` > 1, no Redis)
 share records through a hub in the supervisor, over a Unix socket.
 
-Why not the private Redis: a redis-py command costs 150-200 us of CPU per batch, so two
-processes wrote slower than one (``bench/RESULTS.md``); a length-prefixed frame on a Unix
-socket costs a few microseconds. Redis stays what links hosts.
+Why not a private Redis: a redis-py command costs 150-200 us of CPU per batch, where a
+length-prefixed frame on a Unix socket costs a few microseconds. Measured side by side
+(``bench/workers_cost.py``, ``bench/RESULTS.md``), a private redis-server cost 1.3-2.2 x the CPU
+per replicated write and 2-4 x the visibility lag, so it was removed as an option. Redis stays
+what links hosts.
 
 The shape follows ``replication/redis``, with the hub in the place of the stream:
 

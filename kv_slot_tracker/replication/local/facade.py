@@ -10,12 +10,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 
 from kv_slot_tracker.core.types import NS_PER_S
-from kv_slot_tracker.replication.local import framing as f
+from kv_slot_tracker.replication.local import framing
 from kv_slot_tracker.replication.local.follower import Follower
 from kv_slot_tracker.replication.local.metrics import register_local_collector
 from kv_slot_tracker.replication.local.outbox import LocalOutbox
@@ -34,7 +34,7 @@ STOP_FLUSH_TIMEOUT_S = 2.0
 RECONNECT_S = 0.1
 REJECTED_RECENT_NS = 300 * NS_PER_S  # degraded this long after a sibling's record was rejected
 UNDECODABLE = "undecodable"
-UNREACHABLE = "the workers hub is unreachable"
+UNREACHABLE = "the supervisor's hub is unreachable"
 
 
 class HubLink(asyncio.Protocol):
@@ -42,13 +42,15 @@ class HubLink(asyncio.Protocol):
 
     def __init__(self, owner: LocalReplication) -> None:
         self.owner = owner
-        self.reader = f.FrameReader()
+        self.reader = framing.FrameReader()
         self.transport: asyncio.Transport | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is not one
-        transport.write(f.frame_u64(f.HELLO, self.owner.instance_id, self.owner.incarnation))
+        transport.write(
+            framing.frame_u64(framing.HELLO, self.owner.instance_id, self.owner.incarnation)
+        )
         self.owner.follower.connected(transport.write)
 
     def data_received(self, data: bytes) -> None:
@@ -83,7 +85,7 @@ class LocalReplication:
         self.incarnation = random_id()
         self.wall_clock = wall_clock
         self.counters = ReplicationCounters()
-        self.outbox = LocalOutbox(settings, self.counters, self.incarnation)
+        self.outbox = LocalOutbox(settings, self.counters, self.instance_id, self.incarnation)
         self.follower = Follower(
             self.instance_id,
             self.incarnation,
@@ -95,7 +97,7 @@ class LocalReplication:
         self.outbox.applied = self.follower.applied_for_publish
         self._target: ReplicatedState | None = None
         self._link: HubLink | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._stopped = False
         register_collector(
             registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
@@ -121,7 +123,7 @@ class LocalReplication:
                 _, link = await loop.create_unix_connection(lambda: HubLink(self), self.hub_path)
             except OSError as e:
                 if not logged:
-                    log.warning("cannot reach the workers hub at %s (%s); retrying",
+                    log.warning("cannot reach the supervisor's hub at %s (%s); retrying",
                                 self.hub_path, e)  # fmt: skip
                     logged = True
                 await asyncio.sleep(RECONNECT_S)
@@ -131,7 +133,7 @@ class LocalReplication:
             await link.lost
             self._link = None
             if not self._stopped:
-                log.warning("the connection to the workers hub ended; connecting again")
+                log.warning("the connection to the supervisor's hub ended; connecting again")
                 await asyncio.sleep(RECONNECT_S)
 
     async def settled(self, timeout_s: float) -> None:
@@ -160,8 +162,8 @@ class LocalReplication:
 
     # -- the port -----------------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> int:
-        return self.outbox.publish(record)
+    def publish(self, record: bytes, ts: int) -> int:
+        return self.outbox.publish(record, ts)
 
     def ready(self) -> bool:
         return self.follower.ready()

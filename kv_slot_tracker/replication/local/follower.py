@@ -33,16 +33,19 @@ from collections.abc import Callable
 from itertools import count
 
 import msgpack
+import msgspec
 from prometheus_client import Histogram
 
 from kv_slot_tracker.core.types import NS_PER_S
-from kv_slot_tracker.replication.local import framing as f
+from kv_slot_tracker.replication.local import framing
 from kv_slot_tracker.replication.local.outbox import LocalOutbox
 from kv_slot_tracker.replication.metrics import ReplicationCounters, count_applied
 from kv_slot_tracker.replication.port import Batch, OwnReadBack, ReplicatedState
-from kv_slot_tracker.replication.records import SeqLedger, as_replayed
+from kv_slot_tracker.replication.records import Delivered, Entry, SeqLedger, as_replayed
 
 log = logging.getLogger(__name__)
+
+_decode_records = msgspec.msgpack.Decoder(list[Entry]).decode  # a frame's records
 
 APPLIED_EVERY_S = 0.05  # how often at most the hub is told the position applied, alone
 LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
@@ -51,7 +54,7 @@ LEDGER_FORGET_NS = 7 * 24 * 3600 * NS_PER_S
 class Phase(enum.Enum):
     """Where the process is; the value is the not-ready reason."""
 
-    CONNECTING = "connecting to the workers hub"
+    CONNECTING = "connecting to the supervisor's hub"
     LOADING = "loading the state from a sibling process"
     READY = ""
 
@@ -120,67 +123,63 @@ class Follower:
         position = self.position
         for frame in frames:
             kind = frame[:1]
-            if kind == f.DATA:
-                (position,) = f.U64.unpack_from(frame, 1)
+            if kind == framing.DATA:
+                (position,) = framing.U64.unpack_from(frame, 1)
                 self._records(frame, batch)
-            elif kind == f.OWN:
-                position, last_seq = f.U64_2.unpack_from(frame, 1)
+            elif kind == framing.OWN:
+                position, last_seq = framing.U64_2.unpack_from(frame, 1)
                 self._own(last_seq, batch)
-            elif kind == f.HEAD:
-                token, head = f.U64_2.unpack_from(frame, 1)
+            elif kind == framing.HEAD:
+                token, head = framing.U64_2.unpack_from(frame, 1)
                 fut = self._heads.pop(token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(head)
                 if self._next_head is not None:
                     self._ask_head()
-            elif kind == f.FLUSH:
-                (token,) = f.U64.unpack_from(frame, 1)
+            elif kind == framing.FLUSH:
+                (token,) = framing.U64.unpack_from(frame, 1)
                 self._flush(token)
-            elif kind == f.EXPORT:
+            elif kind == framing.EXPORT:
                 self._apply(batch, position)
                 batch = []
-                (token,) = f.U64.unpack_from(frame, 1)
+                (token,) = framing.U64.unpack_from(frame, 1)
                 self._export(token)
-            elif kind == f.BEGIN_PART:
+            elif kind == framing.BEGIN_PART:
                 self._pieces.append(memoryview(frame)[1:])
-            elif kind == f.BEGIN:
+            elif kind == framing.BEGIN:
                 self._apply(batch, position)
                 batch = []
-                (position,) = f.U64.unpack_from(frame, 1)
+                (position,) = framing.U64.unpack_from(frame, 1)
                 state = memoryview(frame)[9:]
                 if self._pieces:
                     self._pieces.append(state)
                     state = memoryview(b"".join(self._pieces))
                     self._pieces = []
                 self._restore(position, state)
-            elif kind == f.STATS:
+            elif kind == framing.STATS:
                 self._hub_stats(frame)
-            elif kind == f.RESYNC:
+            elif kind == framing.RESYNC:
                 self._apply(batch, position)
                 batch = []
                 self.counters.resets += 1
-                log.warning("fell behind the frames the workers hub keeps; loading its state again")
+                log.warning(
+                    "fell behind the frames the supervisor's hub keeps; loading its state again"
+                )
             else:
                 self.malformed += 1
         self._apply(batch, position)
 
     def _records(self, frame: bytes, batch: Batch) -> None:
         try:
-            records = msgpack.unpackb(memoryview(frame)[9:], raw=False)
-            if not isinstance(records, list):
-                raise ValueError("not a list")
-        except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types
+            entries = _decode_records(memoryview(frame)[9:])
+        except msgspec.MsgspecError as e:
             self._malformed(f"undecodable frame: {e}")
             return
         seqs, now, own_id = self._seqs, self.wall_clock(), self.instance_id
-        for record in records:
-            if not isinstance(record, dict) or any(
-                type(record.get(k)) is not int for k in ("origin", "incarnation", "seq", "ts")
-            ):
-                self._malformed("a record without its origin, incarnation, seq or ts")
-                continue
-            key = (record["origin"], record["incarnation"])
-            seq = record["seq"]
+        for entry in entries:
+            record = Delivered(entry.origin, entry.incarnation, entry.seq, entry.ts, entry.record)
+            key = (record.origin, record.incarnation)
+            seq = record.seq
             missing = seqs.missing_before(key, seq)
             if missing < 0:
                 self.counters.duplicates += 1
@@ -190,7 +189,7 @@ class Follower:
                 log.error("%d record(s) of instance %d before seq %d never came; going on",
                           missing, key[0], seq)  # fmt: skip
             seqs.advance(key, seq, now)
-            if record["origin"] == own_id:  # a previous life of this process
+            if record.origin == own_id:  # a previous life of this process
                 record = as_replayed(record)
             batch.append(record)
 
@@ -200,9 +199,11 @@ class Follower:
         self.counters.own_skipped += len(done)
         batch.append(OwnReadBack(last_seq))
         floor, through = self._floor, self._own_through
-        for record in done:  # those the loaded state lacks, in their place in the order
-            if through < record["seq"] < floor:
-                batch.append(as_replayed(record))
+        for e in done:  # those the loaded state lacks, in their place in the order
+            if through < e.seq < floor:
+                batch.append(
+                    Delivered(e.origin, e.incarnation, e.seq, e.ts, e.record, replayed=True)
+                )
 
     def _flush(self, token: int) -> None:
         """A sibling's read barrier: send what the outbox holds, then say so."""
@@ -211,7 +212,7 @@ class Follower:
             return
         self.outbox.flush()
         if self._write is not None:
-            self._write(f.frame_u64(f.FLUSHED, token))
+            self._write(framing.frame_u64(framing.FLUSHED, token))
 
     def _hub_stats(self, frame: bytes) -> None:
         try:
@@ -227,7 +228,7 @@ class Follower:
         self.malformed += 1
         self.counters.malformed += 1
         self.counters.last_malformed_ns = self.wall_clock()
-        log.warning("skipping replica data from the workers hub: %s", why)
+        log.warning("skipping replica data from the supervisor's hub: %s", why)
 
     def _apply(self, batch: Batch, position: int) -> None:
         if batch and self.target is not None:
@@ -259,7 +260,7 @@ class Follower:
         self._tell = None
         if self._write is not None and self.position > self._told:
             self._told = self.position
-            self._write(f.frame_u64(f.APPLIED, self.position))
+            self._write(framing.frame_u64(framing.APPLIED, self.position))
 
     def applied_for_publish(self) -> int:
         """The position a ``PUBLISH`` frame carries (and the hub now knows)."""
@@ -284,8 +285,8 @@ class Follower:
             }
         )
         if self._write is not None:
-            for frame in f.state_frames(
-                f.STATE_PART, f.STATE, state, (token,), (token, self.position)
+            for frame in framing.state_frames(
+                framing.STATE_PART, framing.STATE, state, (token,), (token, self.position)
             ):
                 self._write(frame)
 
@@ -313,7 +314,7 @@ class Follower:
             for token in flushes:
                 self._flush(token)
         log.log(logging.INFO if first else logging.WARNING,
-                "loaded the state at position %d of the workers hub (%d bytes)",
+                "loaded the state at position %d of the supervisor's hub (%d bytes)",
                 position, len(blob))  # fmt: skip
 
     # -- the read barrier ---------------------------------------------------------------------
@@ -353,4 +354,4 @@ class Follower:
             return
         token = next(self._tokens)
         self._heads[token] = fut
-        self._write(f.frame_u64(f.HEAD_ASK, token))
+        self._write(framing.frame_u64(framing.HEAD_ASK, token))

@@ -52,7 +52,7 @@ from typing import cast
 
 import msgpack
 
-from kv_slot_tracker.replication.local import framing as f
+from kv_slot_tracker.replication.local import framing
 from kv_slot_tracker.replication.local.retained import Entry, Retained
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class HubConnection(asyncio.Protocol):
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
-        self.reader = f.FrameReader(hub.max_frame_bytes)
+        self.reader = framing.FrameReader(hub.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
         self.instance_id = 0
         self.incarnation = 0  # 0 until HELLO
@@ -177,7 +177,7 @@ class Hub:
         path: str | Path,
         *,
         max_retained_bytes: int = RETAINED_BYTES,
-        max_frame_bytes: int = f.MAX_FRAME_BYTES,
+        max_frame_bytes: int = framing.MAX_FRAME_BYTES,
         join_wait_s: float = JOIN_WAIT_S,
         export_timeout_s: float = EXPORT_TIMEOUT_S,
         write_high_water: int = WRITE_HIGH_WATER,
@@ -242,7 +242,7 @@ class Hub:
         }
 
     def _send_stats(self) -> None:
-        frame = f.frame(f.STATS, msgpack.packb(self.stats()))
+        frame = framing.frame(framing.STATS, msgpack.packb(self.stats()))
         for conn in self.connections:
             if conn.synced:
                 conn.write(frame)
@@ -269,7 +269,7 @@ class Hub:
         exporter = max(synced, key=lambda c: c.applied)
         self._snapshot_token = token = next(self._tokens)
         self._snapshot_ask = _Export(exporter, exporter, time.monotonic())
-        exporter.write(f.frame_u64(f.EXPORT, token))
+        exporter.write(framing.frame_u64(framing.EXPORT, token))
 
     def _snapshot_usable(self) -> bool:
         """The frames after the snapshot are all kept (else it is of no use)."""
@@ -279,35 +279,35 @@ class Hub:
 
     def handle(self, conn: HubConnection, frame: bytes) -> None:
         kind = frame[:1]
-        if kind == f.PUBLISH and conn.incarnation:
-            last_seq, applied = f.U64_2.unpack_from(frame, 1)
+        if kind == framing.PUBLISH and conn.incarnation:
+            last_seq, applied = framing.U64_2.unpack_from(frame, 1)
             records = memoryview(frame)[17:]
             position = self.retained.head + 1
-            data = f.frame_u64(f.DATA, position, tail=bytes(records))
+            data = framing.frame_u64(framing.DATA, position, tail=bytes(records))
             self.retained.append(Entry(conn.incarnation, last_seq, data))
             self.counters.frames += 1
             self.counters.frame_bytes += len(records)
             if applied > conn.applied:
                 conn.applied = applied
-        elif kind == f.APPLIED and conn.incarnation:
-            (applied,) = f.U64.unpack_from(frame, 1)
+        elif kind == framing.APPLIED and conn.incarnation:
+            (applied,) = framing.U64.unpack_from(frame, 1)
             if applied > conn.applied:
                 conn.applied = applied
-        elif kind == f.HEAD_ASK and conn.incarnation:
-            (token,) = f.U64.unpack_from(frame, 1)
+        elif kind == framing.HEAD_ASK and conn.incarnation:
+            (token,) = framing.U64.unpack_from(frame, 1)
             self._barrier(conn, token)
-        elif kind == f.FLUSHED and conn.incarnation:
-            (ours,) = f.U64.unpack_from(frame, 1)
+        elif kind == framing.FLUSHED and conn.incarnation:
+            (ours,) = framing.U64.unpack_from(frame, 1)
             barrier = self._barriers.get(ours)
             if barrier is not None:
                 barrier.waiting.discard(conn)
                 if not barrier.waiting:
                     self._answer_barrier(ours)
-        elif kind == f.STATE_PART and conn.incarnation:
-            (token,) = f.U64.unpack_from(frame, 1)
+        elif kind == framing.STATE_PART and conn.incarnation:
+            (token,) = framing.U64.unpack_from(frame, 1)
             self._piece(conn, token, memoryview(frame)[9:])
-        elif kind == f.STATE and conn.incarnation:
-            token, position = f.U64_2.unpack_from(frame, 1)
+        elif kind == framing.STATE and conn.incarnation:
+            token, position = framing.U64_2.unpack_from(frame, 1)
             state = memoryview(frame)[17:]
             pieces = self._pieces.pop(token, None)
             if pieces is not None:
@@ -321,8 +321,8 @@ class Hub:
                     self.counters.snapshots += 1
             else:
                 self._exported(conn, token, position, state)
-        elif kind == f.HELLO and not conn.incarnation:
-            conn.instance_id, conn.incarnation = f.U64_2.unpack_from(frame, 1)
+        elif kind == framing.HELLO and not conn.incarnation:
+            conn.instance_id, conn.incarnation = framing.U64_2.unpack_from(frame, 1)
             if not conn.incarnation:
                 raise ValueError("HELLO with incarnation 0")
             self._join(conn)
@@ -337,9 +337,9 @@ class Hub:
         if pieces.refused:
             return
         pieces.size += len(piece)
-        if pieces.size > f.MAX_STATE_BYTES:  # dropped; the join asks another sibling
+        if pieces.size > framing.MAX_STATE_BYTES:  # dropped; the join asks another sibling
             log.error("hub: refused a state of process %d over %d bytes", conn.instance_id,
-                      f.MAX_STATE_BYTES)  # fmt: skip
+                      framing.MAX_STATE_BYTES)  # fmt: skip
             self.counters.oversized += 1
             pieces.refused, pieces.parts = True, []
             return
@@ -355,7 +355,7 @@ class Hub:
         if not others:
             self._answer_barrier(ours)
             return
-        flush = f.frame_u64(f.FLUSH, ours)
+        flush = framing.frame_u64(framing.FLUSH, ours)
         for conn in others:
             conn.write(flush)
         if len(self._barriers) > MAX_BARRIERS:  # siblings not answering: forget the oldest
@@ -365,7 +365,7 @@ class Hub:
     def _answer_barrier(self, ours: int) -> None:
         barrier = self._barriers.pop(ours)
         self.counters.barriers += 1
-        barrier.asker.write(f.frame_u64(f.HEAD, barrier.token, self.retained.head))
+        barrier.asker.write(framing.frame_u64(framing.HEAD, barrier.token, self.retained.head))
 
     def after_frames(self) -> None:
         """After a read's frames: write what is new, then trim (after: a process keeping up
@@ -389,7 +389,7 @@ class Hub:
         while position <= head:
             entry = retained.get(position)
             if entry.sender == own:
-                chunks.append(f.frame_u64(f.OWN, position, entry.last_seq))
+                chunks.append(framing.frame_u64(framing.OWN, position, entry.last_seq))
             else:
                 chunks.append(entry.data)
             position += 1
@@ -418,7 +418,7 @@ class Hub:
                         retained.max_bytes,
                     )
                     self.counters.resyncs += 1
-                    conn.write(f.frame(f.RESYNC))
+                    conn.write(framing.frame(framing.RESYNC))
                     self._join(conn)
 
     # -- joining: the state, then the frames after it -------------------------------------------
@@ -461,7 +461,7 @@ class Hub:
                 token = next(self._tokens)
                 self._exports[token] = _Export(conn, exporter, now)
                 self.counters.exports += 1
-                exporter.write(f.frame_u64(f.EXPORT, token))
+                exporter.write(framing.frame_u64(framing.EXPORT, token))
             elif now - conn.waiting_since >= self.join_wait_s:
                 log.error(
                     "hub: no process holds the state to give process %d; it starts from the "
@@ -488,7 +488,9 @@ class Hub:
         self._begin(export.requester, position, bytes(state))
 
     def _begin(self, conn: HubConnection, position: int, state: bytes) -> None:
-        for frame in f.state_frames(f.BEGIN_PART, f.BEGIN, state, (), (position,)):
+        for frame in framing.state_frames(
+            framing.BEGIN_PART, framing.BEGIN, state, (), (position,)
+        ):
             conn.write(frame)
         conn.waiting_since = None
         conn.slow_exporter = None
@@ -539,11 +541,11 @@ class HubThread:
     _error: BaseException | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self._thread = threading.Thread(target=self._run, name="workers-hub", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="supervisor-hub", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout_s) or self._error is not None:
-            raise RuntimeError(f"the workers hub did not start: {self._error}")
-        log.info("workers hub at %s", self.path)
+            raise RuntimeError(f"the supervisor's hub did not start: {self._error}")
+        log.info("supervisor's hub at %s", self.path)
 
     def _run(self) -> None:
         loop = self._loop = _new_loop()

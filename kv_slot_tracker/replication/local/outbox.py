@@ -1,8 +1,8 @@
 """The write path to the hub: number each record, batch what was published, keep it until the
 hub sequenced it.
 
-``publish`` stamps ``incarnation`` and ``seq`` (dense, as with Redis: ``records``) and queues
-the record without awaiting anything; the first record after a send schedules the next one
+``publish`` wraps the record (the service's bytes) in the envelope of the stream's entries, with
+``incarnation`` and ``seq`` (dense, as with Redis: ``records``), and queues it without awaiting anything; the first record after a send schedules the next one
 (``replication_batch_ms`` later, at once with 0), and everything queued by then goes to the hub
 in ``PUBLISH`` frames of at most ``replication_batch_events`` records. A sent frame is kept
 (*in flight*) until the hub's ``OWN`` says it was sequenced: that is the acknowledgement
@@ -17,29 +17,33 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
-import msgpack
+import msgspec
 
-from kv_slot_tracker.replication.local import framing as f
+from kv_slot_tracker.replication.local import framing
 from kv_slot_tracker.replication.metrics import ReplicationCounters
 from kv_slot_tracker.replication.queue import Acks, resolve, wait_acknowledged
-from kv_slot_tracker.replication.records import record_bytes
+from kv_slot_tracker.replication.records import Entry, record_bytes
 from kv_slot_tracker.settings import Settings
 
 log = logging.getLogger(__name__)
 
+_encode = msgspec.msgpack.Encoder().encode  # a frame's records: a list of ``Entry``
+
 
 class LocalOutbox:
-    def __init__(self, settings: Settings, counters: ReplicationCounters, incarnation: int) -> None:
+    def __init__(
+        self, settings: Settings, counters: ReplicationCounters, origin: int, incarnation: int
+    ) -> None:
         self.counters = counters
+        self.origin = origin
         self.incarnation = incarnation
         self.capacity = settings.outbox_capacity
         self.max_bytes = settings.outbox_max_bytes
         self.batch_events = settings.replication_batch_events
         self.batch_s = settings.replication_batch_ms / 1000
-        self._queued: list[dict[str, Any]] = []
-        self._in_flight: deque[tuple[int, list[dict[str, Any]]]] = deque()  # (last seq, records)
+        self._queued: list[Entry] = []
+        self._in_flight: deque[tuple[int, list[Entry]]] = deque()  # (last seq, records)
         self._in_flight_count = 0
         self.held_bytes = 0  # ``record_bytes`` of the records queued and in flight
         self._next_seq = 1
@@ -53,10 +57,8 @@ class LocalOutbox:
 
     # -- accepting records --------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> int:
+    def publish(self, record: bytes, ts: int) -> int:
         seq = self._next_seq
-        record["incarnation"] = self.incarnation
-        record["seq"] = seq
         size = record_bytes(record)
         held = len(self._queued) + self._in_flight_count
         if (
@@ -71,7 +73,7 @@ class LocalOutbox:
             return 0
         self._next_seq = seq + 1
         self.held_bytes += size
-        self._queued.append(record)
+        self._queued.append(Entry(self.origin, self.incarnation, seq, ts, record))
         if not self._scheduled and self.write is not None and self.loop is not None:
             self._scheduled = True
             if self.batch_s:
@@ -105,9 +107,9 @@ class LocalOutbox:
         frames = []
         for i in range(0, len(queued), self.batch_events):
             records = queued[i : i + self.batch_events]
-            last = records[-1]["seq"]
-            payload = msgpack.packb(records)
-            frames.append(f.frame_u64(f.PUBLISH, last, applied, tail=payload))
+            last = records[-1].seq
+            payload = _encode(records)
+            frames.append(framing.frame_u64(framing.PUBLISH, last, applied, tail=payload))
             self._in_flight.append((last, records))
             self._in_flight_count += len(records)
         self.counters.published += len(queued)
@@ -130,15 +132,15 @@ class LocalOutbox:
 
     # -- the hub's answers --------------------------------------------------------------------
 
-    def sequenced(self, last_seq: int) -> list[dict[str, Any]]:
+    def sequenced(self, last_seq: int) -> list[Entry]:
         """The hub sequenced our records up to ``last_seq``: release their acknowledgements;
         returns them (for a replay after a state load)."""
-        done: list[dict[str, Any]] = []
+        done: list[Entry] = []
         in_flight = self._in_flight
         while in_flight and in_flight[0][0] <= last_seq:
             _, records = in_flight.popleft()
             self._in_flight_count -= len(records)
-            self.held_bytes -= sum(map(record_bytes, records))
+            self.held_bytes -= sum(record_bytes(r.record) for r in records)
             done += records
         if last_seq > self.sequenced_seq:
             self.sequenced_seq = last_seq

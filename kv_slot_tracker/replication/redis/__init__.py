@@ -19,15 +19,16 @@ peers' by exchanging *records* (``kv_slot_tracker.replication.records``): every 
 * ``facade``: ``RedisReplication``, the ``Replication`` port composed of the above.
 
 Outages. Reads keep being answered from local state and writes keep being accepted (into the
-outbox). The publisher, the reader and the snapshot round each retry on their own with backoff;
-the reader resumes from its last id, and re-reads from the start when it finds the stream
-recreated or rolled back, or its own last entry gone. Redis losing data (noticed by a
-publisher's refused append or by a reader) sets the reset marker and asks for a snapshot at
-once, without the lease if need be. Until one is written, starting instances stay not ready (for
-at most a minute). A Sentinel failover is the same case: the connections find the promoted
-replica on their next connect, and a stream that lost entries in the failover (behind the
-reader's position, or without this publisher's last record) is handled exactly as a Redis that
-restarted empty.
+outbox; with durable acknowledgements refused, and the publisher reconnects on its own). The
+publisher, the reader and the snapshot round each retry on their own with backoff; the reader
+resumes from its last id once the entry there is still in the stream as it read it, and else
+re-reads from the newest of its checkpoints the stream still holds (not ready meanwhile). Redis
+losing data (noticed by a publisher's refused append or by a reader) sets the reset marker and
+asks for a snapshot at once, without the lease if need be. Until one is written, starting
+instances stay not ready (for at most a minute). A Sentinel failover is the same case: the
+connections find the promoted replica on their next connect, and a stream that is not the one
+read so far is handled exactly as a Redis that restarted empty. Entries removed by the stream's
+own bounds (never what the newest snapshot does not cover) are not taken for lost ones.
 """
 
 from kv_slot_tracker.replication.redis.facade import RedisReplication

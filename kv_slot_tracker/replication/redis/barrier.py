@@ -6,6 +6,11 @@ waits, without polling, until the reader's position passes it (the reader calls 
 after every batch it applied). Bounded by the caller's timeout: while Redis is unreachable or
 stalls, the barrier cannot be confirmed and says so.
 
+While the reader's position is not checked against the server it reads from (after a
+connection error, until the reader found the stream to be the one its position came from, or
+moved back to where it is), the barrier confirms nothing: after a primary switch that position
+may lie beyond entries the new primary holds and the reader has not read.
+
 Used for lifecycle calls about request ids this instance does not know yet
 (``kv_slot_tracker.service.consistency``): the add may be in the stream already, read by the others and not
 yet by us.
@@ -26,6 +31,7 @@ class ReadBarrier:
     def __init__(self, keys: NamespaceKeys) -> None:
         self.keys = keys
         self.position = (0, 0)  # the reader's, as a comparable pair
+        self.checked = True  # whether that position is checked against the server (docstring)
         self._client: Redis | None = None
         self._waiters: list[tuple[tuple[int, int], asyncio.Future[None]]] = []
 
@@ -36,7 +42,7 @@ class ReadBarrier:
         """The reader applied the stream up to ``position``: release the waits it satisfies."""
         pos = self.position = parse_id(position)
         waiters = self._waiters
-        if not waiters:
+        if not waiters or not self.checked:
             return
         keep = []
         for target, fut in waiters:
@@ -46,6 +52,13 @@ class ReadBarrier:
             elif not fut.done():
                 keep.append((target, fut))
         self._waiters = keep
+
+    def position_checked(self, checked: bool) -> None:
+        """The reader's position is (True) or may no longer be (False) one of the stream it
+        reads from now."""
+        self.checked = checked
+        if checked:
+            self.advanced(f"{self.position[0]}-{self.position[1]}")
 
     async def caught_up(self, timeout_s: float) -> bool:
         """True once every entry that was in the stream when called has been applied here;
@@ -60,7 +73,7 @@ class ReadBarrier:
                 if not newest:
                     return True  # an empty (or missing) stream: nothing to wait for
                 target = parse_id(newest[0][0])
-                if target <= self.position:
+                if target <= self.position and self.checked:
                     return True
                 fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 self._waiters.append((target, fut))

@@ -16,14 +16,17 @@ anyway. A second, hidden layer underneath only stretched a failing command (seve
 each up to its socket timeout) and hid reconnects from the reader, which must check the stream
 after every reconnect because Redis may have come back empty.
 
-``honour_cancellation`` works around redis-py swallowing a cancellation; every loop calls it.
+``retrying(do, on_fail)`` is that policy as one call, in the shape of redis-py's
+``Retry.call_with_retry(do, fail)`` but for as long as it takes. ``honour_cancellation`` works
+around redis-py swallowing a cancellation; every loop calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
@@ -45,7 +48,7 @@ IO_ERRORS = (RedisError, OSError)
 
 def backoff_delay(attempt: int) -> float:
     """Seconds to wait before retry number ``attempt`` (1, 2, ...): exponential, jittered, capped."""
-    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2.0 ** (attempt - 1)) * random.uniform(0.5, 1.0)
 
 
 def honour_cancellation() -> None:
@@ -58,6 +61,28 @@ def honour_cancellation() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+T = TypeVar("T")
+
+
+async def retrying(
+    do: Callable[[], Awaitable[T]],
+    on_fail: Callable[[Exception], None],
+    errors: type[Exception] | tuple[type[Exception], ...] = IO_ERRORS,
+) -> T:
+    """``do()`` until it returns: before each attempt ``honour_cancellation``; after a failure
+    with one of ``errors``, ``on_fail(error)`` (called while the error is being handled) and
+    ``backoff_delay`` of the attempts failed so far. Any other exception propagates."""
+    attempt = 0
+    while True:
+        honour_cancellation()
+        try:
+            return await do()
+        except errors as e:
+            attempt += 1
+            on_fail(e)
+            await asyncio.sleep(backoff_delay(attempt))
 
 
 def _common(socket_timeout: float, name: str) -> dict[str, Any]:

@@ -66,9 +66,7 @@ class RedisEndpoint:
             url = ""
         elif s.redis_sentinels.strip():
             kind = "sentinel"
-            sentinels = _addresses(s.redis_sentinels)
-            if url:
-                raise ValueError("set either redis_url or redis_sentinels, not both")
+            sentinels = _addresses(s.redis_sentinels)  # never with a redis_url (Settings' rules)
         else:
             kind = "cluster" if s.redis_cluster else "server"
             url, username, password = _strip_credentials(url)

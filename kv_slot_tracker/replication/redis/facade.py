@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
 from kv_slot_tracker.replication.metrics import (
+    ANOMALIES,
     ReplicationCounters,
     group_commit_histogram,
     lag_histogram,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 STOP_FLUSH_TIMEOUT_S = 2.0
 REJECTED_RECENT_NS = 300 * NS_PER_S  # degraded this long after a peer's record was rejected
 UNDECODABLE = "undecodable"  # the reason label of stream entries that are not records
+SEQ_JUMP = "seq_jump"  # ... of records whose sequence number jumps past the window (forged)
 FOLLOW_PRIMARY_S = 1.0
 
 
@@ -64,9 +66,7 @@ class RedisReplication:
         if settings.embedded:
             raise ValueError("RedisReplication needs settings.redis_url or redis_sentinels")
         self.settings = settings
-        self.endpoint = RedisEndpoint.of(settings)
-        if self.endpoint.kind == "cluster" and settings.replication_ack_replicas:
-            raise ValueError("replication_ack_replicas needs one server or Sentinel, not Cluster")
+        self.endpoint = RedisEndpoint.of(settings)  # a shape the settings' rules accepted
         self.instance_id = resolve_instance_id(settings.instance_id)
         self.incarnation = random_id()
         self.counters = ReplicationCounters()
@@ -99,14 +99,17 @@ class RedisReplication:
         self.outbox.group_commit = group_commit_histogram(registry).observe
         self.barrier = ReadBarrier(self.me.keys)
         self.reader.on_position = self.barrier.advanced
+        self.reader.on_checked = self.barrier.position_checked
+        self.reader.on_catching_up = self._not_ready_again
+        self._readiness_watchers: list[Callable[[], None]] = []
         self._target: ReplicatedState | None = None
         self.reader.check_role = self.endpoint.kind == "sentinel"
         register_collector(
             registry, self.counters, self.outbox.pending, self.connected, self.rejected_records
         )
         self._clients: RedisClients | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._publisher: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._publisher: asyncio.Task[None] | None = None
         self._stopped = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -155,7 +158,7 @@ class RedisReplication:
                 self.bootstrap.not_ready_reason,
             )
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.append(task)
         return task
@@ -194,9 +197,9 @@ class RedisReplication:
 
     # -- the port ---------------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> int:
+    def publish(self, record: bytes, ts: int) -> int:
         """Queue one record for the stream; never blocks, never raises; its seq (0: dropped)."""
-        return self.outbox.publish(record)
+        return self.outbox.publish(record, ts)
 
     # -- durable acknowledgements (``replication_ack = "redis"``) -----------------------------
 
@@ -221,7 +224,23 @@ class RedisReplication:
         return await self.barrier.caught_up(timeout_s)
 
     def ready(self) -> bool:
-        return self.bootstrap.ready()
+        """Bootstrapped, and not re-reading a stream that turned out not to be the one read
+        so far (a primary switch, ``reader``)."""
+        return self.bootstrap.ready() and not self.reader.catching_up
+
+    def watch_readiness(self, lost: Callable[[], None]) -> None:
+        """Have ``lost`` called whenever a ready instance stops being ready (the readiness
+        gate closes again; it opens once ``ready()`` says so)."""
+        self._readiness_watchers.append(lost)
+
+    def _not_ready_again(self) -> None:
+        for lost in self._readiness_watchers:
+            lost()
+
+    def _not_ready_reason(self) -> str:
+        if not self.bootstrap.ready():
+            return self.bootstrap.not_ready_reason
+        return "re-reading the stream after Redis failed over or lost data"
 
     def connected(self) -> bool:
         return bool(self.reader.connected) and self.outbox.connected is not False
@@ -229,7 +248,7 @@ class RedisReplication:
     def rejected_records(self) -> dict[str, int]:
         """Peers' records rejected so far, by reason: entries that are not records (the
         reader's), then what the service refused."""
-        counts = {UNDECODABLE: self.counters.malformed}
+        counts = {UNDECODABLE: self.counters.malformed, SEQ_JUMP: self.counters.anomalies[SEQ_JUMP]}
         if self._target is not None:
             counts.update(self._target.rejections()[0])
         return counts
@@ -244,6 +263,10 @@ class RedisReplication:
                 last = newest
         if last is not None and self.me.wall_clock() - last < REJECTED_RECENT_NS:
             reasons.append("replica records rejected in the last 5 minutes")
+        now = self.me.wall_clock()
+        for reason, at in self.counters.anomaly_at.items():
+            if now - at < REJECTED_RECENT_NS:
+                reasons.append(f"{reason}: {ANOMALIES[reason]}, in the last 5 minutes")
         return reasons
 
     def status(self) -> ReplicationStatus:
@@ -256,7 +279,7 @@ class RedisReplication:
             namespace=self.settings.namespace,
             redis=self.endpoint.describe(),
             ready=ready,
-            not_ready_reason=None if ready else self.bootstrap.not_ready_reason,
+            not_ready_reason=None if ready else self._not_ready_reason(),
             connected=self.connected(),
             degraded=bool(reasons),
             degraded_reasons=reasons,
@@ -268,6 +291,7 @@ class RedisReplication:
             duplicates=c.duplicates,
             dropped=c.dropped,
             records_rejected=self.rejected_records(),
+            anomalies=dict(c.anomalies),
             gaps=c.gaps,
             resets=c.resets,
             resent=c.resent,

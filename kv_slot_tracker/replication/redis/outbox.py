@@ -1,7 +1,8 @@
 """The write path: local first, then the stream.
 
-The service mutates its trackers, then hands a record to ``publish``, which stamps
-``incarnation`` and ``seq`` and puts it in a bounded outbox without awaiting anything; a full
+The service mutates its trackers, then hands a record (its bytes) to ``publish``, which wraps
+it in the stream's envelope (origin, ``incarnation``, ``seq``, the producer's time:
+``records.encode_entry``) and puts it in a bounded outbox without awaiting anything; a full
 outbox drops the newest record (counted, logged at most every 30 s). One publisher task drains
 the outbox in batches (``replication_batch_events`` records, or ``replication_batch_ms`` after
 the first) and appends each batch to ``{ns}:events`` in one round trip, trimming entries older
@@ -18,7 +19,9 @@ for a second before the next append tries again). Calls waiting at one moment th
 share one append round trip (group commit; ``group_commit`` observes how many). Before applying
 a change, a caller asks ``refusal()``: while the publisher is known to be cut off from Redis
 (its last append failed, or the running one has not returned for longer than the ack timeout)
-the call is refused, so it changes nothing.
+the call is refused, so it changes nothing. Since a refused call queues nothing, a publisher
+cut off with nothing to append reconnects on its own (``CONFIRM_SCRIPT`` with backoff, its WAIT
+too when replicas are waited for): the refusal always ends once Redis answers, with no client.
 
 The append is a short script (``stream.APPEND_SCRIPT``) rather than a plain pipeline so it can
 refuse to append when the stream no longer holds this publisher's previous entry (Redis
@@ -29,14 +32,14 @@ asks for a snapshot at once.
 
 from __future__ import annotations
 
-import asyncio
+import hashlib
 import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, OutOfMemoryError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S
 from kv_slot_tracker.replication.queue import (
@@ -47,11 +50,12 @@ from kv_slot_tracker.replication.queue import (
     collect_batch,
     wait_acknowledged,
 )
-from kv_slot_tracker.replication.records import encode_record, record_bytes
+from kv_slot_tracker.replication.records import encode_entry, encode_entry_1, record_bytes
 from kv_slot_tracker.replication.redis.connection import (
     IO_ERRORS,
     backoff_delay,
     honour_cancellation,
+    retrying,
 )
 from kv_slot_tracker.replication.redis.instance import Instance
 from kv_slot_tracker.replication.redis.schedule import SnapshotSchedule
@@ -66,8 +70,13 @@ DEGRADED_AFTER_DROP_NS = 60 * NS_PER_S
 # then they are let through again, and the next append's WAIT tells whether replicas are back.
 REPLICAS_RETRY_NS = 1 * NS_PER_S
 FULL = "Redis is out of memory (maxmemory, noeviction) and refuses appends"
+EXHAUSTED = (
+    "stream_exhausted: the stream has exhausted the last possible id and refuses appends "
+    "(see docs/redis-ha.md: after a snapshot, delete or rename the stream key)"
+)
+EXHAUSTED_ERROR = "exhausted the last possible id"  # Redis's words (any case), in a ResponseError
 # While calls wait for records already appended and nothing new comes to append, the publisher
-# asks the replicas again this often (``_confirm_idle``).
+# asks the replicas again this often (``_confirm``).
 CONFIRM_IDLE_S = 0.2
 
 
@@ -91,9 +100,15 @@ class Outbox:
         self.counters = instance.counters
         self.schedule = schedule
         self.capacity = self.settings.outbox_capacity
-        self._queue: EventQueue[dict[str, Any]] = EventQueue(self.capacity)
+        self._queue: EventQueue[tuple[int, bytes]] = EventQueue(self.capacity)  # (seq, entry)
+        # the stream format written (``replication_stream_format``)
+        self._entry = (
+            encode_entry_1 if self.settings.replication_stream_format == 1 else encode_entry
+        )
         self._next_seq = 1
         self._last_appended = ""  # stream id of our newest appended entry
+        # SHA-1 (hex) of its payload: after a failover another instance's entry may hold that id
+        self._last_digest = ""
         # a client's prompts make the records: bounded in bytes too (``outbox_max_bytes``)
         self.max_bytes = self.settings.outbox_max_bytes
         self.queued_bytes = 0  # ``record_bytes`` of the records queued
@@ -111,6 +126,7 @@ class Outbox:
         self.replicas = self.settings.replication_ack_replicas
         self._short_since: int | None = None  # clock ns: the last WAIT fell short then
         self._full_since: int | None = None  # clock ns: Redis refused appends for memory
+        self._exhausted_since: int | None = None  # monotonic ns: appends refused, stream full
         self._short_logged: int | None = None
         self._acks: Acks = deque()  # (seq, waiting call)
         self._append_started: int | None = None  # clock ns: an append running since then
@@ -119,6 +135,8 @@ class Outbox:
         self.append: Any = None
         self._client: Redis | None = None
         self._replicas_held = 0  # what the last WAIT answered
+        self._probes = 0  # reconnection attempts with nothing to append (``run``)
+        self._over_logged: int | None = None  # clock ns: stream over twice its bound, logged
 
     def connect(self, client: Redis) -> None:
         """``client``: a connection pool of the publisher's own, so that WAIT after an append
@@ -129,25 +147,24 @@ class Outbox:
 
     # -- accepting records ------------------------------------------------------------------
 
-    def publish(self, record: dict[str, Any]) -> int:
+    def publish(self, record: bytes, ts: int) -> int:
         """Queue one record for the stream; never blocks, never raises. Returns its sequence
         number (0 when it was dropped)."""
         seq = self._next_seq
-        record["incarnation"] = self.me.incarnation
-        record["seq"] = seq
-        size = record_bytes(record)
+        entry = self._entry(self.me.instance_id, self.me.incarnation, seq, ts, record)
+        size = record_bytes(entry)
         try:
             if self.queued_bytes + size > self.max_bytes and len(self._queue):
                 raise PublishQueueBytes(self.max_bytes)
-            self._queue.try_send(record)
+            self._queue.try_send((seq, entry))
         except PublishQueueError as e:
-            self._dropped(record, e)
+            self._dropped(e)
             return 0
         self.queued_bytes += size
         self._next_seq = seq + 1  # only accepted records use up a number
         return seq
 
-    def _dropped(self, record: dict[str, Any], error: PublishQueueError) -> None:
+    def _dropped(self, error: PublishQueueError) -> None:
         self.counters.dropped += 1
         if isinstance(error, PublishQueueClosed):
             log.debug("replication outbox closed; dropping a record during shutdown")
@@ -157,13 +174,11 @@ class Outbox:
         self._drops_since_log += 1
         last = self._last_drop_log_ns
         if last is None or now - last >= DROP_LOG_INTERVAL_NS:
-            event = record.get("event") or {}
             log.error(
-                "replication outbox full (capacity=%d records, %d bytes); dropping newest record "
-                "(request_id=%s); %d dropped since the last message, %d in total",
+                "replication outbox full (capacity=%d records, %d bytes); dropping newest record; "
+                "%d dropped since the last message, %d in total",
                 self.capacity,
                 self.max_bytes,
-                event.get("request_id"),
                 self._drops_since_log,
                 self.counters.dropped,
             )
@@ -190,6 +205,8 @@ class Outbox:
 
     def degraded_reasons(self) -> list[str]:
         reasons = [FULL] if self._full_since is not None else []
+        if self._exhausted_since is not None:
+            reasons.append(EXHAUSTED)
         if len(self._queue) >= 0.9 * self.capacity:
             reasons.append("outbox nearly full")
         if self._short_since is not None:
@@ -211,13 +228,20 @@ class Outbox:
         max_ns = self.settings.replication_batch_ms * NS_PER_MS
         while True:
             honour_cancellation()
+            if self.connected is False and not self._queue.closed:
+                # Cut off and nothing to append: a refused call queues nothing, so no append
+                # would ever find Redis again. Reconnect on our own schedule instead.
+                self._probes += 1
+                if not await self._queue.wait_ready(backoff_delay(self._probes)):
+                    await self._confirm()
+                    continue
             # With replicas to wait for, an idle publisher looks up every CONFIRM_IDLE_S: calls
             # may wait for records appended but not confirmed yet (a call that queued nothing
             # waits for earlier records too), and nothing new may come whose append's WAIT
             # would answer for them: then it asks the replicas again.
             if self.replicas and not await self._queue.wait_ready(CONFIRM_IDLE_S):
                 if self._calls_waiting() and self.confirmed_seq < self.appended_seq:
-                    await self._confirm_idle()
+                    await self._confirm()
                 continue
             batch, stop = await collect_batch(
                 self._queue,
@@ -230,32 +254,22 @@ class Outbox:
             if stop:
                 return
 
-    async def _append_batch(self, batch: list[dict[str, Any]]) -> None:
+    async def _append_batch(self, batch: list[tuple[int, bytes]]) -> None:
         """Append until it succeeds; the batch is kept across any number of Redis errors."""
-        self.queued_bytes -= sum(map(record_bytes, batch))
-        payloads = [encode_record(r) for r in batch]
-        attempt = 0
+        payloads = [entry for _, entry in batch]
+        self.queued_bytes -= sum(map(record_bytes, payloads))
         self._append_started = self.me.clock()
-        while True:
-            honour_cancellation()
-            try:
-                await self._append_payloads(payloads)
-                break
-            except OutOfMemoryError as e:  # maxmemory with noeviction: Redis is up but full
-                attempt += 1
-                self._refused_for_memory(e)
-                await asyncio.sleep(backoff_delay(attempt))
-            except IO_ERRORS as e:
-                attempt += 1
-                self._set_connected(False, e)
-                await asyncio.sleep(backoff_delay(attempt))
+        await retrying(lambda: self._append_payloads(payloads), self._append_failed)
         self._append_started = None
         self.counters.published += len(payloads)
         if self._full_since is not None:
             log.info("Redis accepts appends again; the outbox is draining")
             self._full_since = None
+        if self._exhausted_since is not None:
+            log.info("the stream accepts appends again (re-created); the outbox is draining")
+            self._exhausted_since = None
         self._set_connected(True)
-        self.appended_seq = batch[-1]["seq"]
+        self.appended_seq = batch[-1][0]
         if self._held_by_replicas():
             # WAIT counts every write before it: all our earlier appends are held too
             self.confirmed_seq = self.appended_seq
@@ -299,9 +313,10 @@ class Outbox:
             self.group_commit(released)
 
     def _max_entries(self, payloads: list[bytes]) -> int:
-        """The stream's MAXLEN for this append: ``stream_max_entries``, lowered so the entries
-        fit ``stream_max_bytes`` at the mean size of the records appended so far (a Redis
-        stream can only be trimmed by count; 0 = no bound)."""
+        """The stream's bound in entries for this append: ``stream_max_entries``, lowered so
+        the entries fit ``stream_max_bytes`` at the mean size of the records appended so far
+        (a Redis stream can only be trimmed by count; 0 = no bound). The script trims to it
+        only what the newest snapshot covers (``stream.APPEND_SCRIPT``)."""
         cap = self.settings.stream_max_entries
         budget = self.settings.stream_max_bytes
         if not budget:
@@ -322,10 +337,12 @@ class Outbox:
         With ``replication_ack_replicas`` the same round trip (a pipeline, hence the same
         connection) runs ``WAIT replicas timeout`` after the script; ``_replicas_held`` keeps
         how many replicas confirmed."""
-        keys = [self.me.keys.events, self.me.keys.reset]
-        args: list[Any] = [last, self._trim_horizon(), self._max_entries(payloads), *payloads]
+        keys = [self.me.keys.events, self.me.keys.reset, self.me.keys.snapshot]
+        digest = self._last_digest if last else ""
+        args: list[Any] = [last, self._trim_horizon(), self._max_entries(payloads), digest]
+        args += payloads
         if not self.replicas:
-            return await self.append(keys=keys, args=args)
+            return self._trimmed(await self.append(keys=keys, args=args))
         assert self._client is not None
         for _ in range(2):
             # EVALSHA rather than the pipeline's script support, which checks every time
@@ -333,13 +350,33 @@ class Outbox:
             pipe.evalsha(self.append.sha, len(keys), *keys, *args)
             pipe.wait(self.replicas, self._wait_ms())
             try:
-                ids, held = await pipe.execute()
+                reply, held = await pipe.execute()
             except NoScriptError:  # a new primary, or a restarted one: load it, once
                 await self._client.script_load(APPEND_SCRIPT)
                 continue
             self._replicas_held = int(held)
-            return ids
+            return self._trimmed(reply)
         raise NoScriptError("the append script could not be loaded")
+
+    def _trimmed(self, reply: list[Any] | None) -> list[Any] | None:
+        """The ids of an append's reply; asks for a snapshot when the stream's bound needs a
+        newer one to trim further (the script trims only what the newest snapshot covers)."""
+        if reply is None:
+            return None
+        want = int(reply[0])
+        if want:
+            self.schedule.request_for_bound(id_text(reply[-1]))
+        if want == 2:
+            now = self.me.clock()
+            if self._over_logged is None or now - self._over_logged >= DROP_LOG_INTERVAL_NS:
+                self._over_logged = now
+                log.error(
+                    "the replica stream reached its bound (stream_max_entries / "
+                    "stream_max_bytes) before a snapshot covered its entries, and was cut to "
+                    "it regardless: instances that need the entries cut wait for a snapshot; "
+                    "raise the bound or lower snapshot_interval_seconds"
+                )
+        return reply[1:]
 
     def _calls_waiting(self) -> bool:
         """Whether a call still waits for an acknowledgement (those that gave up are dropped)."""
@@ -348,29 +385,32 @@ class Outbox:
             acks.popleft()
         return bool(acks)
 
-    async def _confirm_idle(self) -> None:
-        """WAIT for the replicas again without appending (``stream.CONFIRM_SCRIPT``); if the
-        stream lost our last record meanwhile, re-send the recent ones (with their WAITs)."""
+    async def _confirm(self) -> None:
+        """Ask Redis again without appending (``stream.CONFIRM_SCRIPT``), and with replicas to
+        wait for, WAIT for them: for calls waiting while nothing new comes to append, and to
+        reconnect while cut off with nothing to append. If the stream lost our last record
+        meanwhile, re-send the recent ones (with their WAITs)."""
         assert self._client is not None
         keys = [self.me.keys.events, self.me.keys.ack_probe]
-        args = [self._last_appended, str(self.me.instance_id)]
+        args = [self._last_appended, str(self.me.instance_id), self._last_digest]
         try:
             for _ in range(2):
                 pipe = self._client.pipeline(transaction=False)
                 pipe.evalsha(self.confirm.sha, len(keys), *keys, *args)
-                pipe.wait(self.replicas, self._wait_ms())
+                if self.replicas:
+                    pipe.wait(self.replicas, self._wait_ms())
                 try:
-                    present, held = await pipe.execute()
+                    reply = await pipe.execute()
                 except NoScriptError:
                     await self._client.script_load(CONFIRM_SCRIPT)
                     continue
-                self._replicas_held = int(held)
-                if not present:
+                if self.replicas:
+                    self._replicas_held = int(reply[1])
+                if not reply[0]:
                     await self._resend_recent()
                 break
         except IO_ERRORS as e:
             self._set_connected(False, e)
-            await asyncio.sleep(backoff_delay(1))
             return
         self._set_connected(True)
         if self._held_by_replicas():
@@ -410,7 +450,7 @@ class Outbox:
         if ids is None:  # our previous entry is gone: re-send recent records first
             await self._resend_recent()
             ids = await self._append_call("", payloads)
-        self._last_appended = id_text(ids[-1])  # type: ignore[index]  # just re-sent: not gone
+        self._appended(ids, payloads)  # type: ignore[arg-type]  # just re-sent: not gone
         now = self.me.wall_clock()
         recent = self._recent
         recent.extend((now, p) for p in payloads)
@@ -422,6 +462,11 @@ class Outbox:
             or self._recent_bytes > self.max_bytes
         ):
             self._recent_bytes -= len(recent.popleft()[1])
+
+    def _appended(self, ids: list[Any], payloads: list[bytes]) -> None:
+        """Remember the newest entry appended: its id, and the digest of what it holds."""
+        self._last_appended = id_text(ids[-1])
+        self._last_digest = hashlib.sha1(payloads[-1], usedforsecurity=False).hexdigest()
 
     def _resend_window_ns(self) -> int:
         return min(RESEND_WINDOW_NS, self.settings.stream_retention_seconds * NS_PER_S)
@@ -452,8 +497,37 @@ class Outbox:
         step = self.settings.replication_batch_events
         for i in range(0, len(payloads), step):
             ids = await self._append_call("", payloads[i : i + step])
-            self._last_appended = id_text(ids[-1])  # type: ignore[index]  # "": never gone
+            self._appended(ids, payloads[i : i + step])  # type: ignore[arg-type]  # "": never gone
         self.counters.resent += len(payloads)
+
+    def _append_failed(self, error: Exception) -> None:
+        if isinstance(error, OutOfMemoryError):  # maxmemory with noeviction: Redis is up but full
+            self._refused_for_memory(error)
+        elif isinstance(error, ResponseError) and EXHAUSTED_ERROR in str(error).lower():
+            self._refused_exhausted(error)
+        else:
+            self._set_connected(False, error)
+
+    def _refused_exhausted(self, error: BaseException) -> None:
+        """Redis answered but the stream can take no entry any more: someone added one with the
+        largest possible id. Not an outage: named as such, counted once per episode, records
+        kept in the outbox until the stream key is deleted or renamed (then re-created)."""
+        self._set_connected(True)
+        if self._exhausted_since is None:
+            self._exhausted_since = self.me.clock()
+            total = self.counters.anomaly("stream_exhausted", self.me.wall_clock())
+            log.error(
+                "replication anomaly stream_exhausted (%s): the stream %s has exhausted the last "
+                "possible id (an entry with the largest id was added), so every append is "
+                "refused; records are kept in the outbox (up to %d). Way out: make sure a "
+                "snapshot was written after the bad entry (POST /replication/snapshot), then "
+                "delete or rename the stream key; the instances re-create it on their next "
+                "append and re-read it (%d such so far)",
+                error,
+                self.me.keys.events,
+                self.capacity,
+                total,
+            )
 
     def _refused_for_memory(self, error: BaseException) -> None:
         """Redis answered but refused the append: it is at ``maxmemory`` and may not evict (the
@@ -475,8 +549,9 @@ class Outbox:
         was = self.connected
         self.connected = ok
         if ok:
+            self._probes = 0
             if was is False:
-                log.info("replication publisher reconnected to Redis; outbox drained")
+                log.info("replication publisher reconnected to Redis")
             return
         if was is not False:
             log.warning(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 from kv_slot_tracker.core.types import NS_PER_S
+from kv_slot_tracker.replication.redis.stream import parse_id
 
 
 class SnapshotSchedule:
@@ -14,12 +15,28 @@ class SnapshotSchedule:
 
     def __init__(self) -> None:
         self._soon = asyncio.Event()
+        # the stream's bound needs a snapshot covering this stream id to trim further
+        self._bound_at: str | None = None
         self.newest_at: int | None = None  # wall ns the newest snapshot's state was exported
         self.newest_id: str | None = None  # the stream id it covers
 
     def request_now(self) -> None:
         """Redis lost data: one is wanted without waiting for the interval."""
         self._soon.set()
+
+    def request_for_bound(self, stream_id: str) -> None:
+        """The stream neared its bound and may only be trimmed below the newest snapshot: one
+        covering ``stream_id`` is wanted now, from whoever can write it (not only the lease
+        holder)."""
+        wanted = self._bound_at
+        if wanted is None or parse_id(stream_id) > parse_id(wanted):
+            self._bound_at = stream_id
+        self._soon.set()
+
+    def take_bound_request(self) -> str | None:
+        """The stream id a snapshot was asked to cover for the bound since the last call."""
+        wanted, self._bound_at = self._bound_at, None
+        return wanted
 
     async def next_round(self, timeout_s: float) -> bool:
         """Wait for the next round (a request or ``timeout_s``); whether it was requested."""

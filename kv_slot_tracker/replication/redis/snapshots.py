@@ -40,7 +40,11 @@ from kv_slot_tracker.replication.records import OriginKey, SeqLedger, random_id
 from kv_slot_tracker.replication.redis.bootstrap import Bootstrap
 from kv_slot_tracker.replication.redis.connection import IO_ERRORS, honour_cancellation
 from kv_slot_tracker.replication.redis.schedule import SnapshotSchedule
-from kv_slot_tracker.replication.redis.stream import WRITE_SNAPSHOT_SCRIPT, NamespaceKeys
+from kv_slot_tracker.replication.redis.stream import (
+    WRITE_SNAPSHOT_SCRIPT,
+    NamespaceKeys,
+    parse_id,
+)
 
 if TYPE_CHECKING:
     from kv_slot_tracker.replication.redis.instance import Instance
@@ -51,6 +55,7 @@ class ReadPosition(Protocol):
 
     connected: bool | None
     position: str  # the stream id up to which the local state has read
+    catching_up: bool  # re-reading a stream found switched: the state lacks records
 
     def applied_seq(self, key: OriginKey) -> int: ...
     def ledger_copy(self) -> SeqLedger: ...
@@ -67,6 +72,7 @@ class OwnPosition(Protocol):
 log = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = 1
+BOUND_RETRY_S = 0.05  # a snapshot for the bound waits this long for the reader to catch up
 
 
 @contextmanager
@@ -103,7 +109,7 @@ class Snapshot:
     selection: dict[str, Any] | None = None  # the selection service's state
 
     def encode(self) -> bytes:
-        return msgpack.packb(
+        blob: bytes = msgpack.packb(
             {
                 "format": SNAPSHOT_FORMAT,
                 "stream_id": self.stream_id,
@@ -115,6 +121,7 @@ class Snapshot:
                 "selection": self.selection,
             }
         )
+        return blob
 
     @classmethod
     def decode(cls, blob: bytes) -> Snapshot:
@@ -174,6 +181,16 @@ class SnapshotStore:
     async def try_lease(self, token: str, ttl_ms: int) -> bool:
         return bool(await self.client.set(self.keys.snapshot_lease, token, nx=True, px=ttl_ms))
 
+    async def cap_lease(self, ttl_ms: int) -> int | None:
+        """A lease held by someone else expires within ``ttl_ms`` (every instance sets it for
+        one round): if it would not, cut its expiry back to that; returns the ms it had left
+        then (-1: no expiry), or None when it was in order."""
+        left = int(await self.client.pttl(self.keys.snapshot_lease))
+        if left == -1 or left > ttl_ms:
+            await self.client.pexpire(self.keys.snapshot_lease, ttl_ms)
+            return left
+        return None
+
     async def write(self, snapshot: Snapshot, blob: bytes, lease_token: str = "") -> bool:
         """Store ``blob`` (``snapshot.encode()``); with a token, only while holding the lease."""
         done = await self._write(
@@ -203,6 +220,8 @@ class SnapshotWriter:
         self.reader = reader
         self.store: SnapshotStore | None = None
         self._target: ReplicatedState | None = None
+        # a snapshot the stream's bound asked for, beyond what our reader has read yet
+        self.bound_pending: str | None = None
 
     def connect(self, store: SnapshotStore, target: ReplicatedState) -> None:
         self.store = store
@@ -226,6 +245,10 @@ class SnapshotWriter:
             if urgent and not done:  # e.g. the reader has not checked the stream yet
                 await asyncio.sleep(1.0)
                 self.schedule.request_now()
+            if self.bound_pending is not None:
+                await asyncio.sleep(BOUND_RETRY_S)
+                self.schedule.request_for_bound(self.bound_pending)
+                self.bound_pending = None
 
     async def _round(self, lease_ms: int, urgent: bool = False) -> bool:
         """Write a snapshot if it is our turn; else note the age of the stored one.
@@ -236,10 +259,20 @@ class SnapshotWriter:
         """
         assert self.store is not None
         self.reader.forget_silent_origins()
+        bound_at = self.schedule.take_bound_request()
+        if bound_at is not None and parse_id(self.reader.position) < parse_id(bound_at):
+            self.bound_pending = bound_at  # not read that far yet: asked again in a moment
+            bound_at = None
         if self.allowed():
             token = f"{self.me.instance_id}:{self.me.incarnation}:{random_id()}"
             if await self.store.try_lease(token, lease_ms):
                 return await self.write(token)
+            await self._check_lease(lease_ms)
+            if bound_at is not None and not await self._covered(bound_at):
+                # the stream may only be trimmed below the newest snapshot: whoever finds it
+                # near its bound writes one, without the lease (held for a whole interval),
+                # unless a peer's covers it already
+                return await self.write()
         if urgent and await self.store.reset_pending():
             return await self.write()  # False if we cannot: the loop asks again soon
         meta = await self.store.meta()
@@ -248,10 +281,38 @@ class SnapshotWriter:
         self.schedule.note(*meta)
         return True
 
+    async def _check_lease(self, lease_ms: int) -> None:
+        """A lease no instance took (longer than a round, or without expiry) would stop
+        snapshots: count it (anomaly ``snapshot_lease_held``, degraded), cut it back, log it."""
+        assert self.store is not None
+        left = await self.store.cap_lease(lease_ms)
+        if left is None:
+            return
+        total = self.counters.anomaly("snapshot_lease_held", self.me.wall_clock())
+        log.error(
+            "replication anomaly snapshot_lease_held: the snapshot lease %s, longer than a "
+            "round (%d ms), which no instance sets; its expiry was cut back to %d ms (%d such "
+            "so far)",
+            "had no expiry" if left == -1 else f"had {left} ms left",
+            lease_ms,
+            lease_ms,
+            total,
+        )
+
+    async def _covered(self, stream_id: str) -> bool:
+        """Whether the stored snapshot covers the stream up to ``stream_id``."""
+        assert self.store is not None
+        meta = await self.store.meta()
+        try:
+            return meta is not None and parse_id(meta[0]) >= parse_id(stream_id)
+        except ValueError:  # not an id: a newer snapshot replaces it
+            return False
+
     def allowed(self) -> bool:
         """Whether our state is worth saving now (``Bootstrap.snapshot_allowed``)."""
         return self.bootstrap.snapshot_allowed(
-            bool(self.reader.connected), self.reader.applied_seq(self.me.own_key)
+            bool(self.reader.connected) and not self.reader.catching_up,
+            self.reader.applied_seq(self.me.own_key),
         )
 
     def take(self) -> Snapshot:

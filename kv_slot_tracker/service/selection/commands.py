@@ -63,6 +63,8 @@ class PromptCommand(PartitionCommand):
     sequence_hashes: list[int] | None = None
     isl_tokens: int | None = None
     lora_name: str | None = None
+    cache_salt: str | None = None
+    """Folded into the token hashes (an engine's salted blocks match only a salted prompt)."""
     router_config_override: RouterConfigOverride | None = None
 
 
@@ -116,6 +118,9 @@ class ReservationCall:
     """``prefill_complete`` and ``DELETE`` of ``/selection/reservations/{id}``."""
 
     selection_id: str
+    cached_tokens: int | None = None
+    """The prompt tokens the engine found cached (its ``usage.prompt_tokens_details.
+    cached_tokens``), when the client reports it: the observed outcome of a routing receipt."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -9,12 +9,13 @@ subscriptions the ingest wants.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kv_slot_tracker.core.selection.catalog import WorkerSpec
-from kv_slot_tracker.core.selection.kv_index import local_hashes
+from kv_slot_tracker.core.selection.kv_blocks import local_hashes
 from kv_slot_tracker.core.types import WorkerWithDpRank
+from kv_slot_tracker.ingest.normalize import EventNormalizer
 from kv_slot_tracker.ingest.port import IndexedPartition, RankKey, Subscription
 from kv_slot_tracker.ingest.records import AllCleared, BlocksRemoved, BlocksStored, KvBatch
 from kv_slot_tracker.service.commands import Key
@@ -42,6 +43,14 @@ class KvEvents:
         """KV-event stores skipped: parent unknown on the rank, or a hash repeated."""
         self.unrouted = 0
         """KV events for a worker or rank that is not (or no longer) schedulable here."""
+        self.filtered = 0
+        """KV events skipped for their KV cache group or an ambiguous cache salt."""
+        # (worker id, socket rank) -> what the reference's listener remembers of its events
+        self._normalizers: dict[RankKey, EventNormalizer] = {}
+        self.storing_hook: Callable[[Partition, WorkerWithDpRank, list[int]], None] | None = None
+        """Told of every store just before it is applied (the rank and its blocks' local
+        hashes): routing receipts check there whether the blocks a selection counted on were
+        still held when the rank stored the rest of the prompt."""
 
     # -- the service's notices -------------------------------------------------------------
 
@@ -53,6 +62,8 @@ class KvEvents:
         """A worker left its partition: a later return subscribes it afresh."""
         self._version += 1
         self._epochs[worker_id] = self._epochs.get(worker_id, 0) + 1
+        for key in [k for k in self._normalizers if k[0] == worker_id]:
+            del self._normalizers[key]
 
     # -- the ingest's sink -----------------------------------------------------------------
 
@@ -69,10 +80,14 @@ class KvEvents:
             for wid, spec in part.workers.items():
                 endpoints = kv_endpoints(spec)
                 epoch = self._epochs.get(wid, 0)
-                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size):
+                ranks = range(spec.dp_start, spec.dp_start + spec.dp_size)
+                for rank in ranks:
                     endpoint = endpoints.get(rank)
                     if endpoint:
-                        out[wid, rank] = Subscription(endpoint, spec.replay_endpoint or None, epoch)
+                        # each rank asks its own replay socket (``replay_endpoints``), or the
+                        # one ``replay_endpoint`` of a worker of one rank
+                        replay = spec.replay_for(rank)
+                        out[wid, rank] = Subscription(endpoint, replay, epoch, ranks)
         return out
 
     def apply_kv_batch(self, worker_id: int, dp_rank: int, batch: KvBatch) -> None:
@@ -84,28 +99,38 @@ class KvEvents:
             return
         # the batch's rank is indexed even when the worker did not declare it (as the
         # reference); it is listed by /overlap_scores but is no candidate
-        rank = WorkerWithDpRank(worker_id, dp_rank if batch.dp_rank is None else batch.dp_rank)
+        rank_no = dp_rank if batch.dp_rank is None else batch.dp_rank
+        rank = WorkerWithDpRank(worker_id, rank_no)
+        normalizer = self._normalizers.get((worker_id, dp_rank))
+        if normalizer is None:
+            normalizer = self._normalizers[worker_id, dp_rank] = EventNormalizer()
         index, bs = part.index, part.block_size
-        for ev in batch.events:
-            if isinstance(ev, BlocksStored):
-                if ev.tier is None:
-                    continue
+        for raw in batch.events:
+            ev = normalizer.normalize(raw, rank_no)
+            if ev is None:
+                self.filtered += 1
+            elif isinstance(ev, BlocksStored):
                 locals_ = local_hashes(
-                    ev.token_ids, ev.block_size, len(ev.block_hashes), bs, ev.lora_name
-                )
+                    ev.token_ids, ev.block_size, len(ev.block_hashes), bs, ev.lora_name,
+                    ev.cache_salt, ev.eagle,
+                )  # fmt: skip
                 blocks = list(zip(ev.block_hashes, locals_, strict=False))
+                if self.storing_hook is not None and locals_:
+                    self.storing_hook(part, rank, locals_)
                 if not index.store(rank, ev.tier, ev.parent_hash, blocks):
                     self.stores_refused += 1
             elif isinstance(ev, BlocksRemoved):
-                if ev.tier is not None:
-                    index.remove(rank, ev.tier, ev.block_hashes)
+                index.remove(rank, ev.tier, ev.block_hashes)
             elif isinstance(ev, AllCleared):
                 index.clear_rank(rank)
 
     def clear_kv_rank(self, worker_id: int, dp_rank: int) -> None:
+        """The listener's own clear (a publisher restarting from sequence 0, a gap cleared):
+        the runs nobody holds then are dropped, so the engine's new hashes for the same tokens
+        index again (``KvIndex.clear_rank``)."""
         part = self._workers.placed_partition(worker_id)
         if part is not None:
-            part.index.clear_rank(WorkerWithDpRank(worker_id, dp_rank))
+            part.index.clear_rank(WorkerWithDpRank(worker_id, dp_rank), prune=True)
 
     def kv_indexed_blocks(self) -> dict[Key, int]:
         return {key: len(part.index) for key, part in self._workers.partitions.items()}

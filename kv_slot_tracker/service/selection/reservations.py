@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping
 
-from kv_slot_tracker.core.selection.errors import ReservationConflict
+from kv_slot_tracker.core.selection.errors import ReservationConflict, ReservationReleased
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.registry import TrackerRegistry
+from kv_slot_tracker.service.selection.tombstones import ReservationTombstones
 from kv_slot_tracker.service.selection.types import Reservation
 
 
 class Reservations:
-    def __init__(self, registry: TrackerRegistry) -> None:
+    def __init__(self, registry: TrackerRegistry, tombstones: ReservationTombstones) -> None:
         self._registry = registry
+        self.tombstones = tombstones
+        """Released ids, refused as bookings while their tombstone lasts."""
         self._by_id: dict[str, Reservation] = {}
         self._held: dict[tuple[Key, bool], int] = {}
         self._of_worker: dict[int, set[str]] = {}  # worker id -> its active reservation ids
@@ -70,9 +73,17 @@ class Reservations:
         self.forget(sid)
         return None
 
-    def check_free(self, sid: str, key: Key) -> None:
-        """409 when the id is reserved anywhere (a lingering id included), or when the
-        partition's tracker already holds a request of that id (slot-tracker routes)."""
+    def released(self, sid: str, now: int) -> bool:
+        """Whether ``sid``'s reservation was released lately (its tombstone lasts)."""
+        return self.tombstones.get(sid, now) is not None
+
+    def check_free(self, sid: str, key: Key, now: int) -> None:
+        """409 when the id is reserved anywhere (a lingering id included), when it was released
+        lately (``ReservationReleased``), or when the partition's tracker already holds a
+        request of that id (slot-tracker routes)."""
+        if self.tombstones.get(sid, now) is not None:
+            self.tombstones.counters.refused += 1
+            raise ReservationReleased(sid)
         res = self._by_id.get(sid)
         if res is not None:
             if res.lingering:
@@ -91,6 +102,14 @@ class Reservations:
         self._by_id[sid] = res
         self._of_worker.setdefault(res.worker.worker_id, set()).add(sid)
         self._count(res, 1)
+
+    def release(self, sid: str, released_at: int, now: int) -> Reservation | None:
+        """A release of ``sid`` (here or on a peer, at ``released_at``): drop its reservation
+        and remember the id as released; returns the reservation it held, if any."""
+        res = self._by_id.get(sid)
+        self.forget(sid)
+        self.tombstones.put(sid, res.key if res is not None else None, released_at, now)
+        return res
 
     def forget(self, sid: str) -> bool:
         """Drop ``sid``; whether it was held."""
@@ -122,7 +141,8 @@ class Reservations:
 
     def sweep(self, now: int) -> int:
         """Drop the lingering ids older than the request expiry and the ids that hold no
-        request any more; returns how many went."""
+        request any more, and the tombstones past their ttl; returns how many ids went."""
+        self.tombstones.prune(now)
         expiry = self._registry.expiry_ns
         horizon = now - (expiry or 0)
         n = 0

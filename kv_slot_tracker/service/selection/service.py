@@ -50,16 +50,19 @@ from kv_slot_tracker.core.selection.approx_cache import StoredRun
 from kv_slot_tracker.core.selection.catalog import (
     INCOMPLETE,
     MAX_DP_SIZE,
+    REPLAY_NEEDS_ONE_RANK,
     SCHEDULABLE,
     WorkerRecord,
     WorkerSpec,
     block_size_mismatch,
     intrinsic_reasons,
     patched,
+    replay_endpoints_problem,
 )
 from kv_slot_tracker.core.selection.errors import (
     CatalogWorkerNotFound,
     InvalidDecayFraction,
+    InvalidReplayEndpoints,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
     PendingSelectionNotFound,
@@ -70,20 +73,30 @@ from kv_slot_tracker.core.selection.errors import (
     SchedulableWorkerNotFound,
     SessionBoundElsewhere,
 )
-from kv_slot_tracker.core.selection.kv_index import TIER_NAMES
+from kv_slot_tracker.core.selection.kv_blocks import LOWER_TIERS, TIER_NAMES
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
-from kv_slot_tracker.core.selection.selector import select_columns
+from kv_slot_tracker.core.selection.receipts import (
+    BOOKED,
+    SELECTED,
+    Receipt,
+    ReceiptRing,
+    pack_columns,
+)
+from kv_slot_tracker.core.selection.selector import Selection, select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
+from kv_slot_tracker.core.sequences import EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
 from kv_slot_tracker.service.registry import TrackerRegistry
-from kv_slot_tracker.service.selection import commands as sc
-from kv_slot_tracker.service.selection import mutations as m
+from kv_slot_tracker.service.selection import commands, mutations
 from kv_slot_tracker.service.selection.kv_events import KvEvents, kv_endpoints
 from kv_slot_tracker.service.selection.replica import SelectionReplica
 from kv_slot_tracker.service.selection.reservations import Reservations
+from kv_slot_tracker.service.selection.tombstones import DEFAULT_CAPACITY as TOMBSTONE_CAPACITY
+from kv_slot_tracker.service.selection.tombstones import DEFAULT_MAX_BYTES as TOMBSTONE_MAX_BYTES
+from kv_slot_tracker.service.selection.tombstones import ReservationTombstones
 from kv_slot_tracker.service.selection.types import (
     SELECTION_OUTCOMES,
     Booked,
@@ -120,8 +133,15 @@ class SelectionService:
         max_hashes_per_request: int = 1_048_576,
         session_affinity_ttl_ns: int = 0,
         session_affinity_max_entries: int = 100_000,
+        tombstone_ttl_ns: int = EXPIRY_DURATION_NS,
+        tombstone_capacity: int = TOMBSTONE_CAPACITY,
+        tombstone_max_bytes: int = TOMBSTONE_MAX_BYTES,
+        receipts: ReceiptRing | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        instance: str = "",
     ) -> None:
         self.registry = registry
+        registry.catalog_size = lambda: len(self.catalog)
         self.config = config or RouterConfig()
         self.clock = clock
         self.rng = rng or random.Random()
@@ -129,7 +149,10 @@ class SelectionService:
         self.pending = PendingSelections(pending_max_entries, pending_ttl_ns, pending_max_bytes)
         self.partitions: dict[Key, Partition] = {}
         self.catalog: dict[int, WorkerRecord] = {}
-        self.reservations = Reservations(registry)
+        self.reservations = Reservations(
+            registry,
+            ReservationTombstones(tombstone_ttl_ns, tombstone_capacity, tombstone_max_bytes),
+        )
         self._schedulable = 0  # schedulable workers in the catalog
         self._evictions_logged = 0
         self.counters = SelectionCounters()
@@ -141,34 +164,44 @@ class SelectionService:
         """Sessions bound to workers (off when the TTL is 0); kept per instance."""
         self.replica = SelectionReplica(self)
         self.kv_events = KvEvents(self, enabled=self.config.use_kv_events)
+        self.receipts = receipts
+        """Routing receipts of this instance's own selections (None: off); not replicated."""
+        self.wall_clock = wall_clock
+        self.instance = instance
+        """This instance's name in a receipt (receipts stay on the instance that decided)."""
+        self._receipt_seq = 0
+        self._explain_rng = random.Random()
+        if receipts is not None and self.config.use_kv_events:
+            self.kv_events.storing_hook = self._kv_storing
+        self._kv_watch: dict[tuple[WorkerWithDpRank, int], tuple[Receipt, tuple[int, ...]]] = {}
 
     # -- the one mutation entry point ------------------------------------------------------
 
-    def commit(self, mutation: m.Mutation) -> None:
+    def commit(self, mutation: mutations.Mutation) -> None:
         """Apply one change to the selection state, then publish it to the other instances."""
         self.apply(mutation, self.clock())
         self.replica.send(mutation)
 
-    def apply(self, mutation: m.Mutation, now: int) -> None:
+    def apply(self, mutation: mutations.Mutation, now: int) -> None:
         """Apply one change at ``now``, publishing nothing (``commit`` publishes it; the
         replica applies a peer's change through here)."""
-        if isinstance(mutation, m.Book):
+        if isinstance(mutation, mutations.Book):
             self._apply_book(mutation, now)
-        elif isinstance(mutation, m.Release):
+        elif isinstance(mutation, mutations.Release):
             self._apply_release(mutation, now)
-        elif isinstance(mutation, m.CacheSelection):
+        elif isinstance(mutation, mutations.CacheSelection):
             self.pending.put(mutation.selection_id, mutation.entry, now)
-        elif isinstance(mutation, m.CompletePrefill):
+        elif isinstance(mutation, mutations.CompletePrefill):
             res = self._reserved(mutation.selection_id)
             self.registry.get(res.key).mark_prefill_completed(mutation.selection_id, now)
-        elif isinstance(mutation, m.AddOutputBlock):
+        elif isinstance(mutation, mutations.AddOutputBlock):
             res = self._reserved(mutation.selection_id)
             self.registry.get(res.key).add_output_block(
                 mutation.selection_id, mutation.decay_fraction
             )
-        elif isinstance(mutation, m.PutWorker):
+        elif isinstance(mutation, mutations.PutWorker):
             self._apply_put_worker(mutation.spec)
-        elif isinstance(mutation, m.RemoveWorker):
+        elif isinstance(mutation, mutations.RemoveWorker):
             self._apply_remove_worker(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
@@ -178,7 +211,7 @@ class SelectionService:
         assert res is not None, sid
         return res
 
-    def _apply_book(self, b: m.Book, now: int) -> None:
+    def _apply_book(self, b: mutations.Book, now: int) -> None:
         key = b.key
         t = self.registry.get(key)
         t.add_on_rank(
@@ -201,10 +234,10 @@ class SelectionService:
         if b.consumes_pending:
             self.pending.discard((*key, b.selection_id))
 
-    def _apply_release(self, r: m.Release, now: int) -> None:
+    def _apply_release(self, r: mutations.Release, now: int) -> None:
         res = self._reserved(r.selection_id)
         self.registry.get(res.key).free(r.selection_id, now)
-        self.reservations.forget(r.selection_id)
+        self.reservations.release(r.selection_id, now, now)  # remembered: a late booking is refused
 
     def replace_catalog(
         self, catalog: dict[int, WorkerRecord], partitions: dict[Key, Partition]
@@ -215,22 +248,37 @@ class SelectionService:
 
     # -- the worker catalog ----------------------------------------------------------------
 
-    def upsert_worker(self, cmd: sc.UpsertWorker) -> WorkerRecord:
-        self.commit(m.PutWorker(cmd.spec))
+    def _admit_put(self, spec: WorkerSpec) -> None:
+        """The global budgets' check of a worker put into the catalog: a new entry, and the
+        ranks it may place beyond those its record has placed (``OverBudget``)."""
+        held = self.catalog.get(spec.worker_id)
+        if held is None:
+            self.registry.admit_selection_worker(len(self.catalog))
+        if spec.block_size is not None:
+            before = held.spec.dp_size if held is not None and held.schedulable else 0
+            self.registry.admit_ranks(spec.dp_size - before)
+
+    def upsert_worker(self, cmd: commands.UpsertWorker) -> WorkerRecord:
+        _check_replay_endpoints(cmd.spec)
+        self._admit_put(cmd.spec)
+        self.commit(mutations.PutWorker(cmd.spec))
         return self.catalog[cmd.spec.worker_id]
 
-    def patch_worker(self, cmd: sc.PatchWorker) -> WorkerRecord:
+    def patch_worker(self, cmd: commands.PatchWorker) -> WorkerRecord:
         record = self.catalog.get(cmd.worker_id)
         if record is None:
             raise CatalogWorkerNotFound(cmd.worker_id)
-        self.commit(m.PutWorker(patched(record.spec, cmd.changes)))
+        spec = patched(record.spec, cmd.changes)
+        _check_replay_endpoints(spec)
+        self._admit_put(spec)
+        self.commit(mutations.PutWorker(spec))
         return self.catalog[cmd.worker_id]
 
-    def delete_worker(self, cmd: sc.DeleteWorker) -> WorkerRecord:
+    def delete_worker(self, cmd: commands.DeleteWorker) -> WorkerRecord:
         record = self.catalog.get(cmd.worker_id)
         if record is None:
             raise CatalogWorkerNotFound(cmd.worker_id)
-        self.commit(m.RemoveWorker(cmd.worker_id))
+        self.commit(mutations.RemoveWorker(cmd.worker_id))
         return WorkerRecord(record.spec, "unschedulable")
 
     def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerRecord]:
@@ -262,6 +310,8 @@ class SelectionService:
                 for rank in range(spec.dp_start, spec.dp_start + spec.dp_size)
                 if not endpoints.get(rank)
             ]
+            if spec.dp_size > 1 and spec.replay_endpoint is not None:
+                reasons.append(REPLAY_NEEDS_ONE_RANK)
         if reasons:
             return reasons
         assert spec.block_size is not None
@@ -342,6 +392,8 @@ class SelectionService:
         made = self.counters.made
         for outcome in SELECTION_OUTCOMES:
             made.pop((unused, outcome), None)
+        if self.receipts is not None:
+            self.receipts.forget_partition(unused)
         return True
 
     def _place(self, spec: WorkerSpec) -> None:
@@ -362,7 +414,7 @@ class SelectionService:
         part.workers[spec.worker_id] = spec
         if change.removed:
             for w in change.removed:
-                part.index.clear_rank(w)
+                part.index.clear_rank(w, prune=True)
             self.reservations.orphan(spec.worker_id, {w.dp_rank for w in change.removed})
 
     def _unplace(self, spec: WorkerSpec) -> None:
@@ -382,7 +434,7 @@ class SelectionService:
 
     # -- reservations (SELECTION.md §6) -----------------------------------------------------
 
-    def replay(self, cmd: sc.ReplaySelection) -> Booked:
+    def replay(self, cmd: commands.ReplaySelection) -> Booked:
         """Book a pending selection exactly where it pointed (single use)."""
         key, sid = cmd.key, cmd.selection_id
         entry = self.pending.get((*key, sid), self.clock())
@@ -393,7 +445,7 @@ class SelectionService:
         spec = self._placed_spec(key, worker)
         if spec is None:
             raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
-        self.reservations.check_free(sid, key)
+        self.reservations.check_free(sid, key, self.clock())
         self._book(
             sid,
             key,
@@ -403,6 +455,8 @@ class SelectionService:
             expected_output_tokens=entry.expected_output_tokens,
             lora_name=entry.lora_name,
         )
+        if self.receipts is not None:
+            self._receipt_booked(sid, key, worker, entry)
         return self._booked(sid, key, worker, spec, "replay")
 
     def _book(
@@ -424,8 +478,10 @@ class SelectionService:
         ``session_id``: a select_and_reserve's session, bound on every instance."""
         if cache_chain is None and prompt.from_tokens:
             cache_chain = prompt.sequence_hashes
+        hashes = prompt.sequence_hashes
+        self.registry.admit_request(len(hashes) if hashes else 0)
         self.commit(
-            m.Book(
+            mutations.Book(
                 selection_id=sid,
                 model_name=key[0],
                 routing_group=key[1],
@@ -470,7 +526,7 @@ class SelectionService:
             return None
         return spec
 
-    def book(self, cmd: sc.BookExplicit) -> Booked:
+    def book(self, cmd: commands.BookExplicit) -> Booked:
         """An explicit booking of a prompt on a given rank."""
         key, sid = cmd.key, cmd.selection_id
         part = self._partition(key)
@@ -484,7 +540,7 @@ class SelectionService:
             raise SchedulableWorkerNotFound(cmd.worker_id, *key)
         if with_blocks:
             prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        self.reservations.check_free(sid, key)
+        self.reservations.check_free(sid, key, self.clock())
         worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
         spec = self._placed_spec(key, worker)
         if spec is None:
@@ -501,22 +557,77 @@ class SelectionService:
             expected_output_tokens=cmd.expected_output_tokens,
             lora_name=cmd.lora_name,
         )
+        if self.receipts is not None:
+            self._receipt_booked(sid, key, worker, prompt)
         return self._booked(sid, key, worker, spec, "explicit")
 
-    def prefill_complete(self, cmd: sc.ReservationCall) -> None:
-        self._check_live(cmd.selection_id)
-        self.commit(m.CompletePrefill(cmd.selection_id))
+    def _receipt_booked(
+        self, sid: str, key: Key, worker: WorkerWithDpRank, prompt: Prompt | PendingSelection
+    ) -> None:
+        """A replay or an explicit booking of ``sid``: the receipt of the ``/selection/select``
+        that chose ``worker`` for it (same id, same partition) is booked, and then followed
+        as a ``select_and_reserve``'s is (prefill, free, the reported cached tokens, the KV
+        check). A booking on another rank than the one chosen is not that decision's outcome:
+        the receipt stays ``selected``."""
+        ring = self.receipts
+        assert ring is not None
+        r = ring.get(sid)
+        if r is None or r.selection_id != sid or r.key != key or r.chosen != worker:
+            return
+        if r.state != SELECTED:
+            return
+        ring.booked(sid, self.wall_clock(), self.clock())
+        blocks = prompt.block_hashes
+        if (
+            self.config.use_kv_events
+            and blocks is not None
+            and len(blocks) == r.prompt_blocks
+            and prompt.isl_tokens == r.isl_tokens
+        ):  # the prompt the decision saw (by its size): watch it as a reservation's
+            self._watch_kv(r, prompt, cache_chain(prompt))
 
-    def output_block(self, cmd: sc.ReservationOutputBlock) -> None:
+    def request_outcome(self, key: Key, request_id: str, cached_tokens: int, freed: bool) -> None:
+        """A slot-tracker ``/prefill_complete`` or ``/free`` (``freed``) of ``request_id`` in
+        ``key`` reported ``cached_tokens``: the receipt of the selection of that id in that
+        partition, if this instance made it, records them (the first report counts) and, when
+        the selection was booked through this API, the prefill or free time as the
+        reservation's calls do. Receipts are local: on another instance nothing is found."""
+        ring = self.receipts
+        if ring is None:
+            return
+        r = ring.get(request_id)
+        if r is None or r.selection_id != request_id or r.key != key:
+            return
+        if freed:
+            ring.freed(request_id, self.wall_clock())
+        else:
+            ring.prefill_done(request_id, self.wall_clock(), self.clock())
+        ring.report_cached(r, cached_tokens)
+
+    def prefill_complete(self, cmd: commands.ReservationCall) -> None:
+        self._check_live(cmd.selection_id)
+        self.commit(mutations.CompletePrefill(cmd.selection_id))
+        ring = self.receipts
+        if ring is not None:
+            r = ring.prefill_done(cmd.selection_id, self.wall_clock(), self.clock())
+            if r is not None and cmd.cached_tokens is not None:
+                ring.report_cached(r, cmd.cached_tokens)
+
+    def output_block(self, cmd: commands.ReservationOutputBlock) -> None:
         f = cmd.decay_fraction
         if f is not None and not 0.0 <= f <= 1.0:
             raise InvalidDecayFraction()
         self._check_live(cmd.selection_id)
-        self.commit(m.AddOutputBlock(cmd.selection_id, f))
+        self.commit(mutations.AddOutputBlock(cmd.selection_id, f))
 
-    def release(self, cmd: sc.ReservationCall) -> None:
+    def release(self, cmd: commands.ReservationCall) -> None:
         self._check_live(cmd.selection_id)
-        self.commit(m.Release(cmd.selection_id))
+        self.commit(mutations.Release(cmd.selection_id))
+        ring = self.receipts
+        if ring is not None:
+            r = ring.freed(cmd.selection_id, self.wall_clock())
+            if r is not None and cmd.cached_tokens is not None:
+                ring.report_cached(r, cmd.cached_tokens)
 
     def _check_live(self, sid: str) -> None:
         """404 unless ``sid`` still holds its request (a dead id is dropped on the way)."""
@@ -525,7 +636,7 @@ class SelectionService:
 
     # -- prompts and candidates ------------------------------------------------------------
 
-    def _config_for(self, cmd: sc.PromptCommand) -> RouterConfig:
+    def _config_for(self, cmd: commands.PromptCommand) -> RouterConfig:
         """The knobs for one request: as in the reference (1.6.1), a request's override is
         validated but only its ``track_prefill_tokens`` takes effect."""
         override = cmd.router_config_override
@@ -549,7 +660,7 @@ class SelectionService:
 
     def _prompt(
         self,
-        cmd: sc.PromptCommand,
+        cmd: commands.PromptCommand,
         block_size: int,
         *,
         for_booking: bool,
@@ -563,6 +674,7 @@ class SelectionService:
             sequence_hashes=cmd.sequence_hashes,
             isl_tokens=cmd.isl_tokens,
             lora_name=cmd.lora_name,
+            cache_salt=cmd.cache_salt,
             for_booking=for_booking,
         )
         n = len(prompt.sequence_hashes)
@@ -585,7 +697,7 @@ class SelectionService:
             over: dict[WorkerWithDpRank, int] = {}
         elif self.config.use_kv_events:
             keys = chain or prompt.precomputed_chain
-            found = part.index.overlaps(keys) if keys else {}
+            found = part.index.overlaps(keys, blocks) if keys else {}
             over = {w: o.device for w, o in found.items()}
             tiers = {
                 w: (o.host_extension, o.disk_extension)
@@ -614,7 +726,7 @@ class SelectionService:
     def new_selection_id(self) -> str:
         return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
 
-    def select(self, cmd: sc.Select) -> SelectOutcome:
+    def select(self, cmd: commands.Select) -> SelectOutcome:
         """``/select`` and ``/select_and_reserve``: pick a rank (and book it when reserving)."""
         key = cmd.key
         part = self._partition(key)
@@ -622,37 +734,11 @@ class SelectionService:
         if cmd.reserve:
             if sid is None:
                 sid = self.new_selection_id()
-            self.reservations.check_free(sid, key)
-        prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        config = self._config_for(cmd)
-        track = config.track_prefill_tokens
-        now = self.clock()
-        chain = cache_chain(prompt)
-        candidates = self._candidates(part, prompt, now, chain)
-        if not candidates.workers:
-            raise self._no_workers(key)
-        session = cmd.session_id if self.sessions is not None else None
-        bound = None
-        allowed = cmd.allowed_worker_ids
-        if session is not None and cmd.pinned_worker is None:
-            assert self.sessions is not None
-            bound = self.sessions.bound(session, now)
-            if bound is not None and bound not in part.workers:
-                bound = None  # its worker left the partition: chosen as without a session
-            if bound is not None and (allowed is None or bound in allowed):
-                allowed = [bound]
-        chosen = select_columns(
-            *candidates[:5],
-            lower=candidates.lower,
-            isl_tokens=prompt.isl_tokens,
-            block_size=part.block_size,
-            num_sequence_hashes=len(prompt.sequence_hashes),
-            config=config,
-            rng=self.rng,
-            pinned_worker=cmd.pinned_worker,
-            allowed_worker_ids=allowed,
-            grouped=True,  # the tracker lists ranks sorted
+            self.reservations.check_free(sid, key, self.clock())
+        prompt, config, now, chain, candidates, session, bound, by_session, chosen = self._decide(
+            cmd, part, self.rng
         )
+        track = config.track_prefill_tokens
         worker = chosen.worker
         if cmd.reserve and bound is not None and worker.worker_id != bound:
             assert session is not None
@@ -675,7 +761,7 @@ class SelectionService:
             )
         elif sid is not None:
             self.commit(
-                m.CacheSelection(
+                mutations.CacheSelection(
                     sid,
                     PendingSelection(
                         model_name=key[0],
@@ -708,6 +794,21 @@ class SelectionService:
             else:
                 self.sessions.touch(session, now)
         self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
+        ring = self.receipts
+        if ring is not None:
+            reserve = cmd.reserve
+            rid = sid
+            if rid is None:  # a /select without an id
+                self._receipt_seq += 1
+                rid = f"auto:{self._receipt_seq}"
+            r = self._receipt(
+                cmd, part, prompt, config, now, candidates, chosen, rid,
+                "select_and_reserve" if reserve else "select", session, bound, by_session,
+                reserve,
+            )  # fmt: skip
+            ring.put(r)
+            if reserve and chain is not None and self.config.use_kv_events:
+                self._watch_kv(r, prompt, chain)
         return SelectOutcome(
             selection_id=sid,
             model_name=key[0],
@@ -720,7 +821,149 @@ class SelectionService:
             worker_load=load,
         )
 
-    def potential_loads(self, cmd: sc.PotentialLoads) -> list[LoadRow]:
+    def _decide(self, cmd: commands.Select, part: Partition, rng: random.Random) -> tuple[
+        Prompt, RouterConfig, int, tuple[int, ...] | None, Candidates, str | None, int | None,
+        bool, Selection,
+    ]:  # fmt: skip
+        """The decision of ``select`` (nothing changed): the prompt, knobs, instant, cache
+        keys, candidates, the session, the worker it is bound to, whether that restricted the
+        candidates, and the selection."""
+        key = cmd.key
+        prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        config = self._config_for(cmd)
+        now = self.clock()
+        chain = cache_chain(prompt)
+        candidates = self._candidates(part, prompt, now, chain)
+        if not candidates.workers:
+            raise self._no_workers(key)
+        session = cmd.session_id if self.sessions is not None else None
+        bound = None
+        by_session = False
+        allowed = cmd.allowed_worker_ids
+        if session is not None and cmd.pinned_worker is None:
+            assert self.sessions is not None
+            bound = self.sessions.bound(session, now)
+            if bound is not None and bound not in part.workers:
+                bound = None  # its worker left the partition: chosen as without a session
+            if bound is not None and (allowed is None or bound in allowed):
+                allowed = [bound]
+                by_session = True
+        chosen = select_columns(
+            *candidates[:5],
+            lower=candidates.lower,
+            isl_tokens=prompt.isl_tokens,
+            block_size=part.block_size,
+            num_sequence_hashes=len(prompt.sequence_hashes),
+            config=config,
+            rng=rng,
+            pinned_worker=cmd.pinned_worker,
+            allowed_worker_ids=allowed,
+            grouped=True,  # the tracker lists ranks sorted
+        )
+        return prompt, config, now, chain, candidates, session, bound, by_session, chosen
+
+    def explain(self, cmd: commands.Select) -> Receipt:
+        """The receipt ``cmd`` would get, changing nothing: no booking, no pending selection,
+        no session binding, no receipt kept, no counter, and the service's random stream is
+        left alone (ties and temperature draw from a generator of their own)."""
+        part = self._partition(cmd.key)
+        prompt, config, now, _, candidates, session, bound, by_session, chosen = self._decide(
+            cmd, part, self._explain_rng
+        )
+        return self._receipt(
+            cmd, part, prompt, config, now, candidates, chosen, cmd.selection_id or "explain",
+            "explain", session, bound, by_session,
+        )  # fmt: skip
+
+    def _receipt(
+        self,
+        cmd: commands.Select,
+        part: Partition,
+        prompt: Prompt,
+        config: RouterConfig,
+        now: int,
+        c: Candidates,
+        chosen: Selection,
+        receipt_id: str,
+        action: str,
+        session: str | None,
+        bound: int | None,
+        by_session: bool,
+        booked: bool = False,
+    ) -> Receipt:
+        """The receipt of a decision: references to what it computed, the rest derived when
+        read (the columns and costs packed into one bytes object, in C: see ``Receipt``). Positional,
+        in ``Receipt``'s field order: this runs on every selection."""
+        blocks = prompt.block_hashes
+        scored = chosen.scored
+        workers, overlap = c.workers, c.overlap
+        at = self.wall_clock()
+        return Receipt(
+            receipt_id,
+            receipt_id if booked else cmd.selection_id,
+            action,
+            at,
+            now,
+            part.key,
+            part.block_size,
+            prompt.isl_tokens,
+            len(blocks) if blocks is not None else len(prompt.sequence_hashes),
+            workers,
+            pack_columns((c.prefill, c.decode, c.requests, overlap, chosen.costs)),
+            max(overlap),
+            c.lower,
+            scored if scored is workers else tuple(scored),
+            chosen.worker,
+            chosen.overlap_blocks,
+            chosen.effective_prefill_tokens,
+            config,
+            cmd.pinned_worker,
+            cmd.allowed_worker_ids,
+            session,
+            bound,
+            by_session,
+            BOOKED if booked else SELECTED,
+            at if booked else None,
+            now if booked else None,
+        )
+
+    def _watch_kv(
+        self, r: Receipt, prompt: Prompt | PendingSelection, chain: tuple[int, ...] | None
+    ) -> None:
+        """KV events on: watch for the chosen rank storing the prompt's first block past the
+        predicted prefix, to check then that the predicted blocks were still there."""
+        if not self.config.use_kv_events or chain is None or prompt.block_hashes is None:
+            return
+        k = r.chosen_overlap
+        if k >= len(prompt.block_hashes):
+            return
+        watch = self._kv_watch
+        watch[r.chosen, prompt.block_hashes[k]] = (r, chain[:k])
+        ring = self.receipts
+        limit = ring.max_entries if ring is not None else 0
+        while len(watch) > limit:
+            del watch[next(iter(watch))]
+
+    def _kv_storing(self, part: Partition, rank: WorkerWithDpRank, locals_: list[int]) -> None:
+        """A rank is about to store blocks (KV events): a receipt watching one of them (the
+        first block of its prompt past the predicted prefix) learns how many of the predicted
+        blocks the rank still holds, before this store adds any back."""
+        watch = self._kv_watch
+        if not watch:
+            return
+        ring = self.receipts
+        for h in locals_:
+            found = watch.pop((rank, h), None)
+            if found is None or ring is None:
+                continue
+            r, keys = found
+            held = 0
+            if keys:
+                o = part.index.overlaps(keys).get(rank)
+                held = min(o.device, len(keys)) if o is not None else 0
+            ring.kv_checked(r, len(keys), held)
+
+    def potential_loads(self, cmd: commands.PotentialLoads) -> list[LoadRow]:
         """Per candidate rank, sorted: its load if the prompt went there."""
         part, prompt, c = self._query(cmd)
         isl, bs = prompt.isl_tokens, part.block_size
@@ -745,7 +988,7 @@ class SelectionService:
             for w, p, d, a, k, (h, dd) in zip(*c[:5], lower, strict=True)
         ]
 
-    def overlap_scores(self, cmd: sc.OverlapScores) -> OverlapScores:
+    def overlap_scores(self, cmd: commands.OverlapScores) -> OverlapScores:
         """Every candidate rank's cached prefix of the prompt, and also any other rank the
         approximate cache still holds it on (a rank removed from a worker keeps its blocks until
         they expire), sorted: the reference lists both."""
@@ -757,7 +1000,7 @@ class SelectionService:
             keys = prompt.precomputed_chain
             # the index's ranks outside the candidates too (a batch may name a rank the worker
             # did not declare: the reference indexes and lists it)
-            for w, o in (part.index.overlaps(keys) if keys else {}).items():
+            for w, o in (part.index.overlaps(keys, blocks) if keys else {}).items():
                 rows[w] = o.device
                 if o.host_extension or o.disk_extension:
                     extensions[w.worker_id, w.dp_rank] = (o.host_extension, o.disk_extension)
@@ -772,7 +1015,7 @@ class SelectionService:
             extensions,
         )
 
-    def _query(self, cmd: sc.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
+    def _query(self, cmd: commands.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
         part = self._partition(cmd.key)
         prompt = self._prompt(cmd, part.block_size, for_booking=False)
         candidates = self._candidates(part, prompt, self.clock())
@@ -807,25 +1050,24 @@ class SelectionService:
 
     def dump(self) -> list[tuple[Key, int, list[StoredRun]]]:
         """Every partition's live approximate-cache content, as stored runs; with KV events on,
-        every indexed block as a one-block run under its engine parent, with its tier."""
+        the index as the reference dumps it: the device tree's chains, then each host, disk and
+        external block as a run of its own under its engine parent, with its tier."""
         now = self.clock()
         if self.config.use_kv_events:
-            return [
-                (
-                    key,
-                    part.block_size,
-                    [
-                        StoredRun(
-                            b.worker,
-                            b.parent_hash,
-                            ((b.block_hash, b.tokens_hash),),
-                            TIER_NAMES[b.tier],
-                        )  # fmt: skip
-                        for b in part.index.blocks()
-                    ],
-                )
-                for key, part in sorted(self.partitions.items())
-            ]
+            out = []
+            for key, part in sorted(self.partitions.items()):
+                index = part.index
+                runs = [
+                    StoredRun(c.worker, c.parent_hash, c.blocks, TIER_NAMES[c.tier])
+                    for c in index.device_runs()
+                ]
+                for tier in LOWER_TIERS:
+                    runs += [
+                        StoredRun(c.worker, c.parent_hash, c.blocks, TIER_NAMES[c.tier])
+                        for c in index.lower_blocks(tier)
+                    ]
+                out.append((key, part.block_size, runs))
+            return out
         return [
             (key, part.block_size, list(part.cache.stored_runs(now)))
             for key, part in sorted(self.partitions.items())
@@ -864,7 +1106,7 @@ class SelectionService:
         return n
 
 
-def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
+def cache_chain(prompt: Prompt | PendingSelection) -> tuple[int, ...] | None:
     """The approximate-cache keys of a prompt's blocks: its sequence hashes for a token prompt,
     else the chained block hashes (computed once per request, used by lookup and write)."""
     if prompt.block_hashes is None:
@@ -876,3 +1118,10 @@ def cache_chain(prompt: Prompt) -> tuple[int, ...] | None:
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:
     return (r.spec.model_name, r.spec.routing_group, r.spec.worker_id)
+
+
+def _check_replay_endpoints(spec: WorkerSpec) -> None:
+    """Refuse (400, nothing changed) ``replay_endpoints`` that do not fit the worker's ranks."""
+    problem = replay_endpoints_problem(spec)
+    if problem is not None:
+        raise InvalidReplayEndpoints(problem)

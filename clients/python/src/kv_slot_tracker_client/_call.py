@@ -8,7 +8,7 @@ I/O, so the sync and async ones cannot disagree on what a route means.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -17,6 +17,8 @@ from pydantic import TypeAdapter, ValidationError
 from kv_slot_tracker_client.errors import error_from_response, transport_error, unexpected_body
 
 T = TypeVar("T")
+
+NEXT_CURSOR = "x-next-cursor"
 
 Reader = Callable[[httpx.Response], T]
 
@@ -34,6 +36,9 @@ class Call(Generic[T]):
     headers: Mapping[str, str] | None = None
     # What to return instead of raising when no answer comes back (the probes).
     unreachable: Callable[[], T] | None = None
+    # A listing answered in pages: how to join a page to the pages before it. The clients
+    # follow the ``x-next-cursor`` header until the last page.
+    join: Callable[[T, T], T] | None = None
 
     def request_args(self) -> dict[str, Any]:
         """The keyword arguments of ``httpx.Client.request`` / ``httpx.AsyncClient.request``."""
@@ -49,6 +54,23 @@ class Call(Generic[T]):
             args["json"] = self.json
         return args
 
+    def next_page(self, response: httpx.Response) -> Call[T] | None:
+        """The call for the page after ``response``, None when it was the last (or this is no
+        listing). A cursor equal to the one sent would never end: taken as the last page."""
+        cursor = response.headers.get(NEXT_CURSOR)
+        if self.join is None or cursor is None or not response.is_success:
+            return None
+        params = dict(self.params or {})
+        if params.get("cursor") == cursor:
+            return None
+        params["cursor"] = cursor
+        return replace(self, params=params)
+
+    def joined(self, before: T, response: httpx.Response) -> T:
+        """The pages before and the page in ``response`` as one answer."""
+        assert self.join is not None  # only a listing has a next page
+        return self.join(before, self.read(response))
+
     def failed(self, exc: httpx.TransportError) -> T:
         """The outcome of a request that got no answer: the probe value or a TransportError."""
         if self.unreachable is not None:
@@ -62,6 +84,13 @@ def post(path: str, body: Any, read: Reader[T]) -> Call[T]:
 
 def get(path: str, read: Reader[T], params: Mapping[str, str] | None = None) -> Call[T]:
     return Call("GET", path, read, params=params)
+
+
+def listing(
+    path: str, read: Reader[T], join: Callable[[T, T], T], params: Mapping[str, str] | None = None
+) -> Call[T]:
+    """A GET of a listing the service may answer in pages: the clients fetch them all."""
+    return Call("GET", path, read, params=params, join=join)
 
 
 # -- readers -----------------------------------------------------------------------------------

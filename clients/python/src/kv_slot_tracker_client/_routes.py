@@ -108,6 +108,13 @@ def _request(model_name: str, request_id: str, group: str) -> dict[str, Any]:
     return {"model_name": model_name, "routing_group": group, "request_id": request_id}
 
 
+def _outcome(body: dict[str, Any], cached_tokens: int | None) -> dict[str, Any]:
+    """``body`` with the reported ``cached_tokens``, when given."""
+    if cached_tokens is not None:
+        body["cached_tokens"] = cached_tokens
+    return body
+
+
 def _prompt(
     model_name: str,
     group: str,
@@ -124,6 +131,10 @@ def _prompt(
             "lora_name": lora_name,
         }
     )
+
+
+def _join_lora_counts(before: LoraCounts, page: LoraCounts) -> LoraCounts:
+    return before.model_copy(update={"lora_counts": {**before.lora_counts, **page.lora_counts}})
 
 
 def _filters(model_name: str | None, routing_group: str | None) -> dict[str, str]:
@@ -249,7 +260,7 @@ class Routes:
     ) -> Call[list[WorkerRow]]:
         """Registered workers sorted by model, routing group and worker id; a ``None`` filter
         matches everything."""
-        return c.get("/workers", _WORKERS, _filters(model_name, routing_group))
+        return c.listing("/workers", _WORKERS, operator.add, _filters(model_name, routing_group))
 
     # -- request lifecycle
 
@@ -298,21 +309,38 @@ class Routes:
         return c.post("/add", body, c.no_content)
 
     def prefill_complete(
-        self, model_name: str, request_id: str, *, routing_group: str = DEFAULT_ROUTING_GROUP
+        self,
+        model_name: str,
+        request_id: str,
+        *,
+        routing_group: str = DEFAULT_ROUTING_GROUP,
+        cached_tokens: int | None = None,
     ) -> Call[None]:
-        """The request's prefill is done: its prefill tokens stop counting, its blocks stay."""
-        body = _request(model_name, request_id, routing_group)
+        """The request's prefill is done: its prefill tokens stop counting, its blocks stay.
+
+        ``cached_tokens``: the prompt tokens the engine found cached (its
+        ``usage.prompt_tokens_details.cached_tokens``), for the routing receipt of the
+        selection whose id is ``request_id``; ``None`` sends the reference's body.
+        """
+        body = _outcome(_request(model_name, request_id, routing_group), cached_tokens)
         return c.post("/prefill_complete", body, c.no_content)
 
     def free(
-        self, model_name: str, request_id: str, *, routing_group: str = DEFAULT_ROUTING_GROUP
+        self,
+        model_name: str,
+        request_id: str,
+        *,
+        routing_group: str = DEFAULT_ROUTING_GROUP,
+        cached_tokens: int | None = None,
     ) -> Call[None]:
         """The request finished: release its blocks and tokens.
 
         Succeeds for unknown or already freed ids too, so a router may free unconditionally;
-        only an unknown tracker raises ``NotFound``.
+        only an unknown tracker raises ``NotFound``. ``cached_tokens`` as for
+        ``prefill_complete``.
         """
-        return c.post("/free", _request(model_name, request_id, routing_group), c.no_content)
+        body = _outcome(_request(model_name, request_id, routing_group), cached_tokens)
+        return c.post("/free", body, c.no_content)
 
     def output_block(
         self,
@@ -389,7 +417,7 @@ class Routes:
     ) -> Call[LoraCounts]:
         """Active requests per LoRA adapter in one tracker (``NotFound`` for an unknown one)."""
         params = {"model_name": model_name, "routing_group": routing_group}
-        return c.get("/lora_counts", _LORA, params)
+        return c.listing("/lora_counts", _LORA, _join_lora_counts, params)
 
     # -- operations
 

@@ -12,6 +12,7 @@ defaults (``model_name`` and ``routing_group`` ``"default"``); unset optional fi
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -145,6 +146,7 @@ _LOADS = c.reader(list[PartitionLoads])
 _POTENTIAL = c.reader(list[RankLoad])
 _OVERLAP = c.reader(OverlapScoresResponse)
 _DUMP = c.reader(dict[str, PartitionDump])
+_RECEIPTS = c.reader(dict[str, Any])
 _READY = TypeAdapter(SelectionReady)
 
 
@@ -247,7 +249,8 @@ class SelectionRoutes:
         self, model_name: str | None = None, routing_group: str | None = None
     ) -> Call[list[WorkerRecord]]:
         """``GET /selection/workers``: the catalog; a ``None`` filter matches everything."""
-        return c.get(SEL + "/workers", _RECORDS, _filters(model_name, routing_group))
+        filters = _filters(model_name, routing_group)
+        return c.listing(SEL + "/workers", _RECORDS, operator.add, filters)
 
     def patch_worker(
         self,
@@ -469,10 +472,20 @@ class SelectionRoutes:
         }
         return c.post(SEL + "/reservations", _without_none(body), _RESERVATION)
 
-    def prefill_complete(self, selection_id: str) -> Call[None]:
+    def prefill_complete(
+        self, selection_id: str, *, cached_tokens: int | None = None
+    ) -> Call[None]:
         """``POST /selection/reservations/{id}/prefill_complete``: the reservation's prefill is
-        done; its prefill tokens stop counting (repeatable). ``NotFound`` for an unknown id."""
-        return Call("POST", _id_path(selection_id, "/prefill_complete"), c.no_content)
+        done; its prefill tokens stop counting (repeatable). ``NotFound`` for an unknown id.
+        ``cached_tokens``: the prompt tokens the engine found cached (its
+        ``usage.prompt_tokens_details.cached_tokens``), for the selection's routing receipt;
+        ``None`` sends no body."""
+        return Call(
+            "POST",
+            _id_path(selection_id, "/prefill_complete"),
+            c.no_content,
+            json=_cached(cached_tokens),
+        )
 
     def output_block(self, selection_id: str, decay_fraction: float | None = None) -> Call[None]:
         """``POST /selection/reservations/{id}/output_block``: the request generated another
@@ -481,10 +494,11 @@ class SelectionRoutes:
         body = _without_none({"decay_fraction": decay_fraction})
         return c.post(_id_path(selection_id, "/output_block"), body, c.no_content)
 
-    def free(self, selection_id: str) -> Call[None]:
+    def free(self, selection_id: str, *, cached_tokens: int | None = None) -> Call[None]:
         """``DELETE /selection/reservations/{id}``: the request finished; its tokens, blocks and
-        request count leave the rank's load. ``NotFound`` for an unknown or already freed id."""
-        return Call("DELETE", _id_path(selection_id), c.no_content)
+        request count leave the rank's load. ``NotFound`` for an unknown or already freed id.
+        ``cached_tokens`` as for ``prefill_complete``."""
+        return Call("DELETE", _id_path(selection_id), c.no_content, json=_cached(cached_tokens))
 
     # -- reads
 
@@ -561,5 +575,52 @@ class SelectionRoutes:
         and last sequence number, and an end line)."""
         return c.get(SEL + "/kv_index", _ndjson)
 
+    # -- routing receipts (kept by the instance that decided)
+
+    def receipt(self, selection_id: str) -> Call[dict[str, Any]]:
+        """``GET /selection/receipts/{id}``: the routing receipt of one selection (every
+        candidate's cost terms, the rank chosen, what decided, the outcome), if the instance
+        asked made it and still keeps it; ``NotFound`` otherwise."""
+        return c.get(f"{SEL}/receipts/{quote(selection_id, safe='')}", _RECEIPTS)
+
+    def receipts(
+        self,
+        model_name: str | None = None,
+        routing_group: str | None = None,
+        *,
+        worker_id: int | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        non_optimal: bool | None = None,
+        limit: int | None = None,
+    ) -> Call[dict[str, Any]]:
+        """``GET /selection/receipts``: the newest receipts of the instance asked (``instance``,
+        per-partition ``partitions`` summaries, ``receipts``), filtered by partition, chosen
+        worker, decision time (Unix seconds) and ``non_optimal`` decisions."""
+        params = {
+            **_filters(model_name, routing_group),
+            **_without_none(
+                {
+                    "worker_id": None if worker_id is None else str(int(worker_id)),
+                    "since": None if since is None else repr(float(since)),
+                    "until": None if until is None else repr(float(until)),
+                    "non_optimal": None if non_optimal is None else str(bool(non_optimal)).lower(),
+                    "limit": None if limit is None else str(int(limit)),
+                }
+            ),
+        }
+        return c.get(SEL + "/receipts", _RECEIPTS, params)
+
+    def explain(self, model_name: str = DEFAULT_MODEL, **select: Any) -> Call[dict[str, Any]]:
+        """``POST /selection/explain``: the receipt a ``select`` with these arguments would get
+        (same keywords as ``select``); books nothing and changes nothing."""
+        body = self.select(model_name, **select).json
+        return c.post(SEL + "/explain", body, _RECEIPTS)
+
 
 SELECTION_ROUTES = SelectionRoutes()
+
+
+def _cached(cached_tokens: int | None) -> dict[str, int] | None:
+    """The optional outcome body of a reservation's ``prefill_complete`` and ``DELETE``."""
+    return None if cached_tokens is None else {"cached_tokens": cached_tokens}

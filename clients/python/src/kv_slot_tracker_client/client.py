@@ -152,6 +152,10 @@ class SelectionClient:
     overlap_scores = _selection_blocking(SelectionRoutes.overlap_scores)
     dump = _selection_blocking(SelectionRoutes.dump)
     kv_index = _selection_blocking(SelectionRoutes.kv_index)
+    # routing receipts
+    receipt = _selection_blocking(SelectionRoutes.receipt)
+    receipts = _selection_blocking(SelectionRoutes.receipts)
+    explain = _selection_blocking(SelectionRoutes.explain)
 
 
 class AsyncSelectionClient:
@@ -187,6 +191,10 @@ class AsyncSelectionClient:
     overlap_scores = _selection_awaiting(SelectionRoutes.overlap_scores)
     dump = _selection_awaiting(SelectionRoutes.dump)
     kv_index = _selection_awaiting(SelectionRoutes.kv_index)
+    # routing receipts
+    receipt = _selection_awaiting(SelectionRoutes.receipt)
+    receipts = _selection_awaiting(SelectionRoutes.receipts)
+    explain = _selection_awaiting(SelectionRoutes.explain)
 
 
 class SlotTrackerClient:
@@ -223,7 +231,16 @@ class SlotTrackerClient:
             response = self._http.request(**call.request_args())
         except httpx.TransportError as exc:
             return call.failed(exc)
-        return call.read(response)
+        result = call.read(response)
+        page = call.next_page(response)  # a listing in pages: fetch the rest
+        while page is not None:
+            try:
+                response = self._http.request(**page.request_args())
+            except httpx.TransportError as exc:
+                return page.failed(exc)
+            result = page.joined(result, response)
+            page = page.next_page(response)
+        return result
 
     @property
     def base_url(self) -> str:
@@ -302,7 +319,16 @@ class AsyncSlotTrackerClient:
             response = await self._http.request(**call.request_args())
         except httpx.TransportError as exc:
             return call.failed(exc)
-        return call.read(response)
+        result = call.read(response)
+        page = call.next_page(response)  # a listing in pages: fetch the rest
+        while page is not None:
+            try:
+                response = await self._http.request(**page.request_args())
+            except httpx.TransportError as exc:
+                return page.failed(exc)
+            result = page.joined(result, response)
+            page = page.next_page(response)
+        return result
 
     @property
     def base_url(self) -> str:

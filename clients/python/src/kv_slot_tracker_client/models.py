@@ -153,6 +153,10 @@ class ReplicationStatus(BaseModel):
     duplicates: int
     dropped: int
     records_rejected: dict[str, int] = Field(description="Peers' records refused, by reason.")
+    anomalies: dict[str, int] = Field(
+        description="What the stream claimed and could not be trusted (forged sequence jumps, "
+        "invalid snapshots, an exhausted stream...), by reason.",
+    )
     gaps: int
     resets: int
     resent: int
@@ -193,6 +197,9 @@ class WorkerRecord(BaseModel):
     block_size: int | None
     data_parallel_start_rank: int | None
     data_parallel_size: int | None
+    replay_endpoints: list[str] | None = Field(
+        None, description="Present only when the worker gave it (an extension)."
+    )
     not_schedulable_reasons: list[str] | None = Field(
         None, description="Present only when the worker is not schedulable."
     )

@@ -2,16 +2,16 @@
 all of them, whichever process answers.
 
 A process started by the supervisor also serves alone on a Unix socket in the supervisor's run
-directory (``kv_slot_tracker.workers``). ``WorkerGroupViews`` answers ``GET /metrics`` and ``GET
+directory (``kv_slot_tracker.supervisor``). ``ProcessGroupViews`` answers ``GET /metrics`` and ``GET
 /replication`` with its own view and its siblings' views, read from their sockets with the
 ``x-slot-tracker-local`` header (which asks one process for its own view only):
 
-* ``/metrics``: every process's series, each labelled ``worker="<index>"``; ``sum without
-  (worker) (...)`` gives the instance's totals of a counter;
+* ``/metrics``: every process's series, each labelled ``process="<index>"``; ``sum without
+  (process) (...)`` gives the instance's totals of a counter;
 * ``/replication``: the counters summed over the processes, ready only when every process is,
-  degraded when any is, and each process's own answer under ``workers`` (with its ``worker``
+  degraded when any is, and each process's own answer under ``processes`` (with its ``process``
   index and ``pid``). A sibling that does not answer (being restarted) is listed in
-  ``workers_missing`` and makes the instance degraded.
+  ``processes_missing`` and makes the instance degraded.
 
 The tracker state needs no such view: every process holds all of it (``/loads`` and the load
 page answer the same from any process, once replication has carried the last call).
@@ -34,12 +34,12 @@ VIEWS = ("/metrics", "/replication")
 SIBLING_TIMEOUT_S = 2.0
 SUMMED = ("outbox_depth", "outbox_capacity", "published", "applied", "duplicates", "dropped",
           "gaps", "resets", "resent", "bootstraps", "snapshots_written")  # fmt: skip
-SUMMED_BY_KEY = ("records_rejected",)  # counters by reason
+SUMMED_BY_KEY = ("records_rejected", "anomalies")  # counters by reason
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
-class WorkerGroupViews:
+class ProcessGroupViews:
     """ASGI middleware of a supervised process (module docstring). ``siblings()``: every
     process's index and Unix socket path, this one's included."""
 
@@ -71,7 +71,7 @@ class WorkerGroupViews:
         }
 
     async def _replication(self, body: bytes, scope: Scope, local: bool) -> bytes:
-        own = {**orjson.loads(body), "worker": self.index, "pid": os.getpid()}
+        own = {**orjson.loads(body), "process": self.index, "pid": os.getpid()}
         if local:
             return orjson.dumps(own)
         views = {self.index: own}
@@ -89,9 +89,11 @@ class WorkerGroupViews:
         return merge_metrics(views)
 
 
-def merge_status(own: dict[str, Any], views: list[dict[str, Any]], missing: list[int]) -> dict:
+def merge_status(
+    own: dict[str, Any], views: list[dict[str, Any]], missing: list[int]
+) -> dict[str, Any]:
     """The instance's ``/replication``: ``own``'s fields, counters summed over ``views``."""
-    merged = {k: v for k, v in own.items() if k not in ("worker", "pid")}
+    merged = {k: v for k, v in own.items() if k not in ("process", "pid")}
     for name in SUMMED:
         merged[name] = sum(v.get(name) or 0 for v in views)
     for name in SUMMED_BY_KEY:
@@ -105,16 +107,16 @@ def merge_status(own: dict[str, Any], views: list[dict[str, Any]], missing: list
     merged["ready"] = not not_ready and not missing
     merged["not_ready_reason"] = (
         not_ready[0].get("not_ready_reason") if not_ready
-        else f"worker {missing[0]} not answering" if missing
+        else f"process {missing[0]} not answering" if missing
         else None
     )  # fmt: skip
     reasons = [r for v in views for r in v.get("degraded_reasons") or []]
-    reasons += [f"worker {i} not answering" for i in missing]
+    reasons += [f"process {i} not answering" for i in missing]
     merged["degraded_reasons"] = list(dict.fromkeys(reasons))
     merged["degraded"] = bool(reasons)
     merged["connected"] = all(v.get("connected") is not False for v in views)
-    merged["workers"] = views
-    merged["workers_missing"] = missing
+    merged["processes"] = views
+    merged["processes_missing"] = missing
     return merged
 
 
@@ -130,7 +132,7 @@ class _Families:
 
 def merge_metrics(views: dict[int, bytes]) -> bytes:
     """Prometheus text of several processes as one exposition, each series labelled with its
-    process's ``worker`` index."""
+    process's ``process`` index."""
     families: dict[str, Metric] = {}
     for index, text in sorted(views.items()):
         for family in text_string_to_metric_families(text.decode()):
@@ -140,7 +142,7 @@ def merge_metrics(views: dict[int, bytes]) -> bytes:
                     family.name, family.documentation, family.type, family.unit
                 )
             for sample in family.samples:
-                labels = {**sample.labels, "worker": str(index)}
+                labels = {**sample.labels, "process": str(index)}
                 merged.samples.append(sample._replace(labels=labels))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families.values()))
@@ -150,7 +152,7 @@ def merge_metrics(views: dict[int, bytes]) -> bytes:
 async def fetch(path: str, route: str, auth: list[bytes]) -> tuple[int, bytes] | None:
     """``GET route`` from the process serving on the Unix socket ``path``, asking for its own
     view; (status, body), or None when it does not answer in time."""
-    request = [f"GET {route} HTTP/1.1", "host: worker", "connection: close",
+    request = [f"GET {route} HTTP/1.1", "host: process", "connection: close",
                f"{LOCAL_HEADER.decode()}: 1"]  # fmt: skip
     request += [f"authorization: {value.decode('latin-1')}" for value in auth]
     try:

@@ -26,16 +26,14 @@ from urllib.parse import unquote_to_bytes
 
 from starlette.types import Receive, Scope, Send
 
+from kv_slot_tracker.http.answers import Answer, Call, Later, Result
 from kv_slot_tracker.http.auth import authorized
-from kv_slot_tracker.http.body import read_asgi_body
+from kv_slot_tracker.http.body import declares_body, read_asgi_body
 from kv_slot_tracker.http.errors import HttpError, error_result
 from kv_slot_tracker.http.responses import send_json
 
 log = logging.getLogger(__name__)
 
-Result = tuple[int, bytes]
-# (body, *path parameters) -> (status, JSON bytes), or (replicated mode, rarely) an awaitable of it
-Operation = Callable[..., Any]
 Observe = Callable[[str, str, int, float], None]
 ParamParser = Callable[[str], Any]
 
@@ -51,9 +49,10 @@ def encoded_path(scope: Scope) -> bool:
 class LeanRoute:
     method: str
     path: str  # the template, e.g. ``/selection/reservations/{selection_id}``
-    op: Operation
+    op: Call  # (body, *path parameters) -> its answer (replicated mode: rarely ``Later``)
     reads_body: bool = True
     params: tuple[ParamParser, ...] = ()  # one parser per ``{...}`` segment, in order
+    optional_body: bool = False  # the body may be left out: read only when one is declared
 
     def segments(self) -> list[bytes | None]:
         """The template split on ``/``: literal segments as bytes, parameters as ``None``."""
@@ -122,10 +121,9 @@ class LeanDispatcher:
             for segs, _ in by_count.get(len(parts), ())
         )
 
-    def answer(self, route: LeanRoute, args: list[Any], body: bytes) -> Any:
-        """The route's answer to its parsed path parameters and a body already read:
-        ``(status, JSON bytes)``, or (replicated mode, when it must wait) an awaitable of it.
-        Never raises."""
+    def answer(self, route: LeanRoute, args: list[Any], body: bytes) -> Answer:
+        """The route's answer to its parsed path parameters and a body already read: its
+        ``Result``, or (replicated mode, when it must wait) ``Later``. Never raises."""
         try:
             return route.op(body, *args)
         except Exception:  # a bug, never client input: answer 500 and keep serving
@@ -139,19 +137,24 @@ class LeanDispatcher:
         start = perf_counter()
         try:
             args = parse_params(route, values)
-            body = await read_asgi_body(scope, receive, self.max_body) if route.reads_body else b""
+            body = (
+                await read_asgi_body(scope, receive, self.max_body)
+                if route.reads_body and (not route.optional_body or declares_body(scope["headers"]))
+                else b""
+            )
         except HttpError as e:
-            result: Any = error_result(e)
+            answer: Answer = error_result(e)
         else:
-            result = self.answer(route, args, body)
-        await self.reply(route, result, send, start)
+            answer = self.answer(route, args, body)
+        await self.reply(route, answer, send, start)
 
-    async def reply(self, route: LeanRoute, result: Any, send: Send, start: float) -> None:
-        """Send ``result`` (awaited first when the call waits for replication,
-        ``kv_slot_tracker.http.replicated``) and count the request, timed from ``start``."""
+    async def reply(self, route: LeanRoute, answer: Answer, send: Send, start: float) -> None:
+        """Send ``answer`` (awaited first when it is ``Later``: the call waits for
+        replication, ``kv_slot_tracker.http.replicated``) and count the request, timed from
+        ``start``."""
+        result: Result
         try:
-            if type(result) is not tuple:
-                result = await result
+            result = await answer if isinstance(answer, Later) else answer
         except Exception:
             log.exception("unexpected error serving %s %s", route.method, route.path)
             result = 500, _INTERNAL
@@ -168,7 +171,7 @@ def parse_params(route: LeanRoute, values: list[str]) -> list[Any]:
 
 
 def _raw_parts(scope: Scope) -> list[bytes]:
-    raw = scope.get("raw_path") or scope["path"].encode()
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
     return raw.split(b"?", 1)[0].split(b"/")
 
 

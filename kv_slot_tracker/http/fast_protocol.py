@@ -7,9 +7,9 @@ as soon as the parser has its body: the same route matching, authorization, head
 operation and metrics as the lean ASGI path, and the whole response in one write. Its
 keep-alive timer is armed once per idle period, not once per request (``_respond``). Measured on
 the lifecycle benchmark: about 1.5x the requests per second of the ASGI path on the same core
-(``bench/RESULTS.md``). A call that has to wait (a replicated instance waiting for Redis or for
-a record, ``kv_slot_tracker.http.replicated``) is handed to uvicorn's request cycle and answered from a task,
-as on the ASGI path.
+(``bench/RESULTS.md``). A call that has to wait (it answers ``Later``: a replicated instance
+waiting for Redis or for a record, ``kv_slot_tracker.http.replicated``) is handed to uvicorn's
+request cycle and answered from a task, as on the ASGI path.
 
 Everything else is uvicorn's unchanged path, and a request also takes it whenever the direct
 path could answer differently from it: a request pipelined behind one still being served (answers
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Awaitable
 from time import perf_counter
 from typing import Any
 
@@ -35,10 +34,11 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from kv_slot_tracker.http.body import check_body_headers
+from kv_slot_tracker.http.answers import Answer, Later
+from kv_slot_tracker.http.body import check_body_headers, declares_body
 from kv_slot_tracker.http.connection import ConnectionLimits, LimitedHttpToolsProtocol
-from kv_slot_tracker.http.errors import TOO_LARGE, HttpError, error_result
-from kv_slot_tracker.http.lean import LeanDispatcher, LeanRoute, parse_params
+from kv_slot_tracker.http.dispatch import LeanDispatcher, LeanRoute, parse_params
+from kv_slot_tracker.http.errors import HttpError, error_result
 
 _JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
@@ -93,6 +93,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     def on_message_begin(self) -> None:
         """uvicorn's, without the ASGI parts of the scope; ``_asgi_scope`` adds them for a
         request that takes uvicorn's path."""
+        if self._idle:
+            self.limits.went_busy(self)
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
@@ -113,6 +115,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._route = None
+        if self._refused or self._body_too_large():
+            return
         cycle = self.cycle
         if (
             (cycle is None or cycle.response_complete)
@@ -142,7 +146,9 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
                 self._route, self._body, self._error = route, b"", None
                 try:
                     self._args = parse_params(route, values)
-                    if route.reads_body:
+                    if route.reads_body and (
+                        not route.optional_body or declares_body(self.headers)
+                    ):
                         check_body_headers(self.headers, self.lean.max_body)
                 except HttpError as e:
                     self._error = e
@@ -152,7 +158,9 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         if self._route is None:
-            super().on_body(body)
+            super().on_body(body)  # counted there
+        elif self._refused or self._body_part(len(body)):
+            return
         elif self._error is None:
             buf = self._body
             if not buf:
@@ -161,12 +169,10 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
                 if type(buf) is bytes:
                     buf = self._body = bytearray(buf)
                 buf += body
-            if len(buf) > self.lean.max_body:
-                self._error, self._body = HttpError(413, TOO_LARGE), b""
 
     def on_message_complete(self) -> None:
         route = self._route
-        if route is None:
+        if route is None or self._refused:
             super().on_message_complete()
             return
         self._reading_since = None  # what LimitedHttpToolsProtocol.on_message_complete does
@@ -175,20 +181,19 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         body, self._body = self._body, b""
         if isinstance(body, bytearray):
             body = bytes(body)
+        answer: Answer
         if self._error is not None:
-            result = error_result(self._error)
+            answer = error_result(self._error)
         else:
-            result = self.lean.answer(route, self._args, body if route.reads_body else b"")
-            if (
-                type(result) is not tuple
-            ):  # it waits for replication (kv_slot_tracker.http.replicated)
-                self._answer_later(route, result)
+            answer = self.lean.answer(route, self._args, body if route.reads_body else b"")
+            if isinstance(answer, Later):  # it waits for replication (http/replicated.py)
+                self._answer_later(route, answer)
                 return
-        status, payload = result
+        status, payload = answer
         self._respond(status, payload)
         self.lean.observe(route.method, route.path, status, perf_counter() - self._start)
 
-    def _answer_later(self, route: LeanRoute, pending: Awaitable[tuple[int, bytes]]) -> None:
+    def _answer_later(self, route: LeanRoute, pending: Later) -> None:
         """Hand a call that waits to uvicorn's request cycle, as if it had taken uvicorn's
         path from the start: requests pipelined behind it queue until it is answered, and
         uvicorn writes the answer, keeps the connection alive and serves the queue."""
@@ -242,6 +247,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             transport.close()
         else:
             self._idle_since = self.loop.time()
+            if not self.pipeline:
+                self.limits.went_idle(self)
             if self._idle_timer is None:
                 self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_check)
 
@@ -250,7 +257,7 @@ def direct_protocol(
     lean: LeanDispatcher, limits: ConnectionLimits | None = None
 ) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn (``http=``) for ``lean``'s routes."""
-    attrs: dict[str, Any] = {"lean": lean}
-    if limits is not None:
-        attrs["limits"] = limits
+    if limits is None:
+        limits = ConnectionLimits(65_536, 10.0, 30.0, max_body_bytes=lean.max_body)
+    attrs: dict[str, Any] = {"lean": lean, "limits": limits}
     return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), attrs)

@@ -20,6 +20,7 @@ loses nothing. The store is pure (times are arguments) and travels in snapshots.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,9 @@ class EarlyCalls:
         self.max_bytes = max_bytes
         self.bytes = 0  # ``key_bytes`` of the entries kept
         self.counters = EarlyCounters()
-        self._entries: dict[EarlyKey, Early] = {}  # oldest first (insertion order)
+        # oldest first (insertion order); an OrderedDict, whose first key is found in O(1) where
+        # a dict's follows the holes its deletions leave at the front (each prune deletes there)
+        self._entries: OrderedDict[EarlyKey, Early] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,7 +114,7 @@ class EarlyCalls:
 
     def restore(self, rows: list[list[Any]], wall_now: int) -> None:
         """Replace every entry by those of an ``export`` (all or nothing)."""
-        entries: dict[EarlyKey, Early] = {}
+        entries: OrderedDict[EarlyKey, Early] = OrderedDict()
         for model, group, rid, op, ts in rows:
             if op not in OPS or type(ts) is not int:
                 raise ValueError(f"invalid early call {op!r} at {ts!r}")
