@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 _VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -36,12 +37,6 @@ def run_app(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=60,
         cwd=REPO,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(proc: subprocess.Popen, url: str, timeout: float) -> bool:

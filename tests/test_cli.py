@@ -1,16 +1,19 @@
-"""The command line: every setting is a flag, documented from config/default.toml; secrets come
-from files; ``--check-config`` shows what the service would run with."""
+"""The command line: every setting is a flag, documented from the packaged defaults; secrets come
+from files; ``--check-config`` shows what the service would run with; ``--version``."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kv_slot_tracker import __version__ as app_version
 from kv_slot_tracker import cli
-from kv_slot_tracker.settings import Settings, load_settings
+from kv_slot_tracker.settings import ConfigError, Settings, load_settings
 from tests.servers import run_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +41,14 @@ def test_flags_override_the_environment_and_take_the_settings_checks(tmp_path: P
         ["--port", "9005", "--http-direct", "false", "--router-ttl-secs", "30.5",
          "--api-key-file", str(key)]
     )  # fmt: skip
-    settings = load_settings(None, **cli.overrides(args))
+    settings = cli.load(args)
     assert settings.port == 9005 and settings.http_direct is False
     assert settings.router_ttl_seconds == 30.5
     assert settings.api_key.get_secret_value() == "k-from-file"
     assert load_settings(None, **cli.overrides(cli.parse_args([]))).port == 8091
+    with pytest.raises(ConfigError) as caught:
+        cli.parse_args(["--prot", "1"])
+    assert str(caught.value) == "--prot: no such flag (did you mean --port?)"
 
 
 def test_check_config_prints_the_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
@@ -63,17 +69,34 @@ def test_check_config_prints_the_effective_settings_with_secrets_masked(tmp_path
     assert "s3cret" not in result.stdout + result.stderr and ":pw@" not in result.stdout
 
 
-def test_check_config_fails_on_an_invalid_setting() -> None:
+def test_check_config_fails_on_an_invalid_setting(tmp_path: Path) -> None:
     result = run_app("--check-config", "--port", "70000")
     assert result.returncode == 2
-    assert "port: Input should be less than or equal to 65535 (got '70000')" in result.stderr
+    assert result.stderr == (
+        "invalid configuration:\n"
+        "--port: Input should be less than or equal to 65535 (got '70000')\n"
+    )
     missing = run_app("--check-config", "--api-key-file", "/nonexistent/key")
-    assert missing.returncode == 2 and "/nonexistent/key" in missing.stderr
+    assert missing.returncode == 2
+    assert missing.stderr == (
+        "invalid configuration:\n"
+        "--api-key-file: cannot read /nonexistent/key: No such file or directory\n"
+    )
+    empty = tmp_path / "key"
+    empty.write_text("\n")  # a key file without a key would leave the service open
+    started = run_app("--api-key-file", str(empty))
+    assert started.returncode == 2
+    assert f"--api-key-file: {empty}: the first line is empty" in started.stderr
+
+
+def test_version_is_the_package_version() -> None:
+    result = run_app("--version", env={"SLOT_TRACKER_PORT": "not read"})
+    assert (result.returncode, result.stdout) == (0, f"kv-slot-tracker {app_version}\n")
 
 
 def test_start_up_says_what_the_instance_is(tmp_path: Path) -> None:
     """One INFO line: version, address, docs, mode and whether a key is needed."""
-    from tests.servers import free_port
+    from tests.ports import free_port
 
     port = free_port()
     key = tmp_path / "key"
@@ -96,6 +119,10 @@ def test_start_up_says_what_the_instance_is(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(10)
     summary = [line for line in seen if "kv-slot-tracker" in line and " on http://" in line]
+    # each line starts with its time, ISO 8601 UTC with milliseconds (tests/test_log_format.py)
+    stamps = [line.split(" ", 1)[0] for line in summary]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", t) for t in stamps), seen
+    summary = [line.split(" ", 1)[1] for line in summary]
     assert summary == [
         f"INFO:     kv-slot-tracker {app_version} on http://127.0.0.1:{port} "
         f"(docs http://127.0.0.1:{port}/docs): embedded mode (one instance, state in this "
@@ -122,4 +149,6 @@ def test_the_console_script_is_the_same_command(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and "port: Input should be less than or equal to 65535" in bad.stderr
+    assert (
+        bad.returncode == 2 and "--port: Input should be less than or equal to 65535" in bad.stderr
+    )

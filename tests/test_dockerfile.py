@@ -7,7 +7,11 @@
 * ``.dockerignore`` admits exactly what the Dockerfile copies;
 * the health check command, run as it is, passes against a live instance and fails against
   a closed port;
-* a wheel built from the build context alone ships the dashboard page.
+* the builder runs the installed console script's configuration check, so that an install
+  missing a file fails the build.
+
+tests/test_packaging.py reproduces the steps themselves (install, read-only virtualenv,
+unprivileged user, a round trip) and builds the image where a Docker engine runs.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port, live_server
+from tests.ports import free_port
+from tests.servers import live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -147,26 +151,11 @@ def test_healthcheck_command_fails_without_a_server() -> None:
     assert run_healthcheck(free_port()).returncode != 0
 
 
-def test_build_context_wheel_ships_the_dashboard(tmp_path: Path) -> None:
-    """What ``pip install .`` in the builder stage installs includes ``kv_slot_tracker/static``."""
-    context = tmp_path / "context"
-    context.mkdir()
-    for path in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / path, context / path)
-    shutil.copytree(
-        ROOT / "kv_slot_tracker",
-        context / "kv_slot_tracker",
-        ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]"),
-    )
-    out = tmp_path / "dist"
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(context)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    (wheel,) = out.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "kv_slot_tracker/static/dashboard.html" in names
-    assert "kv_slot_tracker/http/dashboard.py" in names
+def test_the_builder_checks_the_installed_package_starts() -> None:
+    """``kv-slot-tracker --check-config`` after the install: the console script imports the
+    installed package (``python -m`` would import the copy in the working directory)."""
+    (install,) = [a for n, a in stages()[0] if n == "RUN" and "pip install" in a]
+    steps = [step.strip() for step in install.split("&&")]
+    assert steps[0].startswith("pip install") and '"./[kubernetes]"' in steps[0]
+    assert "kv-slot-tracker --check-config > /dev/null" in steps[1:]
+    assert not any(step.startswith("python -m kv_slot_tracker") for step in steps)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from starlette.routing import BaseRoute
 
 from kv_slot_tracker.http.auth import OPEN_PATHS
 from kv_slot_tracker.http.docs import DOCS_ASSETS
-from kv_slot_tracker.settings import load_settings
+from kv_slot_tracker.settings import DEFAULT_CONFIG_FILE, load_settings
 from tests.api.conftest import post_json
 
 KEY = "s3cret"
@@ -336,6 +335,6 @@ async def test_metrics_behind_the_key_when_asked(make_client: Any) -> None:
 
 
 def test_the_config_file_names_the_open_routes() -> None:
-    text = Path("config/default.toml").read_text()
+    text = DEFAULT_CONFIG_FILE.read_text(encoding="utf-8")
     for path in OPEN_PATHS - {"/docs/oauth2-redirect"}:
         assert path in text, path

@@ -440,7 +440,10 @@ async def test_chunked_body_within_the_limit_is_read(client: httpx.AsyncClient) 
     resp = await client.post(
         "/register", content=chunks(), headers={"content-type": "application/json"}
     )
-    assert resp.status_code == 201, resp.text
+    assert (resp.status_code, resp.json()) == (201, {"status": "ok"})
+    workers, loads = await state(client)  # registered as the body said, all of it read
+    assert [(w["worker_id"], w["model_name"], w["block_size"]) for w in workers] == [(1, "m", 4)]
+    assert [(row["worker_id"], row["dp_rank"]) for row in loads] == [(1, 0)]
 
 
 async def test_a_declared_length_over_the_limit_is_413_before_reading(

@@ -1,6 +1,6 @@
 """``/batch``, ``/add``, ``/free``, ``/prefill_complete`` and ``/potential_loads`` have two
 paths: plain bodies are decoded straight into the service's commands (msgspec, for the lifecycle
-routes) or checked on orjson's decoded values (``/potential_loads``; ``kv_slot_tracker.http.plain``),
+routes) or checked on orjson's decoded values (``/potential_loads``; ``kv_slot_tracker.http.fast_bodies``),
 anything else goes through the pydantic models, which alone write error messages. Both must give the same answers and leave the same state, for
 any body: these tests run every body through each path on its own fresh service and compare."""
 
@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_slot_tracker.http import plain as plain_body
+from kv_slot_tracker.http import fast_bodies
 from kv_slot_tracker.http import schemas as s
 from kv_slot_tracker.http.body import parse_json
 from kv_slot_tracker.http.errors import EXPECTED, error_result
@@ -53,7 +53,7 @@ def both(raw: bytes) -> tuple[tuple[int, bytes], tuple[int, bytes], Operations, 
     except Exception as e:  # noqa: BLE001 - an error must be the same error on both paths
         got = (type(e).__name__, str(e).encode())  # type: ignore[assignment]
     try:
-        want = validating._run_batch(validating._batch_ops(raw))
+        want = validating.run_batch(validating.validated_batch(raw))
     except Exception as e:  # noqa: BLE001
         want = (type(e).__name__, str(e).encode())  # type: ignore[assignment]
     return got, want, plain, validating
@@ -168,7 +168,7 @@ def test_plain_batches_take_the_plain_path_and_answer_the_same() -> None:
             ]
         }
     ).encode()  # fmt: skip
-    assert plain_body.batch_operations(raw) is not None
+    assert fast_bodies.batch_operations(raw) is not None
     got, want, plain, validating = both(raw)
     assert got == want
     assert json.loads(got[1])["results"] == [
@@ -207,13 +207,13 @@ def test_bodies_that_are_not_plain_take_the_validating_path() -> None:
         b'{"operations":[]} trailing',
         b"[]",
     ]:
-        assert plain_body.batch_operations(raw) is None, raw
+        assert fast_bodies.batch_operations(raw) is None, raw
         assert_same(raw)
 
 
 def test_a_string_that_spells_a_literal_stays_plain() -> None:
     raw = b'{"operations":[{"op":"free","model_name":"m","request_id":"NaN"}]}'
-    assert plain_body.batch_operations(raw) is not None
+    assert fast_bodies.batch_operations(raw) is not None
     assert_same(raw)
 
 
@@ -347,7 +347,7 @@ def test_any_potential_loads_answers_the_same_on_both_paths(
 
 
 def test_a_key_given_twice_is_found_however_it_is_written() -> None:
-    """Quotes are counted against the decoded body (``plain.add_body``, ``free_body``): a
+    """Quotes are counted against the decoded body (``fast_bodies.add_body``, ``free_body``): a
     repeated key leaves the plain path whatever its value and spacing, and strings that hold
     colons, brackets or braces do not."""
     ops = fresh()
@@ -362,7 +362,7 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b',"routing_group":"g","routing_group":"g"}',
     ]:
         raw = start + tail
-        assert plain_body.free_body(raw) is None, raw
+        assert fast_bodies.free_body(raw) is None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     for raw in [
         b'{"model_name":":m","request_id":"a:"}',
@@ -370,17 +370,17 @@ def test_a_key_given_twice_is_found_however_it_is_written() -> None:
         b'{"model_name":"{a:1}","request_id":"]["}',
         b'{"request_id":"x","routing_group":"g:","model_name":"true, false"}',
     ]:
-        assert plain_body.free_body(raw) is not None, raw
+        assert fast_bodies.free_body(raw) is not None, raw
         assert ops.get("free")(raw) == validating_call(fresh(), "free", raw), raw
     add = (b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,'
            b'"sequence_hashes":[1,2],"lora_name":"x","sequence_hashes":[3]}')  # fmt: skip
-    assert plain_body.add_body(add) is None
+    assert fast_bodies.add_body(add) is None
     assert ops.get("add")(add) == validating_call(fresh(), "add", add)
 
 
 def test_booleans_and_keys_given_twice_leave_the_plain_path_however_long_the_prompt() -> None:
     """A boolean among a long prompt's numbers, or a key given twice after them, leaves the
-    plain path (``plain.add_body``, ``potential_loads_body``); a boolean where one belongs does
+    plain path (``fast_bodies.add_body``, ``potential_loads_body``); a boolean where one belongs does
     not. Either way both paths answer the same."""
     add = b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0,"sequence_hashes":%s%s}'
     many = b",".join(b"%d" % (10**17 + i) for i in range(64))
@@ -395,20 +395,22 @@ def test_booleans_and_keys_given_twice_leave_the_plain_path_however_long_the_pro
         add % (b"[1,true]", b""): False,
         add % (b"[%s]" % many, b',"lora_name":"t\\"f"'): False,  # an escape
         add % (b"[%s]" % many, b',"routing_group":"default"'): True,  # a new string
-        add % (b"[%s]" % many, b',"new_isl_tokens":0'): False,  # the default's own object
+        add % (b"[%s]" % many, b',"new_isl_tokens":0'): True,  # its default, given
+        add % (b"[%s]" % many, b',"new_isl_tokens":0,"new_isl_tokens":0'): False,
+        add % (b"[%s]" % many, b',"lora_name":null,"dp_rank":0'): False,
     }
     for raw, plain in cases.items():
-        assert (plain_body.add_body(raw) is not None) is plain, raw
+        assert (fast_bodies.add_body(raw) is not None) is plain, raw
         assert fresh().get("add")(raw) == validating_call(fresh(), "add", raw), raw
     for raw in [
         b'{"model_name":"m","sequence_hashes":[1,true]}',
         b'{"model_name":"m","sequence_hashes":[%s],"model_name":"n"}' % many,
     ]:
-        assert plain_body.potential_loads_body(raw) is None, raw
+        assert fast_bodies.potential_loads_body(raw) is None, raw
         assert fresh().get("potential_loads")(raw) == validating_potential(fresh(), raw)
         assert fresh().get("potential_loads")(raw)[0] == 422
     raw = b'{"model_name":"m","sequence_hashes":[%s],"new_isl_tokens":3}' % many
-    assert plain_body.potential_loads_body(raw) is not None
+    assert fast_bodies.potential_loads_body(raw) is not None
 
 
 def test_negative_hashes_are_kept_as_given_on_both_paths() -> None:
@@ -423,8 +425,8 @@ def test_negative_hashes_are_kept_as_given_on_both_paths() -> None:
         assert single.get("add")(json.dumps(add).encode())[0] == 201
         batch = {"operations": [{"op": "add", **add}]}
         assert batched.batch(json.dumps(batch).encode())[1] == b'{"results":[{"status":201}]}'
-        spaced = json.dumps(add, indent=1).encode().replace(b"{", b'{"lora_name":null,', 1)
-        assert plain_body.add_body(spaced) is None  # the validating path
+        spaced = json.dumps(add, indent=1).encode().replace(b"{", b'{"lora_name" :null,', 1)
+        assert fast_bodies.add_body(spaced) is None  # the validating path
         assert validated.get("add")(spaced)[0] == 201
         for ops in (single, batched, validated):
             t = ops.service.registry.get(("m", "default"))

@@ -8,8 +8,9 @@ Deliberate differences from the reference, asserted as such:
 * ``/loads`` rows carry two extra fields after the reference's six (``active_requests``,
   ``modeled_remaining_prefill_ms``); the reference fields are compared exactly and in order.
 * A duplicate query key is a 400 with a JSON ``{"error": ...}`` body, not ``text/plain``.
-* ``/metrics`` exists (the reference answers 404); ``/replica_sync/*`` does not (this service
-  replicates through its own bus, not a ZMQ mesh), so those routes are 404.
+* ``/metrics`` exists (the reference answers 404); ``/replica_sync/*`` answers as the
+  reference does with replica sync off (this service replicates through Redis, not a ZMQ
+  mesh): ``tests/api/selection/test_selection_replica_sync.py``.
 * A JSON array in place of the body object is rejected with 422 (reproducing that serde quirk
   is optional).
 
@@ -699,10 +700,6 @@ async def test_h18_filters(client: httpx.AsyncClient, post: PostJson) -> None:
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
-        ("GET", "/replica_sync/peers", None),
-        ("POST", "/replica_sync/register_peer", {"endpoint": "tcp://127.0.0.1:9999"}),
-        ("POST", "/replica_sync/deregister_peer", {"endpoint": "tcp://127.0.0.1:9999"}),
-        ("POST", "/replica_sync/register_peer", {"url": "tcp://127.0.0.1:9999"}),
         ("GET", "/peers", None),
         ("POST", "/register_peer", {"endpoint": "tcp://127.0.0.1:9999"}),
     ],
@@ -710,6 +707,6 @@ async def test_h18_filters(client: httpx.AsyncClient, post: PostJson) -> None:
 async def test_h19_no_replica_sync_routes(
     client: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None
 ) -> None:
-    """This service replicates through its own bus: the ZMQ peer routes do not exist."""
+    """The peer routes of other Dynamo versions (``/register_peer``, ``/peers``) do not exist."""
     resp = await client.request(method, path, json=body)
     expect_error(resp, 404, "route not found")

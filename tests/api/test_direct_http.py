@@ -1,4 +1,4 @@
-"""The direct HTTP path (``kv_slot_tracker.http.direct``) against uvicorn's ASGI path, over real sockets.
+"""The direct HTTP path (``kv_slot_tracker.http.fast_protocol``) against uvicorn's ASGI path, over real sockets.
 
 Two uvicorn servers run the same application in the test's event loop: one with the direct
 protocol, one with plain httptools. Every exchange is sent byte for byte to both, and the
@@ -19,9 +19,14 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kv_slot_tracker.http.connection import LimitedHttpToolsProtocol
-from kv_slot_tracker.http.direct import DirectHttpToolsProtocol, direct_protocol
-from kv_slot_tracker.http.lean import LeanRoute
+from kv_slot_tracker.http.answers import Later
+from kv_slot_tracker.http.connection import (
+    ConnectionLimits,
+    LimitedHttpToolsProtocol,
+    limited_protocol,
+)
+from kv_slot_tracker.http.dispatch import LeanRoute
+from kv_slot_tracker.http.fast_protocol import DirectHttpToolsProtocol, direct_protocol
 from kv_slot_tracker.main import create_app
 from kv_slot_tracker.settings import load_settings
 from tests.fakes import FakeClock
@@ -118,7 +123,14 @@ async def serve(
             served.asgi_calls.append(scope["path"])
         await app(scope, receive, send)
 
-    protocol = direct_protocol(app.lean) if direct else "httptools"
+    # both paths with the connection limits (a body over the limit is refused at once by both)
+    protocol = (
+        direct_protocol(app.lean)
+        if direct
+        else limited_protocol(
+            ConnectionLimits(65_536, 10.0, 30.0, max_body_bytes=app.lean.max_body)
+        )
+    )
     config = uvicorn.Config(
         counting,
         host="127.0.0.1",
@@ -216,7 +228,8 @@ async def test_every_answer_is_the_asgi_paths_answer() -> None:
             assert got.headers.keys() == want.headers.keys(), raw
             served_directly = len(direct.asgi_calls) == before
             assert served_directly is is_direct, raw
-        assert len(asgi.asgi_calls) == len(SCRIPT)
+        # the one body declared larger than the limit is refused at its headers, before the app
+        assert len(asgi.asgi_calls) == len(SCRIPT) - 1
         loads = (await direct.one(POTENTIAL)).json()
         assert [(r["worker_id"], r["dp_rank"], r["potential_decode_blocks"]) for r in loads] == [
             (1, 0, 3),
@@ -350,17 +363,19 @@ async def test_direct_requests_are_counted_in_the_http_metrics() -> None:
         text = (await direct.one(request("GET", "/metrics"))).body.decode()
 
     def count(status: str) -> float:
-        pattern = rf'http_requests_total\{{handler="/add",method="POST",status="{status}"\}} (\S+)'
+        series = r'kv_slot_tracker_http_requests_total\{handler="/add",method="POST",'
+        pattern = series + rf'status="{status}"\}} (\S+)'
         found = re.search(pattern, text)
         return float(found.group(1)) if found else 0.0
 
     assert (count("2xx"), count("4xx")) == (3.0, 1.0)
-    assert 'http_request_duration_seconds_count{handler="/add",method="POST"} 4.0' in text
+    latency = "kv_slot_tracker_http_request_duration_seconds"
+    assert latency + '_count{handler="/add",method="POST"} 4.0' in text
 
 
 def waiting(path: str, until: asyncio.Event, fail: bool = False) -> Callable[[Any], None]:
     """A patch making the lean route ``POST path`` wait for ``until`` before it answers, the
-    way a replicated instance's call waits for Redis (``kv_slot_tracker.http.replicated``)."""
+    way a replicated instance's call waits for Redis (``Later``, ``kv_slot_tracker.http.replicated``)."""
 
     def patch(app: Any) -> None:
         route = app.lean.exact["POST"][path]
@@ -374,7 +389,7 @@ def waiting(path: str, until: asyncio.Event, fail: bool = False) -> Callable[[An
                     raise RuntimeError("a bug while waiting")
                 return result
 
-            return later()
+            return Later(later())
 
         app.lean.exact["POST"][path] = LeanRoute(
             route.method, route.path, op, route.reads_body, route.params
@@ -405,7 +420,8 @@ async def test_a_call_that_waits_is_answered_in_turn() -> None:
         # itself never entered the ASGI app
         assert direct.asgi_calls == ["/register", "/potential_loads", "/free"]
         text = (await direct.one(request("GET", "/metrics"))).body.decode()
-        assert 'http_requests_total{handler="/free",method="POST",status="2xx"} 2.0' in text
+        sample = 'kv_slot_tracker_http_requests_total{handler="/free",method="POST",status="2xx"}'
+        assert sample + " 2.0" in text
 
 
 async def test_a_call_that_fails_while_waiting_answers_500_and_the_connection_goes_on() -> None:

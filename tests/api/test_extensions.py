@@ -926,16 +926,23 @@ async def test_expiry_follows_the_configured_duration(make_client, clock: FakeCl
         assert (await load(client))["active_requests"] == 0
 
 
+async def sweeps_after(app: Any, kind: str, runs: int) -> None:
+    """Until the sweep ``kind`` (``expiry``, ``leases``) has completed a turn after ``runs``
+    (counted by ``app.state.sweeps``); each turns once a (real) second or more often."""
+    async with asyncio.timeout(60):  # a bound against a hang, not a figure
+        while getattr(app.state.sweeps, kind) <= runs:
+            await asyncio.sleep(0.01)
+
+
 async def test_the_lifespan_sweeper_runs_the_expiry(make_client, clock: FakeClock) -> None:
     settings = {"expiry_seconds": 1, "expiry_check_seconds": 1, "force_expiry_interval_seconds": 1}
-    async with make_client(**settings) as (_, client):
+    async with make_client(**settings) as (app, client):
         await post_json(client, "/register", reg(1))
         assert (await post_json(client, "/add", add("r1"))).status_code == 201
+        await sweeps_after(app, "expiry", app.state.sweeps.expiry)  # a turn with r1 young
+        assert (await load(client))["active_requests"] == 1
         clock.advance(10)
-        for _ in range(60):  # the sweeper ticks every (real) second
-            if (await load(client))["active_requests"] == 0:
-                break
-            await asyncio.sleep(0.05)
+        await sweeps_after(app, "expiry", app.state.sweeps.expiry)  # a whole turn after that
         assert (await load(client))["active_requests"] == 0
         assert expired_total((await client.get("/metrics")).text) == 1
 
@@ -959,7 +966,7 @@ async def test_batch_operation_cap_is_its_own_setting(make_client) -> None:
 
 async def test_worker_leases_over_http(make_client, clock: FakeClock) -> None:
     """``/heartbeat`` renews; the lease sweep removes a worker whose lease ran out."""
-    async with make_client(worker_ttl_seconds=2) as (_, c):
+    async with make_client(worker_ttl_seconds=2) as (app, c):
         await ok(lambda p, b: post_json(c, p, b), "/register", reg(1), 201)
         await ok(lambda p, b: post_json(c, p, b), "/register", reg(2), 201)
         r = await post_json(c, "/heartbeat", {"model_name": "m", "worker_id": 9})
@@ -975,18 +982,19 @@ async def test_worker_leases_over_http(make_client, clock: FakeClock) -> None:
         async def ids() -> list[int]:
             return [w["worker_id"] for w in (await c.get("/workers")).json()]
 
-        for _ in range(300):  # the sweep runs every 0.2 s of real time here
-            if await ids() == [1]:
-                break
-            await asyncio.sleep(0.01)
+        await sweeps_after(app, "leases", app.state.sweeps.leases)  # every 0.2 s of real time
         assert await ids() == [1]
         metrics = (await c.get("/metrics")).text
         assert "kv_slot_tracker_workers_expired_total 1.0" in metrics
         assert "kv_slot_tracker_worker_leases 1.0" in metrics
-    async with make_client() as (_, c):  # no ttl: heartbeats are accepted and change nothing
+    # no ttl: heartbeats are accepted and change nothing, and no sweep removes a worker
+    async with make_client(force_expiry_interval_seconds=1) as (app, c):
         await ok(lambda p, b: post_json(c, p, b), "/register", reg(1), 201)
         r = await post_json(c, "/heartbeat", {"model_name": "m", "worker_id": 1})
         assert r.status_code == 200
         clock.advance(10**6)
-        await asyncio.sleep(0.3)
+        await sweeps_after(app, "expiry", app.state.sweeps.expiry)
+        assert "leases" not in {task.get_name() for task in asyncio.all_tasks()}
+        assert app.state.service.expire_leases() == []
+        assert app.state.sweeps.leases == 0
         assert [w["worker_id"] for w in (await c.get("/workers")).json()] == [1]

@@ -30,6 +30,9 @@ COUNTERS = (
     "kv_slot_tracker_requests_expired",
 )
 U64_MAX = 2**64 - 1
+# The HTTP metrics, named with the service's prefix like every series of its own
+REQUESTS = "kv_slot_tracker_http_requests_total"
+LATENCY = "kv_slot_tracker_http_request_duration_seconds"
 
 
 class Scrape:
@@ -231,14 +234,14 @@ async def test_http_metrics_from_the_instrumentator(
     await client.get("/metrics")
     m = await scrape(client)
 
-    assert m.value("http_requests_total", handler="/add", method="POST", status="2xx") == 2
-    assert m.value("http_requests_total", handler="/add", method="POST", status="4xx") == 1
-    assert m.value("http_requests_total", handler="/loads", method="GET", status="2xx") == 1
-    assert m.value("http_requests_total", handler="none", method="GET", status="4xx") == 1
-    assert m.families["http_request_duration_seconds"].type == "histogram"
-    assert m.value("http_request_duration_seconds_count", handler="/add", method="POST") == 3
+    assert m.value(REQUESTS, handler="/add", method="POST", status="2xx") == 2
+    assert m.value(REQUESTS, handler="/add", method="POST", status="4xx") == 1
+    assert m.value(REQUESTS, handler="/loads", method="GET", status="2xx") == 1
+    assert m.value(REQUESTS, handler="none", method="GET", status="4xx") == 1
+    assert m.families[LATENCY].type == "histogram"
+    assert m.value(f"{LATENCY}_count", handler="/add", method="POST") == 3
     # the scrape endpoint does not measure itself
-    handlers = {s["handler"] for s in m.series("http_requests_total")}
+    handlers = {s["handler"] for s in m.series(REQUESTS)}
     assert "/metrics" not in handlers
 
 
@@ -254,8 +257,8 @@ async def test_two_apps_have_their_own_registries(make_client) -> None:
         assert mb.series("kv_slot_tracker_active_decode_blocks") == []
         assert mb.counters("m") == (None, None, None)
         assert mb.value("kv_slot_tracker_trackers") == 0
-        assert ma.value("http_requests_total", handler="/add", method="POST", status="2xx") == 1
-        assert mb.value("http_requests_total", handler="/add", method="POST", status="2xx") is None
+        assert ma.value(REQUESTS, handler="/add", method="POST", status="2xx") == 1
+        assert mb.value(REQUESTS, handler="/add", method="POST", status="2xx") is None
 
     # building more apps in the same process raises no "Duplicated timeseries", and nothing
     # lands in the process-global registry
@@ -268,7 +271,7 @@ async def test_two_apps_have_their_own_registries(make_client) -> None:
 def test_http_latency_buckets_count_each_observation_at_or_below_their_bound() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kv_slot_tracker.observability import HttpMetrics
+    from kv_slot_tracker.observability.http import HttpMetrics
 
     registry = CollectorRegistry()
     http = HttpMetrics(registry)
@@ -279,7 +282,7 @@ def test_http_latency_buckets_count_each_observation_at_or_below_their_bound() -
     m = Scrape(generate_latest(registry).decode())
 
     def bucket(le: str) -> float | None:
-        return m.value("http_request_duration_seconds_bucket", handler="/add", method="POST", le=le)
+        return m.value(f"{LATENCY}_bucket", handler="/add", method="POST", le=le)
 
     assert [bucket(le) for le in ("0.0005", "0.001", "0.0025", "1.0", "2.5", "+Inf")] == [
         2.0,  # 0.0001 and 0.0005
@@ -289,10 +292,10 @@ def test_http_latency_buckets_count_each_observation_at_or_below_their_bound() -
         5.0,
         6.0,
     ]
-    assert m.value("http_request_duration_seconds_count", handler="/add", method="POST") == 6
-    total = m.value("http_request_duration_seconds_sum", handler="/add", method="POST")
+    assert m.value(f"{LATENCY}_count", handler="/add", method="POST") == 6
+    total = m.value(f"{LATENCY}_sum", handler="/add", method="POST")
     assert abs(total - (0.0005 + 0.0006 + 0.001 + 2.5 + 3.0 + 0.0001)) < 1e-9
-    assert m.value("http_requests_total", handler="/add", method="POST", status="2xx") == 5
-    assert m.value("http_requests_total", handler="/add", method="POST", status="4xx") == 1
-    assert m.value("http_requests_total", handler="/loads", method="GET", status="2xx") == 1
-    assert m.value("http_request_duration_seconds_created", handler="/loads", method="GET") > 0
+    assert m.value(REQUESTS, handler="/add", method="POST", status="2xx") == 5
+    assert m.value(REQUESTS, handler="/add", method="POST", status="4xx") == 1
+    assert m.value(REQUESTS, handler="/loads", method="GET", status="2xx") == 1
+    assert m.value(f"{LATENCY}_created", handler="/loads", method="GET") > 0

@@ -56,6 +56,8 @@ def body_operations(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 BODYLESS_POSTS = {"/selection/reservations/{selection_id}/prefill_complete"}
+"""POSTs whose body is optional (a reservation's outcome, ``cached_tokens``): documented, not
+required."""
 
 
 # -- the committed file ------------------------------------------------------------------------
@@ -144,9 +146,15 @@ def test_every_route_is_documented(document: dict[str, Any]) -> None:
         assert expected in paths
 
 
-def test_bodyless_posts_document_no_body(document: dict[str, Any]) -> None:
+def test_bodyless_posts_document_an_optional_body(document: dict[str, Any]) -> None:
     for path in BODYLESS_POSTS:
-        assert "requestBody" not in document["paths"][path]["post"], path
+        body = document["paths"][path]["post"]["requestBody"]
+        assert body["required"] is False, path
+        assert (
+            "cached_tokens" in body_schema(document, document["paths"][path]["post"])["properties"]
+        )
+    delete = document["paths"]["/selection/reservations/{selection_id}"]["delete"]
+    assert delete["requestBody"]["required"] is False
 
 
 def test_body_model_names_are_unique() -> None:
@@ -169,7 +177,7 @@ def test_every_post_has_a_required_json_body_with_described_fields_and_an_exampl
     document: dict[str, Any],
 ) -> None:
     posts = body_operations(document)
-    assert len(posts) == 19
+    assert len(posts) == 20
     for path, op in posts:
         body = op.get("requestBody")
         assert body is not None and body.get("required") is True, path
@@ -280,6 +288,7 @@ for _path, _setup, _status in [
     ),
     ("/selection/potential_loads", [("/selection/workers", _SEL_W1)], 200),
     ("/selection/overlap_scores", [("/selection/workers", _SEL_W1)], 200),
+    ("/selection/explain", [("/selection/workers", _SEL_W1)], 200),
 ]:
     EXAMPLE_SETUP[_path] = (_setup, _status)
 # Path parameters of the examples' routes.
@@ -357,6 +366,7 @@ SUCCESS_CODES = {
     "/selection/reservations/{selection_id}/output_block": {"200"},
     "/selection/potential_loads": {"200"},
     "/selection/overlap_scores": {"200"},
+    "/selection/explain": {"200"},
 }
 
 
@@ -377,7 +387,7 @@ def test_operations_are_grouped_named_and_described(document: dict[str, Any]) ->
         assert (op["tags"][0] == "selection") == path.startswith("/selection/"), (method, path)
         assert len(op.get("description", "")) > 40, f"{method} {path} has no description"
         ids.append(op["operationId"])
-    assert len(set(ids)) == len(ids) == 36
+    assert len(set(ids)) == len(ids) == 39
     assert all(i.replace("_", "").isalnum() and i.islower() and len(i) <= 40 for i in ids), ids
     paths = document["paths"]
     assert paths["/add"]["post"]["operationId"] == "add"
@@ -449,3 +459,53 @@ async def test_the_replication_status_schema_is_the_answer(
         replicated = (await c.get("/replication")).json()
         check(replicated)
         assert replicated["mode"] == "redis" and replicated["connected"] is True
+
+
+def test_topology_sizes_are_documented_with_the_minimum_the_service_accepts(
+    document: dict[str, Any],
+) -> None:
+    schemas = document["components"]["schemas"]
+    for name in ("RegisterBody", "UpsertBody"):
+        props = schemas[name]["properties"]
+        assert props["block_size"]["minimum"] == 1, name
+        assert props["dp_size"]["minimum"] == 1, name
+    reconcile = schemas["ReconcileBody"]["properties"]
+    assert reconcile["block_size"]["minimum"] == 1
+    worker = resolve(document, reconcile["workers"]["items"])
+    assert worker["properties"]["dp_size"]["minimum"] == 1
+
+
+async def test_a_size_of_0_is_refused_as_the_schema_says(client) -> None:
+    for field in ("block_size", "dp_size"):
+        body = {"model_name": "zero", "worker_id": 1, "block_size": 16, "dp_start": 0,
+                "dp_size": 1, field: 0}  # fmt: skip
+        r = await post_json(client, "/register", body)
+        assert r.status_code == 400, r.text
+
+
+def test_worker_id_path_parameters_are_typed_as_u64(document: dict[str, Any]) -> None:
+    seen = 0
+    for path, _, op in operations(document):
+        for param in op.get("parameters", []):
+            if param["in"] == "path" and param["name"] == "worker_id":
+                schema = param["schema"]
+                assert (schema["type"], schema["minimum"], schema["maximum"]) == (
+                    "integer", 0, 2**64 - 1), path  # fmt: skip
+                seen += 1
+    assert seen == 2  # PATCH and DELETE /selection/workers/{worker_id}
+
+
+async def test_integer_fields_refuse_a_fraction_literal_and_the_document_says_so(
+    document: dict[str, Any], client
+) -> None:
+    assert "`1.0`" in document["info"]["description"]
+    props = document["components"]["schemas"]["RegisterBody"]["properties"]
+    assert props["worker_id"]["format"] == "uint64"
+    assert props["dp_start"]["format"] == "uint32"
+    r = await client.post(
+        "/register",
+        content=b'{"model_name":"f","worker_id":1.0,"block_size":16,"dp_start":0,"dp_size":1}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    assert "floating point `1.0`, expected u64" in r.json()["error"]

@@ -101,7 +101,7 @@ def test_swagger_ui_lists_every_operation(
 ) -> None:
     d = browser
     expected = operations(document)
-    assert len(expected) == 36
+    assert len(expected) == 39
     open_page(d, f"{server}/docs")
     read = """
     return [...document.querySelectorAll('#swagger-ui .opblock')].map((op) => [
@@ -138,7 +138,7 @@ def test_redoc_lists_every_operation(server: str, browser: Any, document: dict[s
         for m in HTTP_METHODS
         if m in item
     }
-    assert len(expected) == 36
+    assert len(expected) == 39
     open_page(d, f"{server}/redoc")
     read = """
     return [...document.querySelectorAll('.menu-content li[data-item-id*="/operation/"]')]

@@ -69,6 +69,9 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "selection.overlap_scores": (("m",), {"token_ids": [1, 2, 3, 4]}),
     "selection.dump": ((), {}),
     "selection.kv_index": ((), {}),
+    "selection.receipt": (("s",), {}),
+    "selection.receipts": (("m",), {"worker_id": 1, "non_optimal": True, "limit": 5}),
+    "selection.explain": (("m",), {"token_ids": [1, 2, 3, 4]}),
 }
 PROBES = 4  # health() and ready(), of both APIs, answer False instead of raising
 # Not API routes of the service: the OpenAPI document itself and the generic escape hatch.
@@ -142,14 +145,14 @@ def test_the_table_names_every_method() -> None:
         AsyncSelectionClient, "selection."
     )
     assert set(CALLS) == sync == async_
-    assert len(CALLS) == 22 + 19
+    assert len(CALLS) == 22 + 22
 
 
 def test_every_documented_route_is_called(openapi: dict[str, Any]) -> None:
     documented = {
         (method.upper(), path) for path, item in openapi["paths"].items() for method in item
     }
-    assert len(documented) == 36
+    assert len(documented) == 39
     failing = Failing()
     raised = call_every_method(failing)
     assert raised == len(CALLS) - PROBES

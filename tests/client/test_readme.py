@@ -59,10 +59,10 @@ def test_readme_examples_run(server: str) -> None:
         assert loads == [(0, 1), (1, 0)]
 
 
-def test_service_readme_shows_the_tested_example() -> None:
-    """The service's README shows docs/client_example.py (which test_client runs) verbatim."""
+def test_client_page_shows_the_tested_example() -> None:
+    """docs/python-client.md shows docs/client_example.py (which test_client runs) verbatim."""
     root = README.parents[2]
     example = (root / "docs" / "client_example.py").read_text()
     code = example.split('"""', 2)[2].lstrip("\n")  # without the module docstring
     assert "from kv_slot_tracker_client import SlotTrackerClient" in code
-    assert f"```python\n{code}```" in (root / "README.md").read_text()
+    assert f"```python\n{code}```" in (root / "docs" / "python-client.md").read_text()

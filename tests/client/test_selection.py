@@ -358,10 +358,46 @@ def test_sync_and_async_selection_have_the_same_methods() -> None:
         return {n: inspect.signature(f) for n, f in vars(cls).items() if not n.startswith("_")}
 
     sync, async_ = public(SelectionClient), public(AsyncSelectionClient)
-    assert len(sync) == 19 and sorted(sync) == sorted(async_)
+    assert len(sync) == 22 and sorted(sync) == sorted(async_)
     for name, signature in sync.items():
         assert str(async_[name]) == str(signature), name
         assert inspect.iscoroutinefunction(getattr(AsyncSelectionClient, name)), name
         assert getattr(SelectionClient, name).__qualname__ == f"SelectionClient.{name}"
     assert sync["select"].return_annotation is SelectResponse
     assert sync["free"].return_annotation is None
+
+
+async def test_cached_tokens_reach_the_receipt() -> None:
+    """``cached_tokens`` on the lifecycle calls of both APIs: sent only when given, and joined
+    with the selection's receipt (predicted 0 cached tokens on an empty rank)."""
+    app = create_app(load_settings())
+    sent: list[tuple[str, str, Any]] = []
+
+    async def record(request: httpx.Request) -> None:
+        body = json.loads(request.content) if request.content else None
+        sent.append((request.method, request.url.raw_path.decode(), body))
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with AsyncSlotTrackerClient("http://t", transport=transport) as c:
+            sel = c.selection
+            await sel.upsert_worker(5, "m", endpoint="http://w5", block_size=4)
+            await sel.select_and_reserve("m", token_ids=range(16), selection_id="r1")
+            await sel.select_and_reserve("m", token_ids=range(16), selection_id="r2")
+            c._http.event_hooks["request"] = [record]
+            await sel.prefill_complete("r1", cached_tokens=12)
+            await sel.free("r1")
+            await c.prefill_complete("m", "r2")
+            await c.free("m", "r2", cached_tokens=8)
+            r1, r2 = await sel.receipt("r1"), await sel.receipt("r2")
+    assert sent[:4] == [
+        ("POST", "/selection/reservations/r1/prefill_complete", {"cached_tokens": 12}),
+        ("DELETE", "/selection/reservations/r1", None),
+        ("POST", "/prefill_complete", {"model_name": "m", "routing_group": "default",
+                                       "request_id": "r2"}),
+        ("POST", "/free", {"model_name": "m", "routing_group": "default", "request_id": "r2",
+                           "cached_tokens": 8}),
+    ]  # fmt: skip
+    assert (r1["outcome"]["state"], r1["outcome"]["cached_tokens"]) == ("freed", 12)
+    assert (r2["outcome"]["state"], r2["outcome"]["cached_tokens"]) == ("freed", 8)
+    assert r2["outcome"]["observed_hit_rate"] == 0.5

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 KUBE_DIR = ROOT / "deploy" / "kubernetes"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kv-slot-tracker.json"
-README = ROOT / "README.md"
+# the page that shows how to run the image, Compose and Kubernetes
+DEPLOY_DOC = ROOT / "docs" / "kubernetes.md"
 DOCKERFILE = ROOT / "Dockerfile"
 
 # Every environment variable the service reads: SLOT_TRACKER_ + a settings field in upper case.

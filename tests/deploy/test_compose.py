@@ -9,7 +9,8 @@
   against a closed port; Redis is pinged and the instances wait for it to be healthy;
 * only variable syntax docker-compose 1.x understands too;
 * ``docker compose config -q`` (or ``docker-compose config -q``) accepts it when the CLI is
-  installed (that needs no daemon); skipped otherwise.
+  installed (that needs no daemon); skipped otherwise, where ``test_compose_offline.py`` checks
+  what it would (interpolation, dependencies, ports, referenced files).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import yaml
 
 from kv_slot_tracker.settings import Settings
 from tests.deploy.support import COMPOSE, ROOT, settings_from_env
-from tests.servers import free_port, live_server
+from tests.ports import free_port
+from tests.servers import live_server
 
 APP_PORT = Settings.model_fields["port"].default  # what the image listens on (EXPOSE 8091)
 API_KEY_VAR = "SLOT_TRACKER_API_KEY"
@@ -178,22 +180,27 @@ def test_api_key_and_redis_password_must_come_from_the_environment(
                 service_env(svc, {k: v for k, v in SHELL_ENV.items() if k != var})
 
 
+def redis_start(compose: dict[str, Any]) -> str:
+    """The script the Redis container starts with (run for real in test_deploy_invariants.py)."""
+    entrypoint = compose["services"]["redis"]["entrypoint"]
+    assert entrypoint[:2] == ["sh", "-c"], entrypoint
+    return interpolate(entrypoint[2], SHELL_ENV)
+
+
 def test_redis_requires_the_same_password(compose: dict[str, Any]) -> None:
     redis = compose["services"]["redis"]
-    command = [interpolate(str(c), SHELL_ENV) for c in redis["command"]]
-    assert command[command.index("--requirepass") + 1] == SHELL_ENV[PASSWORD_VAR]
+    # written from REDISCLI_AUTH into the file redis-server loads, never on its command line
+    assert 'printf \'requirepass "%s"' in redis_start(compose)
+    assert '"$REDISCLI_AUTH"' in redis_start(compose)
     # the health check's redis-cli authenticates through REDISCLI_AUTH
     assert service_env(redis, SHELL_ENV)["REDISCLI_AUTH"] == SHELL_ENV[PASSWORD_VAR]
 
 
 def test_instances_wait_for_a_healthy_redis(compose: dict[str, Any]) -> None:
     redis = compose["services"]["redis"]
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    command = redis["command"]
-    assert command[0] == "redis-server"
+    assert redis["healthcheck"]["test"] == ["CMD-SHELL", "redis-cli ping | grep -qx PONG"]
     # no persistence: `--save ""` and `--appendonly no`
-    assert command[command.index("--save") + 1] == ""
-    assert command[command.index("--appendonly") + 1] == "no"
+    assert '--save "" --appendonly no' in redis_start(compose)
     for name, svc in tracker_services(compose).items():
         assert svc["depends_on"] == {"redis": {"condition": "service_healthy"}}, name
 
@@ -285,8 +292,6 @@ def test_compose_cli_accepts_the_file() -> None:
 
 
 def test_redis_is_bounded_and_never_evicts_the_stream(compose: dict[str, Any]) -> None:
-    command = [str(w) for w in compose["services"]["redis"]["command"]]
-    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
-    assert command[command.index("--maxmemory") + 1] == "768mb"
+    assert "--maxmemory 768mb --maxmemory-policy noeviction" in redis_start(compose)
     sentinel = (ROOT / "compose.sentinel.yaml").read_text()
     assert "--maxmemory 768mb" in sentinel and "--maxmemory-policy noeviction" in sentinel

@@ -95,12 +95,15 @@ def test_every_redis_process_requires_the_password(compose: dict[str, Any]) -> N
         with pytest.raises(LookupError, match=PASSWORD_VAR):
             service_env(svc, {})
         text = script(svc)
+        # written from REDISCLI_AUTH into the files Redis and the Sentinels load, never on a
+        # command line (test_deploy_invariants.py runs these scripts)
+        assert "pw=$(printf '%s' \"$REDISCLI_AUTH\" | sed" in text, name
         if name.startswith("redis-"):
-            assert '--requirepass "$REDISCLI_AUTH"' in text
-            assert '--masterauth "$REDISCLI_AUTH"' in text  # replicas, and a demoted primary
+            # replicas, and a demoted primary, authenticate to the primary with it
+            assert 'printf \'requirepass "%s"\\nmasterauth "%s"\\n\' "$pw" "$pw"' in text
         else:
-            for line in ("requirepass $REDISCLI_AUTH", "sentinel sentinel-pass $REDISCLI_AUTH",
-                         "sentinel auth-pass mymaster $REDISCLI_AUTH"):  # fmt: skip
+            for line in ('requirepass \\"$pw\\"', 'sentinel sentinel-pass \\"$pw\\"',
+                         'sentinel auth-pass mymaster \\"$pw\\"'):  # fmt: skip
                 assert line in text, (name, line)
 
 

@@ -8,8 +8,8 @@
 * the Deployment: 3 replicas; probes on the paths and port the app serves, open with an API
   key (``/health`` liveness and startup, ``/ready`` readiness); Prometheus annotations on the
   port and path that serve metrics; every variable a real setting with a value the service
-  accepts; the API key from the Secret the example and the README create; the image of this
-  version;
+  accepts; the API key from the Secret the example and docs/kubernetes.md create; the image of
+  this version;
 * selectors: the Service and the PodDisruptionBudget select the service's pods and not Redis';
 * every container: requests and limits, non-root as the image's user, read-only root, no
   capabilities, no privilege escalation; no Service can inject a ``SLOT_TRACKER_*`` variable.
@@ -32,8 +32,8 @@ import yaml
 import kv_slot_tracker
 from kv_slot_tracker.settings import ENV_PREFIX, Settings
 from tests.deploy.support import (
+    DEPLOY_DOC,
     KUBE_DIR,
-    README,
     app_client,
     image_user,
     load_yaml_docs,
@@ -252,7 +252,7 @@ def test_api_key_comes_from_the_documented_secret(container: dict[str, Any]) -> 
     for value in example["stringData"].values():
         assert "REPLACE" in value, "the example must not carry a usable secret"
     command = f"kubectl create secret generic {name} --from-literal={key}="
-    for doc in (README, KUSTOMIZATION, SECRET_EXAMPLE):
+    for doc in (DEPLOY_DOC, KUSTOMIZATION, SECRET_EXAMPLE):
         assert command in doc.read_text(), f"{doc.name} does not show `{command}...`"
 
 
@@ -269,10 +269,14 @@ def test_redis_requires_the_password_the_instances_have(container: dict[str, Any
     (redis,) = [w for w in workloads() if w["kind"] == "StatefulSet"]
     (server,) = redis["spec"]["template"]["spec"]["containers"]
     assert env_secret(server, "REDISCLI_AUTH") == ours  # the probes' redis-cli uses it too
-    args = server["args"]
-    assert args[args.index("--requirepass") + 1] == "$(REDISCLI_AUTH)"
+    # written from it into the file redis.conf includes (test_deploy_invariants.py runs this)
+    assert "args" not in server
+    script = server["command"][2]
+    assert """printf 'requirepass "%s"\\nmasterauth "%s"\\n' "$pw" "$pw" """.strip() in script
+    assert '"$REDISCLI_AUTH"' in script and "> /run/redis/auth.conf" in script
+    assert "include /run/redis/auth.conf" in redis_conf()
     command = "--from-literal=redis-password="
-    for doc in (README, KUSTOMIZATION, SECRET_EXAMPLE):
+    for doc in (DEPLOY_DOC, KUSTOMIZATION, SECRET_EXAMPLE):
         assert command in doc.read_text(), f"{doc.name} does not show `{command}...`"
 
 
@@ -344,12 +348,12 @@ def test_no_service_can_inject_a_setting() -> None:
         assert w["spec"]["template"]["spec"]["enableServiceLinks"] is False
 
 
-def test_readme_applies_the_same_manifests_without_kustomize() -> None:
-    m = re.search(r"kubectl apply -f deploy/kubernetes/\{([a-z,]+)\}\.yaml", README.read_text())
-    assert m, "README.md shows no `kubectl apply -f deploy/kubernetes/{...}.yaml`"
+def test_docs_apply_the_same_manifests_without_kustomize() -> None:
+    m = re.search(r"kubectl apply -f deploy/kubernetes/\{([a-z,]+)\}\.yaml", DEPLOY_DOC.read_text())
+    assert m, "docs/kubernetes.md shows no `kubectl apply -f deploy/kubernetes/{...}.yaml`"
     listed = {f"{name}.yaml" for name in m.group(1).split(",")}
     assert listed == set(yaml.safe_load(KUSTOMIZATION.read_text())["resources"])
-    assert "kubectl apply -k deploy/kubernetes" in README.read_text()
+    assert "kubectl apply -k deploy/kubernetes" in DEPLOY_DOC.read_text()
 
 
 def _mib(quantity: str) -> float:
@@ -360,18 +364,24 @@ def _mib(quantity: str) -> float:
     raise AssertionError(f"unknown quantity {quantity}")
 
 
+def redis_conf() -> str:
+    """The Redis configuration of the ConfigMap (the Sentinel variant's data nodes use it too)."""
+    return one("ConfigMap", "kv-slot-tracker-redis")["data"]["redis.conf"]
+
+
 def test_redis_is_bounded_and_never_evicts_the_stream() -> None:
     """maxmemory below the container's limit, noeviction: a full Redis refuses appends (which
     the instances report) instead of dropping stream entries without a word."""
+    words = redis_conf().split()
+    assert words[words.index("maxmemory-policy") + 1] == "noeviction"
+    maxmemory = _mib(words[words.index("maxmemory") + 1])
     seen = 0
     variant = load_yaml_docs(KUBE_DIR.parent / "kubernetes-sentinel" / "redis-sentinel.yaml")
     for obj in [doc for _, doc in all_objects()] + list(variant):
         for c in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
-            words = " ".join([*c.get("command", []), *c.get("args", [])]).split()
-            if "redis-server" not in words or "--sentinel" in words:
+            script = " ".join([*c.get("command", []), *c.get("args", [])])
+            if "exec redis-server /etc/redis/redis.conf" not in script:
                 continue
             seen += 1
-            assert words[words.index("--maxmemory-policy") + 1] == "noeviction"
-            limit = _mib(c["resources"]["limits"]["memory"])
-            assert _mib(words[words.index("--maxmemory") + 1]) <= 0.8 * limit
+            assert maxmemory <= 0.8 * _mib(c["resources"]["limits"]["memory"])
     assert seen == 2  # the plain Redis and the Sentinel variant's data nodes

@@ -3,9 +3,9 @@
 * ``rbac.yaml`` is valid Kubernetes (oldest supported and latest schemas): a ServiceAccount, a
   Role granting exactly get, list and watch on EndpointSlices, and a RoleBinding of that Role to
   that ServiceAccount;
-* the Deployment patched (``kubectl patch --patch-file``, as the README says) runs as that
-  ServiceAccount with its token mounted, with settings the service accepts that turn discovery
-  on; ``kubectl patch --local`` (if installed) merges it as this test does;
+* the Deployment patched (``kubectl patch --patch-file``, as docs/kubernetes.md says) runs as
+  that ServiceAccount with its token mounted, with settings the service accepts that turn
+  discovery on; ``kubectl patch --local`` (if installed) merges it as this test does;
 * the image installs the ``[kubernetes]`` extra discovery needs.
 """
 
@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.support import DOCKERFILE, KUBE_DIR, README, load_yaml_docs, settings_from_env
+from tests.deploy.support import DEPLOY_DOC, DOCKERFILE, KUBE_DIR, load_yaml_docs, settings_from_env
 from tests.deploy.test_kubernetes import OLDEST_KUBERNETES, one
 
 DIR = KUBE_DIR / "discovery"
@@ -112,8 +112,8 @@ def test_kubectl_patches_the_deployment_the_same_way() -> None:
     assert sorted(env, key=str) == sorted(expected_env, key=str)
 
 
-def test_the_readme_gives_those_commands() -> None:
-    text = README.read_text()
+def test_the_docs_give_those_commands() -> None:
+    text = DEPLOY_DOC.read_text()
     assert "kubectl apply -f deploy/kubernetes/discovery/rbac.yaml" in text
     assert (
         "kubectl patch deployment kv-slot-tracker --patch-file "

@@ -41,7 +41,7 @@ def ha(kind: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
 def test_redis_sentinel_manifest_is_valid_kubernetes(version: str) -> None:
-    assert [o["kind"] for o in OBJECTS] == ["Service", "StatefulSet"]
+    assert [o["kind"] for o in OBJECTS] == ["Service", "PodDisruptionBudget", "StatefulSet"]
     for doc in OBJECTS:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -119,9 +119,13 @@ def test_every_redis_process_requires_the_password(name: str) -> None:
     assert auth["name"] == "REDISCLI_AUTH"
     assert auth["valueFrom"]["secretKeyRef"] == {"name": "kv-slot-tracker", "key": "redis-password"}
     text = c["command"][2]
-    lines = (['--requirepass "$REDISCLI_AUTH"', '--masterauth "$REDISCLI_AUTH"'] if name == "redis"
-             else ["requirepass $REDISCLI_AUTH", "sentinel sentinel-pass $REDISCLI_AUTH",
-                   "sentinel auth-pass mymaster $REDISCLI_AUTH"])  # fmt: skip
+    # written from REDISCLI_AUTH into the files Redis and the Sentinel load, never on a command
+    # line (test_deploy_invariants.py runs these scripts)
+    assert """pw=$$(printf '%s' "$REDISCLI_AUTH" | sed""" in text
+    lines = (["""printf 'requirepass "%s"\\nmasterauth "%s"\\n' "$pw" "$pw" """.strip(),
+              "exec redis-server /etc/redis/redis.conf"] if name == "redis"
+             else ['requirepass \\"$pw\\"', 'sentinel sentinel-pass \\"$pw\\"',
+                   'sentinel auth-pass mymaster \\"$pw\\"'])  # fmt: skip
     for line in lines:
         assert line in text, (name, line)
     sh = shutil.which("sh")

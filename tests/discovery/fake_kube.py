@@ -8,6 +8,8 @@ namespace, over real HTTP, as the API server answers them.
   (``ADDED``, ``MODIFIED``, ``DELETED``) per change after RV, then each new change, until
   ``timeoutSeconds``; an RV older than the kept history gets an ``ERROR`` event with a 410
   Status, as a compacted etcd answers;
+* ``GET /api/v1/namespaces/NS/pods/NAME``: a pod put with :meth:`put_pod` (404 otherwise, or
+  403 for every pod while ``pods_forbidden``, as without RBAC on pods); ``pod_reads`` counts;
 * a bearer token is required (401 otherwise), so the client must have read the kubeconfig.
 
 The test changes slices with :meth:`put` and :meth:`delete`, cuts every open watch mid-stream
@@ -27,6 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 API = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+PODS = "/api/v1/namespaces/{ns}/pods/"
 
 
 def endpoint(pod: str, ready: bool | None = True, ip: str = "10.0.0.1") -> dict[str, Any]:
@@ -55,6 +58,9 @@ class FakeKubeApi:
         self.garbled_lists = 0  # answer this many lists with a body that is no EndpointSliceList
         self._watch_sockets: set[socket.socket] = set()
         self._generation = 0  # bumped by drop_watches: every open watch ends
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.pod_reads: list[str] = []
+        self.pods_forbidden = False
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -104,8 +110,10 @@ class FakeKubeApi:
         endpoints: list[dict[str, Any]],
         labels: dict[str, str] | None = None,
         annotations: dict[str, str] | None = None,
+        ports: list[dict[str, Any]] | None = None,
     ) -> int:
-        """Create or replace a slice; returns its new resourceVersion."""
+        """Create or replace a slice (``ports``: its ports, by default one named ``http``);
+        returns its new resourceVersion."""
         with self.cond:
             self.version += 1
             kind = "MODIFIED" if name in self.slices else "ADDED"
@@ -123,12 +131,36 @@ class FakeKubeApi:
                 "metadata": meta,
                 "addressType": "IPv4",
                 "endpoints": endpoints,
-                "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+                "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]
+                if ports is None
+                else ports,
             }
             self.slices[name] = obj
             self.history.append((self.version, kind, copy.deepcopy(obj)))
             self.cond.notify_all()
             return self.version
+
+    def put_pod(
+        self,
+        name: str,
+        annotations: dict[str, str] | None = None,
+        ports: dict[str, int] | None = None,
+        uid: str | None = None,
+    ) -> None:
+        """A pod with these annotations and named container ports (uid as ``endpoint`` gives)."""
+        container_ports = [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in (ports or {}).items()]  # fmt: skip
+        with self.cond:
+            self.pods[name] = {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "metadata": {
+                    "name": name,
+                    "namespace": self.namespace,
+                    "uid": uid or f"uid-{name}",
+                    "annotations": dict(annotations or {}),
+                },
+                "spec": {"containers": [{"name": "engine", "ports": container_ports}]},
+            }
 
     def delete(self, name: str) -> int:
         with self.cond:
@@ -198,6 +230,19 @@ class FakeKubeApi:
                     self._json(401, {"kind": "Status", "code": 401, "reason": "Unauthorized"})
                     return
                 url = urlsplit(self.path)
+                pods = PODS.format(ns=fake.namespace)
+                if url.path.startswith(pods):
+                    name = url.path.removeprefix(pods)
+                    with fake.cond:
+                        fake.pod_reads.append(name)
+                        pod = copy.deepcopy(fake.pods.get(name))
+                    if fake.pods_forbidden:
+                        self._json(403, {"kind": "Status", "code": 403, "reason": "Forbidden"})
+                    elif pod is None:
+                        self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+                    else:
+                        self._json(200, pod)
+                    return
                 if url.path != API.format(ns=fake.namespace):
                     self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
                     return

@@ -23,7 +23,7 @@ from kv_slot_tracker.discovery.kubernetes import (
     require_client,
 )
 from kv_slot_tracker.main import create_app
-from kv_slot_tracker.settings import load_settings
+from kv_slot_tracker.settings import ConfigError, Settings, load_settings
 from tests.discovery.fake_kube import FakeKubeApi, endpoint
 
 SERVICE = {"kubernetes.io/service-name": "vllm"}
@@ -290,11 +290,16 @@ def test_without_the_client_the_service_says_so_and_exits_2(
     monkeypatch.setitem(sys.modules, "kubernetes_asyncio", None)  # import fails
     with pytest.raises(DiscoveryUnavailable, match=r"kv-slot-tracker\[kubernetes\]"):
         require_client()
+    with pytest.raises(ConfigError, match=r"kv-slot-tracker\[kubernetes\]"):  # the one validation
+        load_settings(discovery_kubernetes_service="vllm")
     with pytest.raises(DiscoveryUnavailable):
-        create_app(load_settings(discovery_kubernetes_service="vllm"))
+        create_app(Settings(discovery_kubernetes_service="vllm"))
     assert entry.main(["--discovery-kubernetes-service", "vllm"]) == 2
     err = capsys.readouterr().err
-    assert "cannot start: discovery_kubernetes_service is set but the Kubernetes client" in err
+    assert (
+        "\n--discovery-kubernetes-service: discovery_kubernetes_service is set but the Kubernetes "
+        "client" in err
+    )
     create_app(load_settings())  # off by default: nothing is imported
 
 

@@ -18,7 +18,8 @@ import pytest
 import redis
 
 from tests.e2e.servers import Fleet
-from tests.replication.helpers import RedisServer, free_port
+from tests.ports import free_port
+from tests.replication.helpers import RedisServer
 
 FleetFactory = Callable[..., Fleet]
 

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 import httpx
 from kv_slot_tracker_client import SlotTrackerClient, TransportError
 
-from tests.replication.helpers import TcpProxy, free_port
+from tests.ports import free_port
+from tests.replication.helpers import TcpProxy
 from tests.servers import suite_mode
 
 REPO = Path(__file__).resolve().parents[2]

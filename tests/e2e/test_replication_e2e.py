@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from kv_slot_tracker_client.errors import Unavailable
 
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.e2e.conftest import FleetFactory
@@ -96,13 +97,24 @@ def wait_converged(
     timeout: float = CONVERGE_S,
 ) -> list[dict[str, Any]]:
     """Wait until every instance answers the same ``/loads`` and ``/potential_loads``, equal to
-    the expected state; returns the ``/loads`` rows."""
+    the expected state; returns the ``/loads`` rows.
+
+    A 503 is "not yet", as for a client that retries it: an instance that finds the stream
+    switched (Redis restarted empty, a failover) is not ready while it re-reads it, and each
+    instance finds that out on its own reconnect, one after the other. The wait stays bounded
+    by ``timeout``."""
     expected = expected or traffic.expected
     queries = traffic.queries()
     want_loads = expected.loads()
     want_potential = [expected.potential(*q) for q in queries]
 
     def probe() -> list[dict[str, Any]] | None:
+        try:
+            return converged()
+        except Unavailable:
+            return None
+
+    def converged() -> list[dict[str, Any]] | None:
         rows = [load_rows(s) for s in servers]
         if any(r != rows[0] for r in rows[1:]) or load_view(rows[0]) != want_loads:
             return None
@@ -275,6 +287,8 @@ def test_redis_restart_loses_no_event(fleet_factory: FleetFactory, own_redis: Re
         assert row["active_requests"] == traffic.added[rank] - traffic.freed[rank], rank
     statuses = [s.status() for s in fleet.servers]
     assert all(st["connected"] and st["dropped"] == 0 for st in statuses), statuses
+    # every instance found the stream gone and re-read it (not ready meanwhile), and is done
+    assert all(st["resets"] >= 1 and st["ready"] for st in statuses), statuses
 
     # business as usual afterwards, and an instance started now finds everything; it is
     # started once a snapshot exists in the new Redis (before that, see the last two tests)
@@ -434,6 +448,8 @@ def test_instance_replaying_the_resent_stream_sees_each_free_after_its_add(
 
     traffic.add(1)  # b's append finds its last entry gone: it re-sends first
     wait_until(lambda: resent(b), CONVERGE_S, "b to re-send")
+    # a re-reads the new stream (not ready, changes answered 503) before it takes the add
+    wait_until(a.client.ready, CONVERGE_S, "a to catch up with the new stream")
     traffic.add(0)  # then a
     wait_until(lambda: resent(a), CONVERGE_S, "a to re-send")
     fleet.spawn(1)

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from tests.replication.helpers import free_port
+from tests.ports import free_port
 
 MASTER = "mymaster"
 
@@ -86,15 +86,20 @@ class RedisProcess:
 
 
 class SentinelGroup:
-    """A primary, one replica and three Sentinels (quorum 2, down after 1 s); with ``password``
-    every one of them requires it, with ``certs`` (``make_certificates``) they speak TLS only."""
+    """A primary, ``replicas`` replicas (one by default) and three Sentinels (quorum 2, down
+    after 1 s); with ``password`` every one of them requires it, with ``certs``
+    (``make_certificates``) they speak TLS only."""
 
     def __init__(
-        self, binary: str, password: str | None = None, certs: dict[str, Path] | None = None
+        self,
+        binary: str,
+        password: str | None = None,
+        certs: dict[str, Path] | None = None,
+        replicas: int = 1,
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="slot-tracker-ha-"))
-        self.servers = [RedisProcess(binary, "redis-a", self.root),
-                        RedisProcess(binary, "redis-b", self.root)]  # fmt: skip
+        self.servers = [RedisProcess(binary, f"redis-{'abcdefgh'[i]}", self.root)
+                        for i in range(1 + replicas)]  # fmt: skip
         self.sentinels = [RedisProcess(binary, f"sentinel-{i}", self.root) for i in range(3)]
         self.password = password
         self.certs = certs
@@ -117,13 +122,14 @@ class SentinelGroup:
             server.conf = self.common + (f"masterauth {password}\n" if password else "")
 
     def start(self) -> None:
-        first, second = self.servers
+        first, *others = self.servers
         first.start()
         first.wait_up()
-        second.start("--replicaof", "127.0.0.1", str(first.port))
-        second.wait_up()
-        wait_for(lambda: self.role(second) == "slave" and self._link_up(second), 10,
-                 "the replica to sync")  # fmt: skip
+        for second in others:
+            second.start("--replicaof", "127.0.0.1", str(first.port))
+            second.wait_up()
+        wait_for(lambda: all(self.role(o) == "slave" and self._link_up(o) for o in others), 10,
+                 "the replicas to sync")  # fmt: skip
         for s in self.sentinels:
             auth = ""
             if self.password:
@@ -148,7 +154,7 @@ class SentinelGroup:
             for s in self.sentinels:
                 with s.client(decode_responses=True) as c:
                     m = c.sentinel_master(MASTER)
-                    if m["num-slaves"] < 1 or m["num-other-sentinels"] < 2:
+                    if m["num-slaves"] < len(others) or m["num-other-sentinels"] < 2:
                         return False
             return True
 
@@ -199,15 +205,15 @@ class SentinelGroup:
             c.config_set("masterauth", self.password or "")
 
     def wait_healthy(self, timeout: float) -> RedisProcess:
-        """Wait until the primary the Sentinels name is a master and the other server its
-        replica with the link up, whichever server that is; returns the primary."""
+        """Wait until the primary the Sentinels name is a master and the other servers its
+        replicas with the link up, whichever server that is; returns the primary."""
 
         def healthy() -> RedisProcess | None:
             primary = self.primary()
-            (other,) = [s for s in self.servers if s is not primary]
-            if self.role(primary) != "master" or self.role(other) != "slave":
+            others = [s for s in self.servers if s is not primary]
+            if self.role(primary) != "master" or any(self.role(o) != "slave" for o in others):
                 return None
-            return primary if self._link_up(other) else None
+            return primary if all(self._link_up(o) for o in others) else None
 
         return wait_for(healthy, timeout, "one primary with its replica linked")
 

@@ -83,7 +83,7 @@ async def feed(app: FastAPI, wid: int, seq: int, *events: Any) -> None:
     """One batch applied by the rank's listener, as if its publisher had sent it."""
     await app.state.ingest.reconcile()
     _, listener, _ = app.state.ingest.listeners[wid, 0]
-    listener._apply(KvBatch(seq, 0, tuple(events)))
+    await listener.apply(KvBatch(seq, 0, tuple(events)))
 
 
 def store(hashes: list[int], first: int, parent: int | None) -> BlocksStored:

@@ -21,7 +21,7 @@ from bench.kv_publisher import CLEARED, PublisherProcess, removed, stored
 from kv_slot_tracker.ingest.records import encode_batch, seq_frame
 from tests.api.conftest import running_app
 from tests.fakes import FakeClock
-from tests.replication.helpers import free_port
+from tests.ports import free_port
 
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks
@@ -154,9 +154,8 @@ async def test_stores_removals_clears_follow_the_engine(
     assert await metric(client, "kv_slot_tracker_kv_events_bytes") == expected
 
 
-async def test_a_gap_without_replay_clears_the_rank(
-    kv_app: Any, publisher: PublisherProcess
-) -> None:
+async def test_a_gap_without_replay_carries_on(kv_app: Any, publisher: PublisherProcess) -> None:
+    """The default gap policy (``continue``, as the reference): the rank keeps its blocks."""
     _, client = kv_app
     await register(client, publisher, 1)
     probe = overlap(client)
@@ -165,12 +164,12 @@ async def test_a_gap_without_replay_clears_the_rank(
     publisher.publish(0, [stored([3], TOKENS[8:12], BS, parent=2)], drop=True)  # lost
     publisher.publish(0, [stored([4], TOKENS[12:16], BS, parent=3)])
     await eventually(lambda: metric(client, "kv_slot_tracker_kv_events_gaps_lost"), 1.0)
-    # the rank was cleared, and block 4's parent is then unknown: nothing is indexed
-    assert await probe() == [(1, 0, 0, 0, 0), (1, 1, 0, 0, 0)]
-    assert await metric(client, "kv_slot_tracker_kv_events_stores_refused") == 1
+    # block 4's parent never came: refused; blocks 1 and 2 stay
+    await eventually(lambda: metric(client, "kv_slot_tracker_kv_events_stores_refused"), 1.0)
+    assert await probe() == [(1, 0, 2, 0, 0), (1, 1, 0, 0, 0)]
     # the stream goes on from there
-    publisher.publish(0, [stored([1], TOKENS[:4], BS)])
-    await eventually(probe, [(1, 0, 1, 0, 0), (1, 1, 0, 0, 0)])
+    publisher.publish(0, [stored([3], TOKENS[8:12], BS, parent=2)])
+    await eventually(probe, [(1, 0, 3, 0, 0), (1, 1, 0, 0, 0)])
 
 
 async def test_a_gap_is_replayed_from_the_engine(kv_app: Any, publisher: PublisherProcess) -> None:
@@ -198,11 +197,13 @@ async def test_malformed_messages_are_counted_and_skipped(
     probe = overlap(client)
     publisher.raw(0, [b"", b"\x00"])  # two frames
     publisher.raw(0, [b"", seq_frame(0), b"\xc1"])  # not msgpack
-    publisher.raw(0, [b"", seq_frame(0), b"\x93\x00\x91\xa3bad\x00"])  # unknown event
+    publisher.raw(0, [b"", seq_frame(1), b"\x93\x00\x91\xa3bad\x00"])  # unknown event
     # vLLM's bytes hashes (sha256) are not 64-bit integers
     bad = [["BlockStored", [b"\x01" * 32], None, TOKENS[:4], BS, None, "GPU", None]]
-    publisher.raw(0, [b"", seq_frame(0), __import__("msgpack").packb([0.0, bad, 0])])
-    publisher.publish(0, [stored([1, 2], TOKENS[:8], BS)])  # sequence 0, after all that
+    publisher.raw(0, [b"", seq_frame(2), __import__("msgpack").packb([0.0, bad, 0])])
+    # a malformed batch consumes its sequence number: 3 follows without a gap
+    good = encode_batch(0.0, [stored([1, 2], TOKENS[:8], BS)], 0)
+    publisher.raw(0, [b"", seq_frame(3), good])
     await eventually(probe, [(1, 0, 2, 0, 0), (1, 1, 0, 0, 0)])
     assert await metric(client, "kv_slot_tracker_kv_events_malformed") == 4
     assert await metric(client, "kv_slot_tracker_kv_events_gaps") == 0

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.replication.helpers import Clocks, Cluster, RedisServer, free_port
+from tests.ports import free_port
+from tests.replication.helpers import Clocks, Cluster, RedisServer
 
 
 @pytest.fixture

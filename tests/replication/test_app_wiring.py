@@ -18,7 +18,7 @@ from kv_slot_tracker.settings import Settings
 STATUS_KEYS = [
     "mode", "instance_id", "namespace", "redis", "ready", "not_ready_reason", "connected", "degraded",
     "degraded_reasons", "stream_position", "outbox_depth", "outbox_capacity", "published",
-    "applied", "duplicates", "dropped", "records_rejected", "gaps", "resets", "resent", "bootstraps",
+    "applied", "duplicates", "dropped", "records_rejected", "anomalies", "gaps", "resets", "resent", "bootstraps",
     "snapshots_written", "last_applied_lag_ms", "snapshot_age_seconds", "snapshot_stream_id",
     "hub",
 ]  # fmt: skip
@@ -45,7 +45,8 @@ async def test_embedded_app_is_wired_in_one_phase() -> None:
         b'{"mode":"embedded","instance_id":42,"namespace":null,"redis":null,"ready":true,'
         b'"not_ready_reason":null,"connected":null,"degraded":false,"degraded_reasons":[],'
         b'"stream_position":null,"outbox_depth":0,"outbox_capacity":0,"published":0,'
-        b'"applied":0,"duplicates":0,"dropped":0,"records_rejected":{},"gaps":0,"resets":0,"resent":0,'
+        b'"applied":0,"duplicates":0,"dropped":0,"records_rejected":{},"anomalies":{},"gaps":0,"resets":0,'
+        b'"resent":0,'
         b'"bootstraps":0,"snapshots_written":0,"last_applied_lag_ms":null,'
         b'"snapshot_age_seconds":null,"snapshot_stream_id":null,"hub":null}'
     )

@@ -177,6 +177,7 @@ async def test_trimmed_position_bootstraps_again(cluster: Cluster, redis_url: st
 
 
 async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
+    """Entries older than ``stream_retention_seconds`` go once a snapshot covers them."""
     wall = FakeClock(time.time_ns())  # entry ids are the server's real time
     rep = RedisReplication(
         cluster.settings(stream_retention_seconds=60), CollectorRegistry(), wall_clock=wall.now
@@ -198,6 +199,12 @@ async def test_stream_is_trimmed_by_time(cluster: Cluster) -> None:
         # the stream ids are the server's (real) time; move our wall clock past the retention
         wall.set(time.time_ns() + 3600 * NS_PER_SECOND)
         upsert(service, KEY, 1, 4, 0, 3)
+        await eventually(lambda: rep.status().outbox_depth == 0)
+        # no snapshot covers them: a starting instance needs them all, nothing is trimmed
+        assert client.xlen(key) == published + 1
+        await eventually(lambda: rep.reader.position == rep.outbox.last_appended)
+        assert await rep.write_snapshot()
+        upsert(service, KEY, 1, 4, 0, 4)
         await eventually(lambda: client.xlen(key) < published, what="old entries to be trimmed")
         client.close()
     finally:
@@ -277,9 +284,11 @@ async def test_instance_started_after_a_reset_waits_for_a_snapshot(
         b = await cluster.node(start=False)
         await b.rep.start(b.service)  # returns at once: the bootstrap runs in the background
         starting = asyncio.create_task(b.rep.settled(10))
-        await asyncio.sleep(1.0)
+        await eventually(
+            lambda: "waiting for a snapshot" in (b.rep.status().not_ready_reason or ""),
+            what="b to wait for a snapshot",
+        )
         assert not b.rep.ready()
-        assert "waiting for a snapshot" in b.rep.status().not_ready_reason
         assert await a.rep.write_snapshot()
         assert not client.exists(keys.reset)  # a snapshot written after the reset clears it
         await starting

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
 import pytest
 import redis
 
@@ -16,6 +15,7 @@ from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from kv_slot_tracker.settings import Settings
 from tests.replication.apps import register, running_apps, until
 from tests.replication.helpers import proxied
+from tests.support.records import entry_view
 
 pytestmark = pytest.mark.redis
 
@@ -34,7 +34,7 @@ def stream_requests(redis_url: str, namespace: str) -> list[str]:
         client.close()
     out = []
     for _, fields in entries:
-        record = msgpack.unpackb(fields[b"d"], raw=False)
+        record = entry_view(fields[b"d"])
         event = record.get("event")
         if event is not None and isinstance(event["data"], dict):
             out.append(event["request_id"])

@@ -170,8 +170,8 @@ async def no_5xx(app: App) -> None:
 
 def expected_counts() -> dict[str, int]:
     counts = dict.fromkeys(
-        ["undecodable", "envelope", "topology", "event", "early", "selection", "conflict",
-         "snapshot"], 0
+        ["undecodable", "seq_jump", "envelope", "topology", "event", "early", "selection",
+         "conflict", "snapshot", "released"], 0
     )  # fmt: skip
     for reason, _ in BAD:
         counts[reason] += 1

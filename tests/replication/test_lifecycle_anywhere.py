@@ -185,23 +185,23 @@ async def test_plain_lifecycle_bodies_skip_the_models_in_redis_mode_too(
     """``/prefill_complete`` and ``/free`` with plain bodies decode straight into their
     commands on a replicated instance as on an embedded one; other bodies still get the
     models' messages."""
-    import kv_slot_tracker.http.replicated as replicated
+    import kv_slot_tracker.http.operations as operations
 
     add = {"model_name": "m", "request_id": "r", "worker_id": 1, "dp_rank": 0,
            "sequence_hashes": [1, 2]}  # fmt: skip
     async with running_apps(Settings(redis_url=redis_url, namespace=namespace)) as (a,):
         await register(a, [])
         assert (await a.post("/add", add)).status_code == 201
-        models = replicated.parse_json
+        models = operations.parse_json
 
         def refuse(*args, **kwargs):
             raise AssertionError("a plain body went through the models")
 
-        monkeypatch.setattr(replicated, "parse_json", refuse)
+        monkeypatch.setattr(operations, "parse_json", refuse)
         ref = {"model_name": "m", "request_id": "r"}
         assert (await a.post("/prefill_complete", ref)).status_code == 200
         assert (await a.post("/free", ref)).status_code == 200
-        monkeypatch.setattr(replicated, "parse_json", models)
+        monkeypatch.setattr(operations, "parse_json", models)
         bad = await a.post("/free", {"model_name": "m"})
         assert bad.status_code == 422
         assert bad.json() == {
@@ -227,12 +227,12 @@ async def test_plain_batches_skip_the_models_in_redis_mode_too(
         settings(redis_url, namespace, consistency_wait_ms=5000),
     ) as (a, b):
         await register(a, [b])
-        models = Operations._batch_ops
+        models = Operations.validated_batch
 
         def refuse(*args, **kwargs):
             raise AssertionError("a plain batch went through the models")
 
-        monkeypatch.setattr(Operations, "_batch_ops", refuse)
+        monkeypatch.setattr(Operations, "validated_batch", refuse)
         known = await a.post("/batch", {"operations": [
             op("add", "x", worker_id=1, dp_rank=0, sequence_hashes=[1, 2], new_isl_tokens=40),
             op("prefill_complete", "x"),
@@ -251,7 +251,7 @@ async def test_plain_batches_skip_the_models_in_redis_mode_too(
         await until(lambda: converged([a, b]), what="convergence after the frees")
         assert [r["active_requests"] for r in await same_loads([a, b])] == [0, 0]
 
-        monkeypatch.setattr(Operations, "_batch_ops", models)
+        monkeypatch.setattr(Operations, "validated_batch", models)
         mixed = await b.post("/batch", {"operations": [
             op("add", "v", worker_id=1, dp_rank=0, sequence_hashes=[3], new_isl_tokens=16),
             op("free", "v", extra=1),  # a field the command does not take: not plain

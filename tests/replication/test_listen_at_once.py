@@ -113,7 +113,7 @@ async def test_with_redis_unreachable_at_start_the_log_says_what_the_routes_do(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """No Redis at start: the log must not claim the local state is served while it is not."""
-    from tests.servers import free_port
+    from tests.ports import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     app = create_app(Settings(redis_url=url, namespace="unreachable"))

@@ -1,4 +1,4 @@
-"""Whole applications sharing their state through the workers hub
+"""Whole applications sharing their state through the supervisor's hub
 (``kv_slot_tracker.replication.local``), in this process, driven over ASGI: what one process
 acknowledges, the next call on its sibling finds (durable acknowledgements + read barrier); a
 process that joins after the hub forgot the first frames loads a sibling's state; ``GET
@@ -91,7 +91,7 @@ async def test_siblings_answer_as_one_and_a_late_one_loads_the_state(hub: Hub) -
         assert figures["head"] == hub.head and figures["exports"] == 1 and figures["joins"] == 3
         assert figures["oversized"] == figures["cut"] == figures["resyncs"] == 0
         assert c.metric("replication_position") == hub.head
-        assert c.metric("workers_hub_head") == hub.head
+        assert c.metric("supervisor_hub_head") == hub.head
         # a: the registration, its 5 adds and the 5 prefill completions of b's adds
         assert a.replication.status().published == 11
         assert c.metric("replication_published_total") == 1

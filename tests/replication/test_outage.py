@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -48,6 +50,25 @@ def requests(node: Node) -> set[str]:
     return set(request_ranks(node.service.tracker(KEY)))
 
 
+@contextlib.asynccontextmanager
+async def b_behind_a_proxy(
+    cluster: Cluster, redis_url: str
+) -> AsyncIterator[tuple[Node, Node, TcpProxy, redis.Redis]]:
+    """Instances A and B on ``redis_url``, B through a proxy that can cut it off, and a plain
+    client of the server."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    proxy = TcpProxy(port)
+    await proxy.start()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        a = await cluster.node()
+        b = await cluster.node(redis_url=proxy.url())
+        yield a, b, proxy, client
+    finally:
+        client.close()
+        await proxy.close()
+
+
 async def test_redis_restart_mid_traffic_loses_nothing(
     cluster: Cluster, redis_server: RedisServer
 ) -> None:
@@ -68,8 +89,8 @@ async def test_redis_restart_mid_traffic_loses_nothing(
         lambda: not a.rep.status().connected and not b.rep.status().connected,
         what="both instances to notice",
     )
-    await asyncio.sleep(0.3)  # keep writing into the outboxes while Redis is down
-    assert a.rep.status().outbox_depth > 0
+    # the traffic keeps writing into the outboxes while Redis is down
+    await eventually(lambda: a.rep.status().outbox_depth > 0, what="records held in a's outbox")
     redis_server.start()  # same port, empty
     await running
     await traffic.run(50)
@@ -141,14 +162,8 @@ async def test_stream_recreated_by_a_peer_is_detected_by_the_own_last_entry(
     """Redis loses the stream while B is cut off, and A's next append recreates it: its ids are
     newer than B's position, so only B's own last entry being gone tells B that this is not the
     stream it was reading. B reads it from its start and asks for a snapshot."""
-    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
-    proxy = TcpProxy(port)
-    await proxy.start()
-    keys = NamespaceKeys.of(cluster.namespace)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        a = await cluster.node()
-        b = await cluster.node(redis_url=proxy.url())
+    async with b_behind_a_proxy(cluster, redis_url) as (a, b, proxy, client):
+        keys = NamespaceKeys.of(cluster.namespace)
         register(a.service, KEY, 1, 4, 0, 1)
         register(a.service, KEY, 2, 4, 0, 1)
         await eventually(lambda: len(b.loads()) == 2)
@@ -169,6 +184,33 @@ async def test_stream_recreated_by_a_peer_is_detected_by_the_own_last_entry(
         assert b.rep.status().gaps == 0
         await eventually(lambda: client.hget(keys.snapshot, "id") is not None, timeout=5)
         await eventually(lambda: not client.exists(keys.reset), timeout=5)
-    finally:
-        client.close()
-        await proxy.close()
+
+
+async def test_an_entry_of_another_instance_at_the_own_last_id_is_not_taken_for_the_own(
+    cluster: Cluster, redis_url: str
+) -> None:
+    """After a failover the new primary's stream can hold, at the very id of B's last entry,
+    an entry of another instance (ids are milliseconds, and two primaries hand out the same
+    ones). B must see that the entry is not its own and re-send its recent records."""
+    async with b_behind_a_proxy(cluster, redis_url) as (a, b, proxy, client):
+        keys = NamespaceKeys.of(cluster.namespace)
+        register(a.service, KEY, 1, 4, 0, 1)
+        await eventually(lambda: len(b.loads()) == 1)
+        b.add("b-before", hashes=[7])
+        await eventually(lambda: b.rep.status().outbox_depth == 0 and "b-before" in requests(a))
+        own = b.rep.outbox.last_appended
+        (_, foreign), *_ = client.xrange(keys.events, count=1)  # a's record, not b's
+
+        proxy.cut()
+        await eventually(lambda: not b.rep.status().connected)
+        client.delete(keys.events)
+        client.xadd(keys.events, foreign, id=own)  # the failed-over stream: another's entry
+        proxy.restore()
+        b.add("b-after", hashes=[8])
+        await eventually(lambda: b.rep.status().outbox_depth == 0)
+        assert b.rep.status().resent >= 1  # it knew the entry at its id was not its own
+        entries = client.xrange(keys.events)
+        assert [e for _, e in entries].count(foreign) == 1
+        assert len(entries) >= 3  # the foreign entry, b-before re-sent, b-after
+        await eventually(lambda: requests(a) == requests(b) == {"b-before", "b-after"})
+        assert a.rep.status().gaps == 0

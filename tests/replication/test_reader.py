@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 import redis
 
@@ -11,7 +12,7 @@ from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.replication.records import RECORD_FIELD
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.replication.helpers import GROUP, KEY, MODEL, WALL_START_NS, Cluster, eventually
-from tests.support.tracker import request_ranks
+from tests.support.tracker import active_request_counts, request_ranks
 
 pytestmark = pytest.mark.redis
 
@@ -39,7 +40,7 @@ def add(rid: str, origin: int, hashes: list[int] | None = None) -> dict:
     ev = ActiveSequenceEvent(
         rid, WorkerWithDpRank(1, 0), AddRequest(hashes or [1, 2], True, None, None), origin
     )
-    return {"event": event_to_wire(ev)}
+    return {"event": msgspec.to_builtins(event_to_wire(ev))}
 
 
 class Stream:
@@ -111,7 +112,7 @@ async def test_each_read_reply_is_applied_as_one_batch(cluster: Cluster, stream:
     await b.rep.settled(10)
     assert b.rep.ready()
     assert batches == [6]  # one reply, one apply (one flush of effects per tracker)
-    assert b.service.tracker(KEY).active_request_counts() == {(1, 0): 5}
+    assert active_request_counts(b.service.tracker(KEY)) == {(1, 0): 5}
 
 
 async def test_missing_records_without_a_snapshot_count_a_gap(cluster: Cluster, stream: Stream):

@@ -6,11 +6,13 @@ import msgpack
 import pytest
 
 from kv_slot_tracker.replication.records import (
+    Delivered,
     MalformedRecord,
     SeqLedger,
     as_replayed,
-    decode_record,
-    encode_record,
+    decode_entry,
+    encode_entry,
+    record_bytes,
 )
 
 
@@ -38,16 +40,47 @@ def test_ledger_round_trip_and_pruning() -> None:
     assert copy.get((1, 10)) == 5  # copies are independent
 
 
-def test_records_encode_and_validate() -> None:
-    rec = {"origin": 1, "incarnation": 2, "seq": 3, "ts": 4, "topology": {"op": "upsert"}}
-    assert decode_record(encode_record(rec)) == rec
-    for bad in (b"\xc1", msgpack.packb([1]), msgpack.packb({**rec, "seq": "3"})):
-        with pytest.raises(MalformedRecord):
-            decode_record(bad)
+def test_entries_carry_the_record_untouched_in_a_versioned_envelope() -> None:
+    record = b"\x81\xa1k\xa5bytes the service made"
+    entry = encode_entry(1, 2, 3, -4, record)
+    assert msgpack.unpackb(entry) == [2, 1, 2, 3, -4, record]  # format 2 first
+    assert decode_entry(entry) == Delivered(1, 2, 3, -4, record, format=2)
+    assert record_bytes(record) == len(record) + 64  # the size is the bytes', never read
+    edges = encode_entry(2**64 - 1, 2**64 - 1, 2**64 - 1, -(2**63), b"")
+    assert decode_entry(edges) == Delivered(2**64 - 1, 2**64 - 1, 2**64 - 1, -(2**63), b"")
 
 
-def test_replayed_records_lose_the_own_ids() -> None:
-    rec = {"origin": 9, "event": {"request_id": "r", "router_id": 9}, "seq": 1}
+def test_entries_of_format_1_are_read_whole() -> None:
+    """Format 1: one map, the envelope's fields among the record's; the whole entry is the
+    record, for the service to decode."""
+    entry = msgpack.packb({"origin": 1, "incarnation": 2, "seq": 3, "ts": 4,
+                           "topology": {"op": "upsert"}})  # fmt: skip
+    assert decode_entry(entry) == Delivered(1, 2, 3, 4, entry, format=1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1]),
+        msgpack.packb(7),
+        msgpack.packb([3, 1, 2, 3, 4, b""]),  # a format this version does not know
+        msgpack.packb([2, 1, 2, 3, 4, "not bytes"]),
+        msgpack.packb([2, -1, 2, 3, 4, b""]),  # an origin below 0
+        msgpack.packb([2, 1, 2, 3, 4, b"", "more"]),
+        msgpack.packb({"origin": 1, "incarnation": 2, "seq": "3", "ts": 4}),
+        msgpack.packb({"origin": 1, "incarnation": 2, "seq": 3}),  # no ts
+        msgpack.packb({"origin": True, "incarnation": 2, "seq": 3, "ts": 4}),
+    ],
+)
+def test_entries_that_are_not_records_are_malformed(bad: bytes) -> None:
+    with pytest.raises(MalformedRecord):
+        decode_entry(bad)
+
+
+def test_replayed_records_are_marked_and_the_original_is_untouched() -> None:
+    rec = Delivered(9, 1, 1, 5, b"x")
     out = as_replayed(rec)
-    assert out["origin"] == 0 and out["event"]["router_id"] == 0
-    assert rec["origin"] == 9 and rec["event"]["router_id"] == 9  # the original is untouched
+    assert out.replayed and out.origin == 9 and out.record == b"x"
+    assert not rec.replayed

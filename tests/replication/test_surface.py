@@ -23,7 +23,7 @@ STATUS_FIELDS = {
 def test_embedded_mode_surface() -> None:
     rep = EmbeddedReplication(Settings())
     assert rep.instance_id != 0
-    rep.publish({"anything": 1})
+    rep.publish(b"anything", 1)
     assert rep.ready()
     status = rep.status()
     assert set(status.as_dict()) >= STATUS_FIELDS

@@ -11,12 +11,11 @@ from typing import Any
 
 import msgpack
 
-from kv_slot_tracker.replication.records import encode_record
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service import commands as c
 from tests.calls import AddCall, register
 from tests.fakes import FakeClock
-from tests.support.records import Records
+from tests.support.records import Records, format_1, format_2
 
 KEY = ("m", "default")
 PEER = 7
@@ -60,10 +59,10 @@ def previous_add_record(rid: str, dp_rank: int, origin: int) -> dict[str, Any]:
     }
 
 
-def test_records_written_are_byte_identical_to_the_previous_format() -> None:
+def test_records_written_are_the_previous_format_with_the_kind_tag() -> None:
     sink = Records()
     s = service(sink)
-    del sink.payloads[:]  # the registration's record
+    del sink.payloads[:], sink.times[:]  # the registration's record
     s.add(AddCall(*KEY, "by-hashes", 1, 0, sequence_hashes=SEQ_I64))
     s.add(AddCall(*KEY, "by-tokens", 1, 1, token_ids=TOKENS_1_8))
     s.add(AddCall(*KEY, "small", 1, 0, sequence_hashes=[1, 2]))
@@ -79,11 +78,12 @@ def test_records_written_are_byte_identical_to_the_previous_format() -> None:
         "lora_name": None,
     }
     assert sink.payloads == [
-        encode_record(previous_add_record("by-hashes", 0, 1)),
-        encode_record(previous_add_record("by-tokens", 1, 1)),
-        encode_record(expected_small),
-        encode_record(free),
+        format_2(previous_add_record("by-hashes", 0, 1)),
+        format_2(previous_add_record("by-tokens", 1, 1)),
+        format_2(expected_small),
+        format_2(free),
     ]
+    assert sink.times == [WALL] * 4
     add = msgpack.unpackb(sink.payloads[0])["event"]["data"]["AddRequest"]
     assert add["token_sequence"] == [14643705804678351452, 4945711292740353085]
 
@@ -92,7 +92,7 @@ def test_previous_records_apply_to_the_same_blocks() -> None:
     """A peer of the previous version adds the prompt (unsigned in its record); a local add of
     the same prompt, signed, shares its blocks and its overlap."""
     s = service()
-    assert s.apply_remote([previous_add_record("peer", 0, PEER)]) == 1
+    assert s.apply_remote(format_1([previous_add_record("peer", 0, PEER)])) == 1
     t = s.tracker(KEY)
     assert t.overlaps(SEQ_I64) == {(1, 0): 2}
     s.add(AddCall(*KEY, "local", 1, 0, sequence_hashes=SEQ_I64))
@@ -132,7 +132,7 @@ def test_a_previous_snapshot_restores_and_takes_previous_records() -> None:
     t = s.tracker(KEY)
     assert t.active_blocks() == {(1, 0): 2, (1, 1): 0}
     assert t.overlaps(SEQ_I64) == {(1, 0): 2}  # the signed prompt finds the restored blocks
-    assert s.apply_remote([previous_add_record("peer", 1, PEER)]) == 1
+    assert s.apply_remote(format_1([previous_add_record("peer", 1, PEER)])) == 1
     assert t.overlaps(SEQ_I64) == {(1, 0): 2, (1, 1): 2}
     s.free(c.Free(model_name="m", request_id="old"))
     s.add(AddCall(*KEY, "again", 1, 0, sequence_hashes=SEQ_I64))

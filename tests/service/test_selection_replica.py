@@ -14,11 +14,13 @@ from kv_slot_tracker.core.selection import RouterConfig
 from kv_slot_tracker.core.selection.catalog import WorkerSpec
 from kv_slot_tracker.core.selection.errors import ReservationNotFound
 from kv_slot_tracker.core.types import WorkerWithDpRank
-from kv_slot_tracker.replication.port import OwnReadBack
+from kv_slot_tracker.replication.port import Batch, OwnReadBack
+from kv_slot_tracker.replication.records import decode_entry, encode_entry
 from kv_slot_tracker.service import SlotTrackerService
 from kv_slot_tracker.service.selection import commands as sc
 from kv_slot_tracker.service.selection.service import SelectionService
 from tests.fakes import FakeClock
+from tests.support.records import format_1
 
 S = 1_000_000_000
 WALL = 1_700_000_000 * S
@@ -39,9 +41,9 @@ class Stream:
         class Producer:
             seq = 0
 
-            def publish(self, record: dict[str, Any]) -> int:
+            def publish(self, record: bytes, ts: int) -> int:
                 self.seq += 1
-                stream.entries.append(msgpack.packb({**record, "incarnation": 1, "seq": self.seq}))
+                stream.entries.append(encode_entry(origin, 1, self.seq, ts, record))
                 return self.seq
 
         return Producer()
@@ -69,10 +71,10 @@ class Node:
 
     def deliver(self) -> None:
         """Read the stream from where this instance stopped, as the reader does."""
-        batch: list[dict[str, Any]] = []
+        batch: Batch = []
         for blob in self.stream.entries[self.stream.read[self.origin] :]:
-            rec = msgpack.unpackb(blob, raw=False)
-            batch.append(OwnReadBack(rec["seq"]) if rec["origin"] == self.origin else rec)
+            rec = decode_entry(blob)
+            batch.append(OwnReadBack(rec.seq) if rec.origin == self.origin else rec)
         self.stream.read[self.origin] = len(self.stream.entries)
         self.service.apply_remote(batch)
 
@@ -257,7 +259,7 @@ def test_a_malformed_selection_record_is_counted_and_skipped() -> None:
         {"origin": 1, "ts": WALL, "selection": {"op": "nope"}},
         {"origin": 1, "ts": WALL, "selection": {"op": "book", "id": "x"}},
     ]
-    b.service.apply_remote(bad)
+    b.service.apply_remote(format_1(bad))
     assert b.service.replica.dropped == 3
     b.deliver()
     assert [r.spec.worker_id for r in b.selection.workers(None, None)] == [1]

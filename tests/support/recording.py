@@ -16,6 +16,7 @@ from kv_slot_tracker.core.types import (
     PrefillTokenDeltas,
     WorkerWithDpRank,
 )
+from tests.support.prefill import tokens_for
 from tests.support.tracker import slots
 
 __all__ = [
@@ -111,7 +112,7 @@ def naive_potential_loads(
 
     Reads the per-rank slots (not the tracker's read model or overlap index) so it is an
     independent oracle: blocks = slot's active blocks + len(query) - prefix overlap; tokens =
-    slot's active prefill tokens at ``decay_now`` + ``deltas.tokens_for(worker)``.
+    slot's active prefill tokens at ``decay_now`` + ``tokens_for(deltas, worker)``.
     """
     deltas = deltas or PrefillTokenDeltas.none()
     q_len = len(query) if query else 0
@@ -121,7 +122,7 @@ def naive_potential_loads(
         prompts = [st.prompt_blocks for st in slot.requests.values()]
         overlap = naive_overlap(prompts, query)
         blocks[worker] = slot.active_blocks() + max(0, q_len - overlap)
-        tokens[worker] = slot.active_tokens(decay_now) + deltas.tokens_for(worker)
+        tokens[worker] = slot.active_tokens(decay_now) + tokens_for(deltas, worker)
     return blocks, tokens
 
 

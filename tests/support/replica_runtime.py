@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar
 
 from kv_slot_tracker.core.events import ActiveSequenceEvent, AddRequest, Free
 from kv_slot_tracker.core.tracker import ActiveSequencesMultiWorker, ReplicaEffects
-from kv_slot_tracker.replication.queue import EventQueue, describe
+from kv_slot_tracker.core.types import WorkerWithDpRank
+from kv_slot_tracker.replication.queue import EventQueue, PublishQueueError, PublishQueueFull
 from kv_slot_tracker.replication.queue import collect_batch as collect_capped_batch
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,29 @@ async def run_singleton_publisher(
         except Exception as e:  # transport errors must not stop the loop
             rid, worker = describe(item)
             log.error("Failed to publish replica event request_id=%s worker=%s: %s", rid, worker, e)
+
+
+def describe(item: object) -> tuple[str, WorkerWithDpRank]:
+    """``(request_id, worker)`` of a queued event, for messages."""
+    event = getattr(item, "event", item)
+    if isinstance(event, ActiveSequenceEvent):
+        return event.request_id, event.worker
+    return str(getattr(item, "request_id", "")), WorkerWithDpRank(0, 0)
+
+
+def send_event(queue: EventQueue[ActiveSequenceEvent], event: ActiveSequenceEvent) -> None:
+    """The seeds' publish sender: ``try_send``, a refusal worded as Dynamo's runtime words it
+    (the dropped event's request and worker; the queue itself knows nothing of events)."""
+    try:
+        queue.try_send(event)
+    except PublishQueueError as e:
+        full = isinstance(e, PublishQueueFull)
+        what = "full; dropping newest event" if full else "closed; dropping event"
+        e.args = (
+            f"active-sequence publish queue {what} (request_id={event.request_id}, "
+            f"worker={event.worker.debug()}, capacity={queue.capacity})",
+        )
+        raise
 
 
 def drain(queue: EventQueue[T]) -> list[T]:

@@ -119,3 +119,29 @@ def force_expiry(slot: ActiveSequences) -> SeedOutcome:
     )
     _expire(held, out.expired_prompts, seed.membership_delta)
     return seed
+
+
+# -- reads of one rank that the service does not make ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadSnapshot:
+    active_blocks: int
+    active_requests: int
+
+
+def num_requests(slot: ActiveSequences) -> int:
+    return len(slot.requests)
+
+
+def worker_load_snapshot(slot: ActiveSequences) -> WorkerLoadSnapshot:
+    return WorkerLoadSnapshot(slot.blocks.active_blocks(), len(slot.requests))
+
+
+def active_block_hashes(slot: ActiveSequences) -> set[int]:
+    """The hashes an active request's prompt or output block holds."""
+    return slot.blocks.active_hashes()
+
+
+def active_prompt_hashes(slot: ActiveSequences) -> set[int]:
+    return {h for st in slot.requests.values() for h in st.prompt_blocks}

@@ -150,6 +150,11 @@ def slots(t: ActiveSequencesMultiWorker) -> dict[WorkerWithDpRank, ActiveSequenc
     return t._slots
 
 
+def active_request_counts(t: ActiveSequencesMultiWorker) -> dict[WorkerWithDpRank, int]:
+    """Every rank's number of active requests (a rank's copy of a request counts there)."""
+    return {w: len(s.requests) for w, s in t.ranks()}
+
+
 def request_ranks(t: ActiveSequencesMultiWorker) -> dict[str, WorkerWithDpRank]:
     """Every indexed request id with its rank (a copy)."""
     return dict(t.indexed_requests())
@@ -180,7 +185,7 @@ def assert_completely_drained(t: ActiveSequencesMultiWorker, decay_now: int) -> 
     assert all(v == 0 for v in blocks.values()), f"expected zero active blocks, got {blocks}"
     tokens = t.active_tokens(decay_now)
     assert all(v == 0 for v in tokens.values()), f"expected zero active tokens, got {tokens}"
-    reqs = t.active_request_counts()
+    reqs = active_request_counts(t)
     assert all(v == 0 for v in reqs.values()), f"expected zero active requests, got {reqs}"
     left = request_ranks(t)
     assert not left, f"expected no request mappings, got {left}"

@@ -8,6 +8,7 @@ import pytest
 
 from kv_slot_tracker.core.blocks import BlockTracker
 from kv_slot_tracker.core.types import U64_MAX, round_half_away_from_zero_usize
+from tests.support.blocks import set_fraction
 
 # --------------------------------------------------------------------------------------------
 # round_half_away_from_zero_usize
@@ -104,17 +105,17 @@ def test_fractional_active_blocks_are_rounded_half_away_from_zero() -> None:
     bt = BlockTracker()
     for h in (1, 2, 3):
         bt.touch(h)
-    bt.set_fraction(1, 0.5)
+    set_fraction(bt, 1, 0.5)
     assert bt.active_blocks() == 3  # 2 + 0.5 = 2.5 -> 3
-    bt.set_fraction(2, 0.5)
+    set_fraction(bt, 2, 0.5)
     assert bt.active_blocks() == 2  # 1 + 1.0
-    bt.set_fraction(3, 0.5)
+    set_fraction(bt, 3, 0.5)
     assert bt.active_blocks() == 2  # 1.5 -> 2
-    bt.set_fraction(3, 0.0)
+    set_fraction(bt, 3, 0.0)
     assert bt.active_blocks() == 1  # 1.0
-    bt.set_fraction(2, 0.0)
+    set_fraction(bt, 2, 0.0)
     assert bt.active_blocks() == 1  # 0.5 -> 1
-    bt.set_fraction(1, 0.25)
+    set_fraction(bt, 1, 0.25)
     assert bt.active_blocks() == 0  # 0.25 -> 0
 
 
@@ -122,7 +123,7 @@ def test_fraction_is_sticky_while_shared_and_dropped_with_the_hash() -> None:
     bt = BlockTracker()
     bt.touch(1)
     bt.touch(2)
-    bt.set_fraction(1, 0.0)
+    set_fraction(bt, 1, 0.0)
     assert bt.active_blocks() == 1
     bt.touch(1)  # now shared: the fraction stays
     assert bt.fraction == {1: 0.0}
@@ -139,8 +140,8 @@ def test_fraction_is_sticky_while_shared_and_dropped_with_the_hash() -> None:
 def test_set_fraction_overwrites() -> None:
     bt = BlockTracker()
     bt.touch(1)
-    bt.set_fraction(1, 0.2)
-    bt.set_fraction(1, 0.9)
+    set_fraction(bt, 1, 0.2)
+    set_fraction(bt, 1, 0.9)
     assert bt.fraction == {1: 0.9}
     assert bt.active_blocks() == 1  # 0.9 -> 1
 
@@ -149,12 +150,12 @@ def test_negative_or_nan_fraction_counts_as_zero_blocks() -> None:
     """SPEC §2.2: fractions are not validated; a negative or NaN total becomes 0."""
     bt = BlockTracker()
     bt.touch(1)
-    bt.set_fraction(1, -5.0)
+    set_fraction(bt, 1, -5.0)
     assert bt.active_blocks() == 0
     bt.touch(2)
     bt.touch(3)
     assert bt.active_blocks() == 0  # 2 - 5 = -3
-    bt.set_fraction(1, math.nan)
+    set_fraction(bt, 1, math.nan)
     assert bt.active_blocks() == 0
 
 
@@ -164,7 +165,7 @@ def test_is_empty_tracks_references() -> None:
     assert bt.active_blocks() == 0
     bt.touch(5)
     assert not bt.is_empty()
-    bt.set_fraction(5, 0.5)
+    set_fraction(bt, 5, 0.5)
     bt.release_and_try_remove(5)
     assert bt.is_empty()
 
@@ -199,8 +200,8 @@ def test_unhold_drops_the_fractions_of_the_hashes_that_go() -> None:
     bt = BlockTracker()
     bt.hold((1, 2))
     bt.hold((2, 3))
-    bt.set_fraction(1, 0.5)
-    bt.set_fraction(2, 0.25)
+    set_fraction(bt, 1, 0.5)
+    set_fraction(bt, 2, 0.25)
     bt.unhold((1, 2))  # 1 goes, 2 stays (held by the other run) and keeps its fraction
     assert bt.refcount == {2: 1, 3: 1}
     assert bt.fraction == {2: 0.25}

@@ -18,7 +18,9 @@ from kv_slot_tracker.core.prefill import PrefillLoadState, PrefillLoadTracker
 from kv_slot_tracker.core.sequences import ActiveSequences
 from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint, WorkerWithDpRank
 from tests.fakes import FakeClock
-from tests.support.tracker import SequenceRequest, add_request, new_tracker
+from tests.support.blocks import set_fraction
+from tests.support.sequences import active_block_hashes
+from tests.support.tracker import SequenceRequest, active_request_counts, add_request, new_tracker
 
 
 class CountingId(str):
@@ -98,7 +100,7 @@ def slot_free_counts(n: int) -> tuple[int, int]:
     CountingId.reset()
     slot.release(rids[-1], clock.now())
     counts = CountingId.counts()
-    assert 1000 + n not in slot.active_block_hashes()
+    assert 1000 + n not in active_block_hashes(slot)
     assert len(slot.requests) == n and len(slot.prefill) == n
     return counts
 
@@ -127,7 +129,7 @@ def tracker_add_free_counts(n: int) -> tuple[int, int]:
     )
     tracker.free(new, clock.now())
     counts = CountingId.counts()
-    assert tracker.active_request_counts() == {WorkerWithDpRank(0, 0): 0, rank: n}
+    assert active_request_counts(tracker) == {WorkerWithDpRank(0, 0): 0, rank: n}
     assert tracker.active_blocks()[rank] == 16 + n
     return counts
 
@@ -150,14 +152,14 @@ def test_active_blocks_does_not_walk_the_fractional_blocks() -> None:
     bt._fraction = NoWalkDict()
     for h in range(1000):
         bt.touch(h)
-        bt.set_fraction(h, 0.25 if h % 2 else 0.5)
+        set_fraction(bt, h, 0.25 if h % 2 else 0.5)
     assert bt.active_blocks() == 375  # 500 * 0.5 + 500 * 0.25
     for h in range(0, 1000, 2):
         bt.release_and_try_remove(h)
     assert bt.active_blocks() == 125  # 500 * 0.25
     bt.touch(5000)
     assert bt.active_blocks() == 126
-    bt.set_fraction(5000, 0.5)
+    set_fraction(bt, 5000, 0.5)
     assert bt.active_blocks() == 126  # 125.5 rounds half away from zero
 
 

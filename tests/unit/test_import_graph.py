@@ -2,9 +2,14 @@
 
 Every ``import`` / ``from … import`` naming a ``kv_slot_tracker`` module is an edge, wherever it stands (at
 the top, inside a function, under ``TYPE_CHECKING``): a circle through a function-level import is
-still two modules that each need the other. A package's ``__init__`` counts as its own module,
-and importing ``pkg.a.b`` also depends on ``pkg.a`` (Python runs the package first); a module's
-import of its own enclosing packages is no edge (they are initialised before it in any case).
+still two modules that each need the other, and one through a ``TYPE_CHECKING`` import is two
+modules that each know the other's types; a one-way layering has neither (the project has no
+circle of either kind, so counting them costs nothing and keeps it so). A package's
+``__init__`` counts as its own module, and importing ``pkg.a.b`` also depends on ``pkg.a``
+(Python runs the package first). A module's import of its own enclosing packages is no edge
+(they are initialised before it in any case), unless it takes a name that the package's
+``__init__`` defines or re-exports: that name exists only once the ``__init__`` has run that far,
+so the module depends on the ``__init__`` and, through it, on what it re-exports.
 """
 
 from __future__ import annotations
@@ -15,16 +20,16 @@ from pathlib import Path
 APP = Path(__file__).resolve().parents[2] / "kv_slot_tracker"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(APP.parent).with_suffix("").parts)
+def module_name(path: Path, root: Path = APP.parent) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
+def imports_of(path: Path, modules: set[str], root: Path = APP.parent) -> set[str]:
     """The ``kv_slot_tracker`` modules that ``path`` imports (a name imported from a package may be a module)."""
-    here = module_name(path)
+    here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -36,10 +41,15 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            # a name that is no submodule comes from the package's __init__ (defined there or
+            # re-exported): an edge to the package even when it encloses this module
+            reexport = any(f"{base}.{alias.name}" not in modules for alias in node.names)
+            if reexport and base in modules and base != here:
+                found.add(base)
         else:
             continue
         for name in names:
-            # the module itself, or the deepest service module that the dotted name falls in
+            # the module itself, or the deepest package module that the dotted name falls in
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             # a module's own packages run before it anyway: importing them is no circle
@@ -104,6 +114,28 @@ def test_the_graph_is_read() -> None:
         in graph["kv_slot_tracker.http.selection.operations"]
     )
     assert "kv_slot_tracker.core.tracker" in graph["kv_slot_tracker.service.registry"]
+
+
+def test_a_name_taken_from_an_enclosing_package_is_an_edge_to_its_init(tmp_path: Path) -> None:
+    pkg = tmp_path / "kv_slot_tracker" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from kv_slot_tracker.pkg.a import A\n")
+    (pkg / "a.py").write_text("from kv_slot_tracker.pkg import b\nA = 1\n")
+    (pkg / "b.py").write_text("from kv_slot_tracker.pkg import A\n")
+    modules = {"kv_slot_tracker.pkg", "kv_slot_tracker.pkg.a", "kv_slot_tracker.pkg.b"}
+    # `from kv_slot_tracker.pkg import b`: a submodule; the enclosing package is no edge
+    assert imports_of(pkg / "a.py", modules, tmp_path) == {"kv_slot_tracker.pkg.b"}
+    # `from kv_slot_tracker.pkg import A`: a re-export, so the package's __init__ is an edge
+    assert imports_of(pkg / "b.py", modules, tmp_path) == {"kv_slot_tracker.pkg"}
+    graph = {
+        m: imports_of(pkg / f"{p}.py", modules, tmp_path)
+        for m, p in [
+            ("kv_slot_tracker.pkg", "__init__"),
+            ("kv_slot_tracker.pkg.a", "a"),
+            ("kv_slot_tracker.pkg.b", "b"),
+        ]
+    }
+    assert cycles(graph) == [sorted(modules)]
 
 
 def test_cycles_are_found() -> None:

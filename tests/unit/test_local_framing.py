@@ -1,4 +1,4 @@
-"""Frames on the workers hub's socket (``kv_slot_tracker.replication.local.framing``): cut out of
+"""Frames on the supervisor's hub's socket (``kv_slot_tracker.replication.local.framing``): cut out of
 a byte stream whatever the reads' boundaries; a frame over the limit refused, counted and
 skipped without losing the frames around it."""
 

@@ -46,6 +46,7 @@ from tests.support.recording import (
 )
 from tests.support.tracker import (
     SequenceRequest,
+    active_request_counts,
     add_request,
     add_request_if_registered,
     any_worker_matches_active_tokens,
@@ -124,7 +125,7 @@ def modeled_time_loads_by_worker(
 
 
 def active_request_count(tracker: ActiveSequencesMultiWorker, worker: WorkerWithDpRank) -> int:
-    return tracker.active_request_counts().get(worker, 0)
+    return active_request_counts(tracker).get(worker, 0)
 
 
 def assert_matches_naive(
@@ -386,7 +387,7 @@ def test_worker_removal_then_readd_starts_with_empty_registry_state(clock: FakeC
     sequences.reconcile_workers([])
     assert is_membership_empty(sequences)
     assert sequences.active_blocks() == {}
-    assert worker not in sequences.active_request_counts()
+    assert worker not in active_request_counts(sequences)
     assert not request_ranks(sequences)
 
     sequences.reconcile_workers([WorkerDpRange(1, 0, 1)])
@@ -646,7 +647,7 @@ def test_m09_reconcile_validation_is_atomic(clock: FakeClock) -> None:
             sequences.active_blocks(),
             sequences.worker_ranges(),
             dict(request_ranks(sequences)),
-            sequences.active_request_counts(),
+            active_request_counts(sequences),
         )
 
     before = snapshot()
@@ -885,7 +886,7 @@ def test_m25_sweep_publication(clock: FakeClock) -> None:
     assert rec.load_batches == []
     assert not request_ranks(sequences)
     assert is_membership_empty(sequences)
-    assert sequences.active_request_counts()[w(1, 0)] == 0
+    assert active_request_counts(sequences)[w(1, 0)] == 0
     sequences.assert_consistent()
 
 

@@ -45,6 +45,7 @@ from tests.support.recording import (
 )
 from tests.support.tracker import (
     SequenceRequest,
+    active_request_counts,
     add_request,
     add_request_if_registered,
     assert_completely_drained,
@@ -401,7 +402,7 @@ class OverlapMachine(RuleBasedStateMachine):
             assert self.model.pop(rid).started_at < now - EXPIRY_NS, rid
         assert actual == {rid: m.worker for rid, m in self.model.items()}
         counts = Counter(m.worker for m in self.model.values())
-        assert tracker.active_request_counts() == {w: counts.get(w, 0) for w in self.slots}
+        assert active_request_counts(tracker) == {w: counts.get(w, 0) for w in self.slots}
         loras = Counter(m.lora for m in self.model.values() if m.lora is not None)
         assert tracker.get_active_lora_counts() == dict(loras)
 

@@ -18,6 +18,7 @@ from kv_slot_tracker.core.prefill import (
 )
 from kv_slot_tracker.core.types import NS_PER_MS, NS_PER_S, PrefillTokenDeltas, WorkerWithDpRank
 from tests.fakes import FakeClock
+from tests.support.prefill import active_tokens_at, prefill_order, tokens_for
 
 E = FakeClock.START_NS  # the epoch; every instant below is E + some offset
 
@@ -54,7 +55,7 @@ def remove(tracker: PrefillLoadTracker, rid: str, now: int) -> PrefillLoadState 
 
 def tokens(tracker: PrefillLoadTracker, now: int) -> int:
     value = tracker.active_tokens(now)
-    assert tracker.snapshot().active_tokens_at(now) == value, "snapshot and tracker disagree"
+    assert active_tokens_at(tracker.snapshot(), now) == value, "snapshot and tracker disagree"
     return value
 
 
@@ -100,9 +101,9 @@ def test_snapshot_only_decays_oldest_prefill() -> None:
     assert tracker.full_sum == 160
 
     snapshot = tracker.snapshot()
-    assert snapshot.active_tokens_at(at(2)) == 140
-    assert snapshot.active_tokens_at(at(5)) == 110
-    assert snapshot.active_tokens_at(at(12)) == 40
+    assert active_tokens_at(snapshot, at(2)) == 140
+    assert active_tokens_at(snapshot, at(5)) == 110
+    assert active_tokens_at(snapshot, at(12)) == 40
     assert [tokens(tracker, at(s)) for s in (2, 5, 12)] == [140, 110, 40]
 
 
@@ -187,7 +188,7 @@ def test_removing_anchored_prefill_reanchors_front_and_resets_decay() -> None:
     insert(tracker, "r2", p2, E)
 
     assert remove(tracker, "r1", at(3)) == p1
-    assert list(tracker.order) == ["r2"]
+    assert list(prefill_order(tracker)) == ["r2"]
     assert tracker.anchor_rid == "r2"
     assert tracker.anchor_since == at(3)
 
@@ -254,7 +255,7 @@ def test_removing_nonfront_modeled_prefill_shifts_existing_anchor() -> None:
     insert(tracker, "r2", p2, E)
 
     assert remove(tracker, "r2", at(2)) == p2
-    assert list(tracker.order) == ["r1"]
+    assert list(prefill_order(tracker)) == ["r1"]
     assert tracker.anchor_rid == "r1"
     assert tracker.anchor_since == at(2)
 
@@ -272,12 +273,12 @@ def test_duplicate_cleanup_is_idempotent() -> None:
     assert remove(tracker, "r1", E) == p1
     assert remove(tracker, "r1", E) is None
     assert tracker.full_sum == 30
-    assert list(tracker.order) == ["r2"]
+    assert list(prefill_order(tracker)) == ["r2"]
 
     assert remove(tracker, "r2", E) == p2
     assert remove(tracker, "r2", E) is None
     assert tracker.full_sum == 0
-    assert not tracker.order
+    assert not prefill_order(tracker)
     assert not tracker.prefills
     assert tracker.anchor_rid is None
     assert tracker.snapshot() == PrefillLoadSnapshot()
@@ -392,13 +393,13 @@ def test_p16_deltas() -> None:
     w10, w20 = WorkerWithDpRank(1, 0), WorkerWithDpRank(2, 0)
 
     deltas = PrefillTokenDeltas.new(16, {w10: 8})
-    assert deltas.tokens_for(w10) == 8
-    assert deltas.tokens_for(w20) == 16
+    assert tokens_for(deltas, w10) == 8
+    assert tokens_for(deltas, w20) == 16
 
-    assert PrefillTokenDeltas.uniform(5).tokens_for(w10) == 5
-    assert PrefillTokenDeltas.uniform(5).tokens_for(WorkerWithDpRank(7, 3)) == 5
-    assert PrefillTokenDeltas.none().tokens_for(w10) == 0
-    assert PrefillTokenDeltas.none().tokens_for(w20) == 0
+    assert tokens_for(PrefillTokenDeltas.uniform(5), w10) == 5
+    assert tokens_for(PrefillTokenDeltas.uniform(5), WorkerWithDpRank(7, 3)) == 5
+    assert tokens_for(PrefillTokenDeltas.none(), w10) == 0
+    assert tokens_for(PrefillTokenDeltas.none(), w20) == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ def test_snapshot_is_unaffected_by_later_mutations() -> None:
     insert(tracker, "r2", u(50), E)
     remove(tracker, "r1", at(1))
 
-    assert snapshot.active_tokens_at(at(5)) == 50
+    assert active_tokens_at(snapshot, at(5)) == 50
     assert snapshot.modeled_remaining_prefill_time_ms(at(5)) == 5_000
     assert tokens(tracker, at(5)) == 50  # the live tracker holds only the unmodeled r2
 
@@ -457,7 +458,7 @@ def test_removing_middle_prefill_keeps_order() -> None:
     for rid in ("r1", "r2", "r3"):
         insert(tracker, rid, u(10), E)
     remove(tracker, "r2", at(1))
-    assert list(tracker.order) == ["r1", "r3"]
+    assert list(prefill_order(tracker)) == ["r1", "r3"]
     assert tracker.anchor_since == E  # unmodeled: no credit
     remove(tracker, "r1", at(2))
     assert tracker.anchor_rid == "r3"
@@ -478,7 +479,7 @@ def test_prefill_completed_mid_queue_and_added_again_goes_to_the_back() -> None:
     insert(tracker, "c", u(30), E)
     assert remove(tracker, "b", at(1)) == u(20)
     insert(tracker, "b", u(40), at(2))
-    assert list(tracker.order) == ["a", "c", "b"]
+    assert list(prefill_order(tracker)) == ["a", "c", "b"]
     assert remove(tracker, "a", at(3)) == u(10)
     assert tracker.anchor_rid == "c" and tracker.anchor_since == at(3)
     assert remove(tracker, "c", at(4)) == u(30)
@@ -520,4 +521,4 @@ def test_inserting_a_tracked_prefill_again_is_refused_and_changes_nothing() -> N
     with pytest.raises(ValueError, match="already tracked"):
         tracker.insert("r1", u(5), at(1))
     tracker.assert_consistent()
-    assert tracker.full_sum == 60 and list(tracker.order) == ["r1"]
+    assert tracker.full_sum == 60 and list(prefill_order(tracker)) == ["r1"]

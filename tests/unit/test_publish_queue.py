@@ -34,6 +34,7 @@ from tests.support.replica_runtime import (
     collect_batch,
     drain,
     run_singleton_publisher,
+    send_event,
 )
 from tests.support.tracker import SequenceRequest, add_request, new_tracker
 from tests.support.wire import decode_batch, encode_batch
@@ -69,7 +70,7 @@ class QueuePublisher(SequencePublisher):
         self.queue = queue
 
     def enqueue_event(self, event: ActiveSequenceEvent) -> None:
-        self.queue.try_send(event)
+        send_event(self.queue, event)
 
 
 def test_publish_queue_constants() -> None:
@@ -94,8 +95,12 @@ def test_active_sequence_publish_sender_drops_newest_when_full() -> None:
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(1)
     queue.try_send(add_event("accepted"))
 
-    with pytest.raises(PublishQueueFull) as excinfo:
+    with pytest.raises(PublishQueueFull) as plain:
         queue.try_send(free_event("dropped"))
+    # the queue holds any items and names none; the seeds' sender names the event
+    assert str(plain.value) == "publish queue full; dropping the newest item (capacity=1)"
+    with pytest.raises(PublishQueueFull) as excinfo:
+        send_event(queue, free_event("dropped"))
     error = str(excinfo.value)
     assert "queue full" in error
     assert "request_id=dropped" in error
@@ -105,7 +110,7 @@ def test_active_sequence_publish_sender_drops_newest_when_full() -> None:
         "worker=WorkerWithDpRank { worker_id: 1, dp_rank: 0 }, capacity=1)"
     )
     assert len(queue) == 1
-    assert queue.dropped == 1
+    assert queue.dropped == 2
     first = queue.try_recv()
     assert first is not None and first.request_id == "accepted"
     assert queue.try_recv() is None
@@ -142,8 +147,12 @@ def test_active_sequence_publish_sender_classifies_closed_queue_by_cancellation(
     queue: EventQueue[ActiveSequenceEvent] = EventQueue(1)
     queue.close()  # the consumer is gone
 
-    with pytest.raises(PublishQueueClosed) as unexpected:
+    with pytest.raises(PublishQueueClosed) as plain:
         queue.try_send(free_event("unexpected"))
+    assert str(plain.value) == "publish queue closed; dropping the item (capacity=1)"
+    assert plain.value.during_shutdown is False
+    with pytest.raises(PublishQueueClosed) as unexpected:
+        send_event(queue, free_event("unexpected"))
     assert unexpected.value.during_shutdown is False
     assert str(unexpected.value) == (
         "active-sequence publish queue closed; dropping event (request_id=unexpected, "
@@ -152,7 +161,7 @@ def test_active_sequence_publish_sender_classifies_closed_queue_by_cancellation(
 
     queue.shutting_down = True  # the consumer's cancellation token is cancelled
     with pytest.raises(PublishQueueClosed) as shutdown:
-        queue.try_send(free_event("shutdown"))
+        send_event(queue, free_event("shutdown"))
     assert shutdown.value.during_shutdown is True
 
 

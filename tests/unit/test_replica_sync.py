@@ -45,6 +45,7 @@ from tests.support.replica_runtime import (
 from tests.support.tracker import (
     ModeledPrefillTimeLoad,
     SequenceRequest,
+    active_request_counts,
     add_request,
     add_request_if_registered,
     is_membership_empty,
@@ -80,11 +81,16 @@ class ChannelSubscriber:
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        # set while the loop waits in next_event on an empty channel, cleared by a send
+        self.idle = asyncio.Event()
 
     def send(self, item: Item) -> None:
+        self.idle.clear()
         self._queue.put_nowait(item)
 
     async def next_event(self) -> Item | None:
+        if self._queue.empty():
+            self.idle.set()
         return await self._queue.get()
 
     def try_next_event(self) -> object:
@@ -199,7 +205,7 @@ async def test_replica_sync_coalesces_latest_load_wake_and_cleanup() -> None:
     assert sync_counts(tracker).cleanups == 1
     assert tracker.worker_for("req-2") == W1
     assert tracker.worker_for("req-1") is None
-    assert tracker.active_request_counts().get(W1) == 1
+    assert active_request_counts(tracker).get(W1) == 1
     assert publisher.events == []  # applying a peer's events never re-publishes them
 
 
@@ -260,11 +266,9 @@ async def test_replica_sync_flushes_sparse_event_without_waiting_for_another() -
 
     subscriber.send(replica_add("req-1", W1, [1, 2, 3]))
 
-    async def one_batch_flushed() -> None:
-        while len(publisher.load_batches) != 1:
-            await asyncio.sleep(0)
-
-    await asyncio.wait_for(one_batch_flushed(), 0.25)
+    # the loop took the event and now waits for another, which never comes: by then it has
+    # flushed the one it applied
+    await asyncio.wait_for(subscriber.idle.wait(), 10)  # a bound against a hang, not a figure
     assert publisher.load_batches == [[ActiveLoad(1, 0, 3, 12, None)]]
 
     cancel.cancel()
@@ -316,7 +320,7 @@ async def test_replica_sync_add_and_free_keep_block_membership_consistent() -> N
     assert request_ranks(tracker) == {}
     assert is_membership_empty(tracker)
     assert tracker.active_blocks().get(W1) == 0
-    assert tracker.active_request_counts().get(W1, 0) == 0
+    assert active_request_counts(tracker).get(W1, 0) == 0
     tracker.assert_consistent()
 
 
@@ -437,7 +441,7 @@ async def test_replica_sync_add_with_already_mapped_id_overwrites_mapping() -> N
     await replica(tracker, replica_free("r", W1))  # payload names w(1,0): the canonical w(2,0) wins
     assert tracker.worker_for("r") is None
     assert tracker.active_blocks() == {W1: 1, W2: 0}
-    assert tracker.active_request_counts() == {W1: 1, W2: 0}  # the w(1,0) copy lingers
+    assert active_request_counts(tracker) == {W1: 1, W2: 0}  # the w(1,0) copy lingers
 
 
 # -- SPEC §6.1 emission rules (§9.3 M12-M14) ----------------------------------------------------

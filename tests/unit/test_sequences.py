@@ -13,11 +13,16 @@ from kv_slot_tracker.core.sequences import ActiveSequences
 from kv_slot_tracker.core.types import NS_PER_S, PrefillLoadHint
 from tests.fakes import FakeClock
 from tests.support import sequences as seed
+from tests.support.prefill import prefill_order
 from tests.support.sequences import (
     PromptMembershipDelta,
     PromptMembershipRemove,
     PromptMembershipStore,
     SeedOutcome,
+    active_block_hashes,
+    active_prompt_hashes,
+    num_requests,
+    worker_load_snapshot,
 )
 
 
@@ -111,15 +116,15 @@ def test_generic_block_membership_includes_output_blocks() -> None:
 
     outcome = add(slot, "r1", [1, 2, 3], tracking_hint(12), decay_now)
     assert outcome.membership_delta.stores == [PromptMembershipStore(None, [1, 2, 3])]
-    assert slot.active_block_hashes() == {1, 2, 3}
+    assert active_block_hashes(slot) == {1, 2, 3}
 
     output_hash = output_block(slot, "r1", 0.5)
     assert output_hash is not None, "request exists"
-    assert slot.active_block_hashes() == {1, 2, 3, output_hash}
+    assert active_block_hashes(slot) == {1, 2, 3, output_hash}
 
     mark(slot, "r1", decay_now)
     assert slot.active_tokens(decay_now) == 0
-    assert slot.active_block_hashes() == {1, 2, 3, output_hash}
+    assert active_block_hashes(slot) == {1, 2, 3, output_hash}
 
     free_delta = free(slot, "r1", decay_now)
     assert free_delta.removes == [PromptMembershipRemove([1, 2, 3])]
@@ -207,7 +212,7 @@ def test_add_request_without_prefill_tracking_keeps_active_tokens_zero() -> None
     add(slot, "r1", [1, 2, 3], None, decay_now, track=False)
 
     assert slot.active_tokens(decay_now) == 0
-    assert not slot.prefill.order
+    assert not prefill_order(slot.prefill)
     assert slot.prefill.full_sum == 0
 
     mark(slot, "r1", decay_now)
@@ -225,21 +230,21 @@ def test_prefill_queue_and_sum_invariants_survive_idempotent_cleanup() -> None:
     add(slot, "r2", [2], prefill_hint(30, 10), decay_now)
 
     assert slot.prefill.full_sum == 80
-    assert list(slot.prefill.order) == ["r1", "r2"]
+    assert list(prefill_order(slot.prefill)) == ["r1", "r2"]
 
     mark(slot, "r1", decay_now)
     mark(slot, "r1", decay_now)
     assert slot.prefill.full_sum == 30
-    assert list(slot.prefill.order) == ["r2"]
+    assert list(prefill_order(slot.prefill)) == ["r2"]
 
     free(slot, "r1", decay_now)
     free(slot, "r1", decay_now)
     assert slot.prefill.full_sum == 30
-    assert list(slot.prefill.order) == ["r2"]
+    assert list(prefill_order(slot.prefill)) == ["r2"]
 
     free(slot, "r2", decay_now)
     assert slot.prefill.full_sum == 0
-    assert not slot.prefill.order
+    assert not prefill_order(slot.prefill)
     assert not slot.requests
 
 
@@ -315,7 +320,7 @@ def test_c01_shared_blocks_with_zero_token_hint_and_untracked_request() -> None:
     # a hint that is present but carries 0 tokens creates no prefill (SPEC §2.3 step 5)
     add(slot, "r3", [1, 2, 3, 4], PrefillLoadHint(0, 5 * NS_PER_S), t)
     assert (slot.active_blocks(), slot.active_tokens(t)) == (4, 16)
-    assert list(slot.prefill.order) == ["r1", "r2"]
+    assert list(prefill_order(slot.prefill)) == ["r1", "r2"]
     # track_prefill_tokens=False ignores even a positive hint
     add(slot, "r4", [1, 2], PrefillLoadHint(100, None), t, track=False)
     assert (slot.active_blocks(), slot.active_tokens(t)) == (4, 16)
@@ -424,7 +429,7 @@ def test_c09_expiry_timing_and_check_bookkeeping() -> None:
     assert out.membership_delta.stores == []
     assert sorted(r.hashes for r in out.membership_delta.removes) == [[1, 2], [3, 4]]
     assert out.expired_prompts == {"r1": [1, 2], "r2": [3, 4]}
-    assert (slot.active_blocks(), slot.active_tokens(clock.now()), slot.num_requests()) == (0, 0, 0)
+    assert (slot.active_blocks(), slot.active_tokens(clock.now()), num_requests(slot)) == (0, 0, 0)
 
     clock.advance(31)
     out = add(slot, "r3", [5], tracking_hint(4), clock.now())
@@ -499,8 +504,8 @@ def test_c12_duplicate_add_ignored() -> None:
     assert out.expired_request_ids == set()
     assert slot.active_blocks() == 2
     assert slot.active_tokens(t) == 8
-    assert slot.num_requests() == 1
-    assert slot.active_block_hashes() == {1, 2}
+    assert num_requests(slot) == 1
+    assert active_block_hashes(slot) == {1, 2}
     assert slot.requests["r1"].prompt_blocks == [1, 2]
 
 
@@ -515,7 +520,7 @@ def test_c12_duplicate_add_skips_expiry_check() -> None:
     clock.advance(301)
     out = add(slot, "r1", [3], None, clock.now(), track=False)
     assert out.expired_request_ids == set()
-    assert slot.num_requests() == 2
+    assert num_requests(slot) == 2
     assert slot.last_expiry_check == t0
 
     out = expire(slot)
@@ -538,7 +543,7 @@ def test_c13_unknown_ids() -> None:
     assert slot.active_tokens(t) == 100
     assert slot.active_blocks() == 2
     assert slot.blocks.fraction == {}
-    assert slot.num_requests() == 1
+    assert num_requests(slot) == 1
 
 
 def test_c14_expiry_disabled() -> None:
@@ -555,7 +560,7 @@ def test_c14_expiry_disabled() -> None:
 
     out = add(slot, "r2", [3], None, clock.now(), track=False)  # an add does not expire either
     assert out.expired_request_ids == set()
-    assert slot.num_requests() == 2
+    assert num_requests(slot) == 2
     assert slot.active_blocks() == 3
 
 
@@ -595,7 +600,7 @@ def test_expired_free_reanchors_at_check_time() -> None:
     assert out.membership_delta.stores == [PromptMembershipStore(None, [3])]
     assert slot.prefill.anchor_rid == "r2"
     assert slot.prefill.anchor_since == add_time  # re-anchored at the check, not at decay_now
-    assert list(slot.prefill.order) == ["r2", "r3"]
+    assert list(prefill_order(slot.prefill)) == ["r2", "r3"]
     assert slot.active_tokens(add_time + 10 * NS_PER_S) == 65  # 70 - floor(50 * 10 / 100)
 
 
@@ -627,7 +632,7 @@ def test_free_remove_list_continues_past_still_held_blocks() -> None:
     add(slot, "a", [1, 2, 3], None, t, track=False)
     add(slot, "b", [2, 3], None, t, track=False)
     assert free(slot, "a", t).removes == [PromptMembershipRemove([1, 2, 3])]
-    assert slot.active_block_hashes() == {2, 3}
+    assert active_block_hashes(slot) == {2, 3}
 
 
 def test_store_reports_whole_tail_after_first_new_block() -> None:
@@ -649,9 +654,9 @@ def test_worker_load_snapshot_counts_blocks_and_requests() -> None:
     slot = make_slot(clock)
     add(slot, "r1", [1, 2, 3], tracking_hint(12), t)
     add(slot, "r2", [1, 2], None, t, track=False)
-    snap = slot.worker_load_snapshot()
+    snap = worker_load_snapshot(slot)
     assert (snap.active_blocks, snap.active_requests) == (3, 2)
-    assert slot.active_prompt_hashes() == {1, 2, 3}
+    assert active_prompt_hashes(slot) == {1, 2, 3}
 
 
 # --------------------------------------------------------------------------------------------

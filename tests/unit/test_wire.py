@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import msgpack
+import msgspec
 import pytest
 
 from kv_slot_tracker.core.events import (
@@ -29,6 +30,7 @@ from kv_slot_tracker.core.events import (
 from kv_slot_tracker.core.tracker import SequencePublisher
 from kv_slot_tracker.core.types import PrefillLoadHint, WorkerWithDpRank
 from kv_slot_tracker.replication.queue import EventQueue
+from kv_slot_tracker.service import records as r
 from tests.fakes import FakeClock
 from tests.support.recording import tracking_hint
 from tests.support.replica_runtime import (
@@ -36,10 +38,12 @@ from tests.support.replica_runtime import (
     Cancel,
     collect_batch,
     run_singleton_publisher,
+    send_event,
     start_replica_sync,
 )
 from tests.support.tracker import (
     SequenceRequest,
+    active_request_counts,
     add_request,
     assert_completely_drained,
     new_tracker,
@@ -125,34 +129,24 @@ APPENDIX_B = [
 ]
 
 
-def envelope(event: ActiveSequenceEvent) -> dict[str, object]:
-    return {
-        "model_name": "rm",
-        "routing_group": "default",
-        "block_size": 4,
-        "event": event_to_wire(event),
-    }
-
-
 @pytest.mark.parametrize(("frame_hex", "event"), APPENDIX_B)
 def test_appendix_b_frames_reencode_byte_for_byte(
     frame_hex: str, event: ActiveSequenceEvent
 ) -> None:
+    """The frames are records of stream format 1 (without the envelope's fields): read as
+    such, and this version's record of the same event is the same map behind its kind tag."""
     frame = bytes.fromhex(frame_hex)
-    assert msgpack.packb(envelope(event)) == frame
-
-    decoded = msgpack.unpackb(frame, raw=False)
-    assert list(decoded) == ["model_name", "routing_group", "block_size", "event"]
-    assert decoded["model_name"] == "rm"
-    assert decoded["routing_group"] == "default"
-    assert decoded["block_size"] == 4
-    assert event_from_wire(decoded["event"]) == event
+    record = r.decode(frame, 1)
+    assert record == r.EventRecord("rm", "default", 4, event_to_wire(event))
+    assert event_from_wire(record.event) == event  # type: ignore[union-attr]
+    assert r.encode(record) == b"\x85\xa1k\xa5event" + frame[1:]  # a map of 5: the tag first
 
 
 def test_appendix_b_event_field_order_and_duration_encoding() -> None:
-    add = event_to_wire(
+    wire = event_to_wire(
         ActiveSequenceEvent("q1", Q1_WORKER, AddRequest([], False, None, None), ROUTER_ID)
     )
+    add = msgpack.unpackb(msgspec.msgpack.encode(wire))
     assert list(add) == ["request_id", "worker", "data", "router_id", "lora_name"]
     assert add["data"] == {
         "AddRequest": {
@@ -162,7 +156,7 @@ def test_appendix_b_event_field_order_and_duration_encoding() -> None:
             "prefill_load_hint": None,
         }
     }
-    assert msgpack.packb(duration_to_wire(10 * 1_000_000_000)) == bytes.fromhex(
+    assert msgspec.msgpack.encode(duration_to_wire(10 * 1_000_000_000)) == bytes.fromhex(
         "82a4736563730aa56e616e6f7300"
     )
 
@@ -223,7 +217,7 @@ class QueuePublisher(SequencePublisher):
         self.queue = queue
 
     def enqueue_event(self, event: ActiveSequenceEvent) -> None:
-        self.queue.try_send(event)
+        send_event(self.queue, event)
 
 
 class Replica:
@@ -335,7 +329,7 @@ async def test_active_sequence_replica_sync_isolated_by_endpoint(
     assert b.tracker.active_blocks()[worker] == 0
     assert b.tracker.worker_for("endpoint-a-request-0") is None
     # a's own event came back on its bus and was ignored (echo suppression): still one copy
-    assert a.tracker.active_request_counts()[worker] == 1
+    assert active_request_counts(a.tracker)[worker] == 1
 
 
 @WIRES
@@ -444,4 +438,4 @@ async def test_multi_worker_no_token_sequence_sync(wire: str, replicas: list[Rep
     for worker in (w0, w1, w2):
         assert tokens_phase2[worker] == 0, worker
     assert s1.active_tokens(clock.now()) == {w0: 0, w1: 0, w2: 0}
-    assert s2.active_request_counts() == {w0: 0, w1: 0, w2: 0}
+    assert active_request_counts(s2) == {w0: 0, w1: 0, w2: 0}

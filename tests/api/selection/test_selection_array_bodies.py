@@ -1,6 +1,6 @@
 """A JSON array where a selection route takes a struct: the reference's serde reads it as well,
-element ``i`` as the struct's field ``i`` (``kv_slot_tracker.http.body.SeqStruct``), and answers
-its texts word for word, position included; a struct with a flattened part (the prompt routes,
+element ``i`` as the struct's field ``i`` (``kv_slot_tracker.core.serde.sequences``), and
+answers its texts word for word, position included; a struct with a flattened part (the prompt routes,
 reservations) refuses any array at its first byte, naming the route's own struct.
 
 Every row was sent to the reference selection service (Dynamo 1.6.1, ``python -m

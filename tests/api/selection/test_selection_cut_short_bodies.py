@@ -1,6 +1,6 @@
 """A body cut short (or a list where a map is read) answers on ``/selection`` exactly what the
 reference answers: serde_json's "EOF while parsing ..." with serde_path_to_error's path in front
-and the column where the body ended (``kv_slot_tracker.http.body._eof_message``).
+and the column where the body ended (``kv_slot_tracker.core.serde.syntax``).
 
 ``reference_cut_short_bodies.json`` holds the reference's answers as given (its ``source``
 says how they were taken): every prefix of one body that walks through keys, strings, numbers,

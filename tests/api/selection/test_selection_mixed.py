@@ -2,7 +2,7 @@
 
 A selection worker's ranks are registered in its partition's tracker, and a reservation is a
 request of that tracker (its id is the selection id), so the slot-tracker routes and metrics see
-reservations; what each API does alone is its reference's behaviour (README "Selection API").
+reservations; what each API does alone is its reference's behaviour (docs/api.md, "Selection API").
 """
 
 from __future__ import annotations

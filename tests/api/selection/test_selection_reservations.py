@@ -37,6 +37,27 @@ def pinned(worker_id: int, dp_rank: int = 0) -> dict[str, Any]:
     return {"pinned_worker": {"worker_id": worker_id, "dp_rank": dp_rank}}
 
 
+OK = {"status": "ok"}
+
+
+def booked(sid: str, worker_id: int = A, dp_rank: int = 0, model: str = "default") -> dict:
+    """The answer of a booking of ``sid`` on ``worker_id``/``dp_rank``."""
+    return {"selection_id": sid, "model_name": model, "routing_group": "default",
+            "worker_id": worker_id, "dp_rank": dp_rank, "endpoint": f"http://w{worker_id}"}  # fmt: skip
+
+
+def no_pending(sid: str, model: str = "default") -> dict:
+    return {
+        "error": f"no pending selection {sid} for model={model} routing_group=default "
+        "(expired, already used, or never selected)"
+    }
+
+
+async def answer(call: Any) -> tuple[int, Any]:
+    r = await call
+    return r.status_code, r.json()
+
+
 # -- replay of a pending selection --------------------------------------------------------------
 
 
@@ -45,6 +66,7 @@ async def test_replay_books_the_cached_pick_once(client) -> None:
     await add_worker(client, B)
     r = await post(client, "/select", {**prompt([1, 2], 7), "selection_id": "s", **pinned(B)})
     assert r.status_code == 200
+    assert (r.json()["worker_id"], r.json()["dp_rank"]) == (B, 0)
     assert await rank_load(client, B) == (0, 0, 0)  # a select books nothing
     assert await overlap(client, [1, 2], B) == 0  # nor writes the cache
     r = await post(client, "/reservations", {"selection_id": "s", "worker_id": None})
@@ -69,32 +91,43 @@ async def test_replay_books_the_cached_pick_once(client) -> None:
     )
 
 
-async def test_pending_selections_are_kept_per_partition(client) -> None:
-    await add_worker(client, A)
-    await add_worker(client, B, model_name="m2")
-    await post(client, "/select", {**prompt([1]), "selection_id": "s"})
-    await post(client, "/select", {**prompt([1]), "selection_id": "s", "model_name": "m2"})
-    # an explicit booking drops only its own partition's pending entry
-    await book(client, "s", B, [1], isl=4, model_name="m2")
-    r = await post(client, "/reservations", {"selection_id": "s"})  # the id is reserved
-    assert (r.status_code, r.json()["error"]) == (
-        409,
-        "selection s is already reserved or being reserved",
-    )
-    assert (await client.delete(f"{SEL}/reservations/s")).status_code == 200
-    assert (await post(client, "/reservations", {"selection_id": "s"})).status_code == 201
-    r = await post(client, "/reservations", {"selection_id": "s", "model_name": "m2"})
-    assert r.status_code == 404
+async def test_pending_selections_are_kept_per_partition(make_client, clock) -> None:
+    # a released id is refused until its tombstone goes (here after 1 s; the reference replays
+    # the entry at once)
+    async with make_client(selection_seed=5, reservation_tombstone_ttl_seconds=1) as (_, client):
+        await add_worker(client, A)
+        await add_worker(client, B, model_name="m2")
+        await post(client, "/select", {**prompt([1]), "selection_id": "s"})
+        await post(client, "/select", {**prompt([1]), "selection_id": "s", "model_name": "m2"})
+        # an explicit booking drops only its own partition's pending entry
+        await book(client, "s", B, [1], isl=4, model_name="m2")
+        r = await post(client, "/reservations", {"selection_id": "s"})  # the id is reserved
+        assert (r.status_code, r.json()["error"]) == (
+            409,
+            "selection s is already reserved or being reserved",
+        )
+        assert await answer(client.delete(f"{SEL}/reservations/s")) == (200, OK)
+        assert (await post(client, "/reservations", {"selection_id": "s"})).status_code == 409
+        clock.advance(1)
+        r = post(client, "/reservations", {"selection_id": "s"})
+        assert await answer(r) == (201, booked("s"))
+        r = await post(client, "/reservations", {"selection_id": "s", "model_name": "m2"})
+        assert (r.status_code, r.json()) == (404, no_pending("s", "m2"))
 
 
-async def test_select_and_reserve_leaves_the_pending_entry(client) -> None:
-    await add_worker(client, A)
-    await post(client, "/select", {**prompt([1]), "selection_id": "s"})
-    assert (
-        await post(client, "/select_and_reserve", {**prompt([1]), "selection_id": "s"})
-    ).status_code == 200
-    assert (await client.delete(f"{SEL}/reservations/s")).status_code == 200
-    assert (await post(client, "/reservations", {"selection_id": "s"})).status_code == 201
+async def test_select_and_reserve_leaves_the_pending_entry(make_client, clock) -> None:
+    async with make_client(selection_seed=5, reservation_tombstone_ttl_seconds=1) as (_, client):
+        await add_worker(client, A)
+        await post(client, "/select", {**prompt([1]), "selection_id": "s"})
+        r = await post(client, "/select_and_reserve", {**prompt([1]), "selection_id": "s"})
+        assert r.status_code == 200
+        assert (r.json()["selection_id"], r.json()["worker_id"]) == ("s", A)
+        assert await rank_load(client) == (4, 1, 1)
+        assert await answer(client.delete(f"{SEL}/reservations/s")) == (200, OK)
+        assert await rank_load(client) == (0, 0, 0)
+        clock.advance(1)  # past the released id's tombstone
+        r = post(client, "/reservations", {"selection_id": "s"})
+        assert await answer(r) == (201, booked("s"))
 
 
 async def test_replay_after_the_worker_went_keeps_the_entry(client) -> None:
@@ -116,9 +149,11 @@ async def test_pending_selections_expire_after_the_ttl(make_client, clock) -> No
         for sid in ("early", "late"):
             await post(client, "/select", {**prompt([1]), "selection_id": sid})
         clock.advance(119.9)
-        assert (await post(client, "/reservations", {"selection_id": "early"})).status_code == 201
+        r = await post(client, "/reservations", {"selection_id": "early"})
+        assert (r.status_code, r.json()) == (201, booked("early"))
         clock.advance(0.1)
-        assert (await post(client, "/reservations", {"selection_id": "late"})).status_code == 404
+        r = await post(client, "/reservations", {"selection_id": "late"})
+        assert (r.status_code, r.json()) == (404, no_pending("late"))
 
 
 async def test_pending_selections_are_bounded_by_count(make_client) -> None:
@@ -127,9 +162,11 @@ async def test_pending_selections_are_bounded_by_count(make_client) -> None:
         for sid in ("p1", "p2", "p3"):
             await post(client, "/select", {**prompt([1]), "selection_id": sid})
         assert app.state.selection.pending.evicted == 1
-        assert (await post(client, "/reservations", {"selection_id": "p1"})).status_code == 404
-        assert (await post(client, "/reservations", {"selection_id": "p2"})).status_code == 201
-        assert (await post(client, "/reservations", {"selection_id": "p3"})).status_code == 201
+        r = await post(client, "/reservations", {"selection_id": "p1"})
+        assert (r.status_code, r.json()) == (404, no_pending("p1"))
+        for sid in ("p2", "p3"):
+            r = await post(client, "/reservations", {"selection_id": sid})
+            assert (r.status_code, r.json()) == (201, booked(sid))
 
 
 # -- explicit bookings --------------------------------------------------------------------------
@@ -155,7 +192,7 @@ async def test_explicit_booking_rules(client) -> None:
         "/reservations",
         {"selection_id": "tok", "worker_id": A, "token_ids": list(range(8))},
     )
-    assert r.status_code == 201
+    assert (r.status_code, r.json()) == (201, booked("tok"))
     r = await post(client, "/overlap_scores", {"token_ids": list(range(8))})
     assert r.json()["workers"][0] == {**r.json()["workers"][0], "dp_rank": 0, "device_blocks": 2}
     # (token prompts write the cache too)
@@ -226,11 +263,11 @@ async def test_percent_encoded_ids(client) -> None:
     await add_worker(client, A)
     await book(client, "a b/c", A, [1], isl=4)
     r = await client.post(f"{SEL}/reservations/a%20b%2Fc/prefill_complete")
-    assert r.status_code == 200
+    assert (r.status_code, r.json()) == (200, OK)
     r = await client.delete(f"{SEL}/reservations/a%20b%2Fc")
-    assert r.status_code == 200
+    assert (r.status_code, r.json()) == (200, OK)
     r = await client.delete(f"{SEL}/reservations/a%20b%2Fc")
-    assert r.json() == {"error": "reservation a b/c not found"}
+    assert (r.status_code, r.json()) == (404, {"error": "reservation a b/c not found"})
 
 
 async def test_a_deleted_workers_reservation_ids_linger(client) -> None:
@@ -244,15 +281,21 @@ async def test_a_deleted_workers_reservation_ids_linger(client) -> None:
         "/reservations",
         {"selection_id": "s", "worker_id": A, "sequence_hashes": [1], "isl_tokens": 4},
     )
-    assert r.status_code == 409  # ... but the id stays taken
+    # ... but the id stays taken
+    assert (r.status_code, r.json()) == (
+        409,
+        {"error": "selection s is already reserved or being reserved"},
+    )
     r = await client.post(f"{SEL}/reservations/s/output_block", json={})
-    assert r.status_code == 404  # until a lifecycle call on it answers 404
+    # until a lifecycle call on it answers 404
+    assert (r.status_code, r.json()) == (404, {"error": "reservation s not found"})
     r = await post(
         client,
         "/reservations",
         {"selection_id": "s", "worker_id": A, "sequence_hashes": [1], "isl_tokens": 4},
     )
-    assert r.status_code == 201
+    assert (r.status_code, r.json()) == (201, booked("s"))
+    assert await rank_load(client) == (0, 1, 1)
 
 
 async def test_lingering_ids_are_dropped_by_the_sweep_after_the_expiry(app, client, clock) -> None:

@@ -1,5 +1,5 @@
 """Malformed bodies on the ``/selection`` routes answer the reference's serde texts word for
-word, position included (``kv_slot_tracker.http.body.serde_shape_error``).
+word, position included (``kv_slot_tracker.core.serde.shapes.shape_error``).
 
 Every row was sent to the reference selection service (Dynamo 1.6.1, ``python -m
 dynamo.select_service`` with ``DYN_ROUTER_USE_KV_EVENTS=false``, its routes without the

@@ -6,6 +6,7 @@ import pytest
 
 from kv_slot_tracker.core.selection import RouterConfig, RouterConfigOverride
 from kv_slot_tracker.core.selection.errors import InvalidRouterConfig, InvalidRouterConfigOverride
+from tests.support.router_config import with_override
 
 
 def test_defaults_are_the_reference_defaults() -> None:
@@ -23,11 +24,11 @@ def test_defaults_are_the_reference_defaults() -> None:
         c.router_ttl_secs,
     ) == (1.0, 0.0, 1.0, 0.0, 0.0, True, False, True, 0.0, 120.0)
     assert c.router_ttl_ns == 120_000_000_000
-    assert RouterConfig.from_env({}) == c
+    assert RouterConfig().with_env({}) == c
 
 
 def test_every_knob_reads_its_environment_variable() -> None:
-    c = RouterConfig.from_env(
+    c = RouterConfig().with_env(
         {
             "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "0.5",
             "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY": "1",
@@ -57,14 +58,14 @@ def test_every_knob_reads_its_environment_variable() -> None:
 
 @pytest.mark.parametrize("var", ["DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"])
 def test_overlap_score_weight_is_an_alias_of_prefill_load_scale(var: str) -> None:
-    c = RouterConfig.from_env({var: "2", "DYN_ROUTER_PREFILL_LOAD_SCALE": "5"})
+    c = RouterConfig().with_env({var: "2", "DYN_ROUTER_PREFILL_LOAD_SCALE": "5"})
     assert (c.prefill_load_scale, c.overlap_score_credit) == (2.0, 1.0)
-    zero = RouterConfig.from_env({var: "0", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "0.7"})
+    zero = RouterConfig().with_env({var: "0", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "0.7"})
     assert (zero.prefill_load_scale, zero.overlap_score_credit) == (0.0, 0.0)
 
 
 def test_first_alias_wins() -> None:
-    c = RouterConfig.from_env(
+    c = RouterConfig().with_env(
         {"DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "3", "DYN_OVERLAP_SCORE_WEIGHT": "4"}
     )
     assert c.prefill_load_scale == 3.0
@@ -103,7 +104,7 @@ def test_first_alias_wins() -> None:
 )
 def test_bad_environment_values(env: dict[str, str], message: str) -> None:
     with pytest.raises(InvalidRouterConfig) as e:
-        RouterConfig.from_env(env)
+        RouterConfig().with_env(env)
     assert str(e.value) == message
 
 
@@ -132,7 +133,7 @@ def test_override_replaces_only_what_it_names() -> None:
             "unknown_field": "ignored",
         }
     )
-    c = base.with_override(override)
+    c = with_override(base, override)
     assert c == RouterConfig(
         overlap_score_credit=0.25,
         overlap_score_credit_decay=1.0,
@@ -140,8 +141,8 @@ def test_override_replaces_only_what_it_names() -> None:
         router_temperature=1.0,
         track_prefill_tokens=False,
     )
-    assert base.with_override(None) is base
-    assert base.with_override(RouterConfigOverride.from_json({})) is base
+    assert with_override(base, None) is base
+    assert with_override(base, RouterConfigOverride.from_json({})) is base
     assert RouterConfigOverride.from_json(None) is None
 
 
@@ -150,7 +151,7 @@ def test_override_weight_alias() -> None:
     assert (o.prefill_load_scale, o.overlap_score_credit) == (2.0, None)
     o = RouterConfigOverride.from_json({"overlap_score_weight": 0, "overlap_score_credit": 0.9})
     assert (o.prefill_load_scale, o.overlap_score_credit) == (0.0, 0.0)
-    c = RouterConfig().with_override(RouterConfigOverride.from_json({"assume_kv_reuse": False}))
+    c = with_override(RouterConfig(), RouterConfigOverride.from_json({"assume_kv_reuse": False}))
     assert c.assume_kv_reuse is False
 
 

@@ -21,6 +21,7 @@ from kv_slot_tracker.core.selection import (
     select,
 )
 from kv_slot_tracker.core.types import WorkerWithDpRank
+from tests.support.router_config import with_override
 from tests.unit.selection.builders import BS, P8, Partition
 
 A, B, C = WorkerWithDpRank(1), WorkerWithDpRank(2), WorkerWithDpRank(3)
@@ -99,7 +100,7 @@ def test_s3_half_credit(k: int, a: float, winner: str) -> None:
     "config",
     [
         RouterConfig(prefill_load_scale=2.0),
-        RouterConfig.from_env({"DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "2"}),
+        RouterConfig().with_env({"DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "2"}),
     ],
     ids=["SCALE=2", "OSW=2"],
 )
@@ -213,7 +214,7 @@ def test_override_applies_like_the_config() -> None:
     p = base()
     query = P8[:6] + new_blocks(2)
     override = RouterConfigOverride.from_json({"overlap_score_credit": 0.5})
-    sel = p.select(query, 32, RouterConfig().with_override(override))
+    sel = p.select(query, 32, with_override(RouterConfig(), override))
     assert sel.logits[A] == 15.0
     assert sel.worker == A
 

@@ -1,11 +1,11 @@
-"""``/replication`` and ``/metrics`` of several processes as one (``kv_slot_tracker.http.workers``)."""
+"""``/replication`` and ``/metrics`` of several processes as one (``kv_slot_tracker.http.process_group``)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_slot_tracker.http.workers import merge_metrics, merge_status
+from kv_slot_tracker.http.process_group import merge_metrics, merge_status
 
 
 def exposition(published: int, active: int) -> bytes:
@@ -27,18 +27,18 @@ def samples(text: bytes) -> dict[tuple[str, tuple], float]:
 def test_metrics_of_every_process_labelled_with_its_index() -> None:
     merged = merge_metrics({1: exposition(7, 3), 0: exposition(5, 3)})
     assert samples(merged) == {
-        ("records_published_total", (("worker", "0"),)): 5.0,
-        ("records_published_total", (("worker", "1"),)): 7.0,
-        ("active", (("model", "m"), ("worker", "0"))): 3.0,
-        ("active", (("model", "m"), ("worker", "1"))): 3.0,
+        ("records_published_total", (("process", "0"),)): 5.0,
+        ("records_published_total", (("process", "1"),)): 7.0,
+        ("active", (("model", "m"), ("process", "0"))): 3.0,
+        ("active", (("model", "m"), ("process", "1"))): 3.0,
     }
     assert merged.count(b"# TYPE records_published_total counter") == 1
 
 
-def status(worker: int, **fields: object) -> dict:
-    base = {"mode": "redis", "instance_id": 10 + worker, "ready": True, "connected": True,
+def status(process: int, **fields: object) -> dict:
+    base = {"mode": "redis", "instance_id": 10 + process, "ready": True, "connected": True,
             "degraded": False, "degraded_reasons": [], "published": 2, "applied": 3,
-            "dropped": 0, "worker": worker, "pid": 100 + worker}  # fmt: skip
+            "dropped": 0, "process": process, "pid": 100 + process}  # fmt: skip
     return {**base, **fields}
 
 
@@ -49,8 +49,8 @@ def test_status_sums_counters_and_lists_the_processes() -> None:
     assert merged["published"] == 7 and merged["applied"] == 4 and merged["dropped"] == 0
     assert merged["records_rejected"] == {"malformed": 3, "stale": 1}
     assert merged["ready"] and not merged["degraded"] and merged["not_ready_reason"] is None
-    assert merged["instance_id"] == 10 and "worker" not in merged and "pid" not in merged
-    assert merged["workers"] == views and merged["workers_missing"] == []
+    assert merged["instance_id"] == 10 and "process" not in merged and "pid" not in merged
+    assert merged["processes"] == views and merged["processes_missing"] == []
 
 
 def test_status_not_ready_or_degraded_when_any_process_is() -> None:
@@ -64,6 +64,6 @@ def test_status_not_ready_or_degraded_when_any_process_is() -> None:
 
 def test_a_process_not_answering_makes_the_instance_degraded() -> None:
     merged = merge_status(status(0), [status(0)], [1])
-    assert not merged["ready"] and merged["not_ready_reason"] == "worker 1 not answering"
-    assert merged["degraded_reasons"] == ["worker 1 not answering"]
-    assert merged["workers_missing"] == [1]
+    assert not merged["ready"] and merged["not_ready_reason"] == "process 1 not answering"
+    assert merged["degraded_reasons"] == ["process 1 not answering"]
+    assert merged["processes_missing"] == [1]

@@ -1,4 +1,4 @@
-"""``WorkerGroupViews`` (``kv_slot_tracker.http.workers``): ``/replication`` and ``/metrics`` of a
+"""``ProcessGroupViews`` (``kv_slot_tracker.http.process_group``): ``/replication`` and ``/metrics`` of a
 ``--workers`` instance read the siblings' own views from their Unix sockets (real sockets here,
 served by a stand-in that records what it was asked)."""
 
@@ -14,12 +14,12 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from kv_slot_tracker.http.workers import WorkerGroupViews
+from kv_slot_tracker.http.process_group import ProcessGroupViews
 
 OWN_STATUS = {"mode": "redis", "instance_id": 10, "ready": True, "connected": True,
               "degraded": False, "degraded_reasons": [], "published": 3, "applied": 4}  # fmt: skip
 SIBLING_STATUS = {**OWN_STATUS, "instance_id": 11, "published": 5, "applied": 6,
-                  "worker": 1, "pid": 4242}  # fmt: skip
+                  "process": 1, "pid": 4242}  # fmt: skip
 OWN_METRICS = b"# HELP x_total things\n# TYPE x_total counter\nx_total 3.0\n"
 SIBLING_METRICS = b"# HELP x_total things\n# TYPE x_total counter\nx_total 5.0\n"
 
@@ -52,7 +52,7 @@ async def sibling(tmp_path: Path) -> AsyncIterator[tuple[str, list[bytes]]]:
         await writer.drain()
         writer.close()
 
-    path = str(tmp_path / "worker-1.sock")
+    path = str(tmp_path / "process-1.sock")
     server = await asyncio.start_unix_server(handle, path=path)
     try:
         yield path, seen
@@ -63,15 +63,15 @@ async def sibling(tmp_path: Path) -> AsyncIterator[tuple[str, list[bytes]]]:
 
 async def get(app: Any, route: str, **headers: str) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://process") as client:
         return await client.get(route, headers=headers)
 
 
-def views(sibling_path: str, tmp_path: Path) -> WorkerGroupViews:
+def views(sibling_path: str, tmp_path: Path) -> ProcessGroupViews:
     # process 2's socket does not exist: it is being restarted
-    paths = {0: str(tmp_path / "worker-0.sock"), 1: sibling_path,
-             2: str(tmp_path / "worker-2.sock")}  # fmt: skip
-    return WorkerGroupViews(inner, index=0, siblings=lambda: paths)
+    paths = {0: str(tmp_path / "process-0.sock"), 1: sibling_path,
+             2: str(tmp_path / "process-2.sock")}  # fmt: skip
+    return ProcessGroupViews(inner, index=0, siblings=lambda: paths)
 
 
 async def test_replication_of_every_process_with_the_callers_key(
@@ -81,9 +81,9 @@ async def test_replication_of_every_process_with_the_callers_key(
     r = await get(views(path, tmp_path), "/replication", authorization="Bearer k")
     assert r.status_code == 200
     body = r.json()
-    assert [(w["worker"], w["instance_id"]) for w in body["workers"]] == [(0, 10), (1, 11)]
+    assert [(w["process"], w["instance_id"]) for w in body["processes"]] == [(0, 10), (1, 11)]
     assert body["published"] == 8 and body["applied"] == 10
-    assert body["workers_missing"] == [2] and not body["ready"] and body["degraded"]
+    assert body["processes_missing"] == [2] and not body["ready"] and body["degraded"]
     assert int(r.headers["content-length"]) == len(r.content)
     (request,) = seen
     assert request.startswith(b"GET /replication HTTP/1.1\r\n")
@@ -106,7 +106,7 @@ async def test_a_sibling_asking_gets_this_process_alone(
     path, seen = sibling
     app = views(path, tmp_path)
     r = await get(app, "/replication", authorization="Bearer k", **{"x-slot-tracker-local": "1"})
-    assert r.json() == {**OWN_STATUS, "worker": 0, "pid": r.json()["pid"]}
+    assert r.json() == {**OWN_STATUS, "process": 0, "pid": r.json()["pid"]}
     r = await get(app, "/metrics", **{"x-slot-tracker-local": "1"})
     assert r.content == OWN_METRICS
     assert seen == []
@@ -118,4 +118,4 @@ async def test_metrics_of_every_process_labelled(
     path, _ = sibling
     r = await get(views(path, tmp_path), "/metrics")
     lines = [line for line in r.text.splitlines() if line.startswith("x_total")]
-    assert lines == ['x_total{worker="0"} 3.0', 'x_total{worker="1"} 5.0']
+    assert lines == ['x_total{process="0"} 3.0', 'x_total{process="1"} 5.0']

@@ -1,15 +1,15 @@
-"""The README's "Container" section shows the three ways to run the image and the dashboard,
-and every file it names exists."""
+"""The "Container" section of docs/kubernetes.md shows the three ways to run the image and the
+dashboard, and every file it names exists."""
 
 from __future__ import annotations
 
 import re
 
-from tests.deploy.support import README, ROOT
+from tests.deploy.support import DEPLOY_DOC, ROOT
 
 
 def container_section() -> str:
-    text = README.read_text()
+    text = DEPLOY_DOC.read_text()
     start = text.index("\n## Container\n")
     end = text.index("\n## ", start + 1)
     return text[start:end]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_slot_tracker.service.early import FREE, PREFILL_COMPLETE, EarlyCalls
+from kv_slot_tracker.service.early_calls import FREE, PREFILL_COMPLETE, EarlyCalls
 
 S = 1_000_000_000
 K = ("m", "g")
