@@ -3,8 +3,9 @@
 One ``SlotTrackerService`` (one worker of 4 ranks, blocks of 16 tokens) makes the records of ``--n``
 requests, each an add of a prompt of 32 real random 64-bit hashes (as a router sends them,
 about half negative; the record carries them unsigned) followed by its free; the records are
-encoded as the stream carries them and decoded as the reader does (msgpack). Another service
-applies them in batches of 50, adds and frees alternating, and the script reports microseconds
+kept as the stream carries them (the entries' bytes, in the format of the version measured).
+Another service decodes them as the reader does and applies them in batches of 50 (the decoding
+timed too: since stream format 2 the service decodes a record's fields itself), adds and frees alternating, and the script reports microseconds
 of CPU (``process_time``) per record, the median of ``--rounds`` rounds, each on a fresh
 service. ``adds`` and ``frees`` apply the same records grouped instead (a batch of 50 adds,
 then the batch of their 50 frees), timed apart: 50 requests are active at once then, against
@@ -66,22 +67,32 @@ def _service(replicator: Any, instance_id: int) -> Any:
 
 
 class _Sink:
-    """Keeps every record as the stream carries it (msgpack bytes)."""
+    """Keeps every record as the stream carries it (the entry's bytes), in the format of the
+    version measured (``--repo``)."""
 
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
 
-    def publish(self, record: dict[str, Any]) -> int:
-        from kv_slot_tracker.replication.records import encode_record
+    def publish(self, record: Any, ts: int = 0) -> int:
+        from kv_slot_tracker.replication import records as rr
 
-        self.payloads.append(encode_record(record))
-        return len(self.payloads)
+        seq = len(self.payloads) + 1
+        if isinstance(record, bytes):  # stream format 2: the service's bytes in an envelope
+            self.payloads.append(rr.encode_entry(1, 1, seq, ts, record))
+        else:  # format 1: one map
+            self.payloads.append(rr.encode_record({**record, "incarnation": 1, "seq": seq}))
+        return seq
 
 
-def records(n: int) -> list[dict[str, Any]]:
-    """The add and free records of ``n`` requests, in the order they were made, decoded."""
-    import msgpack
+def reader_decode() -> Any:
+    """What the reader of the version measured decodes a stream entry with."""
+    from kv_slot_tracker.replication import records as rr
 
+    return getattr(rr, "decode_entry", None) or rr.decode_record
+
+
+def records(n: int) -> list[bytes]:
+    """The stream entries of the add and free records of ``n`` requests, in their order."""
     from kv_slot_tracker.service import commands as c
 
     sink = _Sink()
@@ -102,10 +113,10 @@ def records(n: int) -> list[dict[str, Any]]:
         producer.free(c.Free(model_name=KEY[0], routing_group=KEY[1], request_id=f"r{i}"))
     payloads = sink.payloads[1:]  # the first is the topology record of the registration
     assert len(payloads) == 2 * n
-    return [msgpack.unpackb(p, raw=False) for p in payloads]
+    return payloads
 
 
-def consumer_of(recs: list[dict[str, Any]]) -> tuple[Any, list[list[dict[str, Any]]]]:
+def consumer_of(recs: list[bytes]) -> tuple[Any, list[list[bytes]]]:
     """A fresh service to apply ``recs`` and the batches of ``BATCH`` records, in their order."""
     consumer = _service(None, 2)
     batches = [recs[i : i + BATCH] for i in range(0, len(recs), BATCH)]
@@ -113,34 +124,36 @@ def consumer_of(recs: list[dict[str, Any]]) -> tuple[Any, list[list[dict[str, An
     return consumer, batches
 
 
-def apply_mixed(recs: list[dict[str, Any]]) -> float:
-    """CPU seconds to apply ``recs`` in batches of ``BATCH``, in their order, on a fresh
-    service."""
+def apply_mixed(recs: list[bytes]) -> float:
+    """CPU seconds to decode and apply ``recs`` in batches of ``BATCH``, in their order, on a
+    fresh service."""
     consumer, batches = consumer_of(recs)
     apply = consumer.replica.apply_remote
+    decode = reader_decode()
     start = time.process_time()
     for batch in batches:
-        apply(batch)
+        apply([decode(p) for p in batch])
     seconds = time.process_time() - start
     assert consumer.replica.applied == len(recs), "a record was not applied"
     assert consumer.replica.dropped == 0, consumer.replica.rejected
     return seconds
 
 
-def apply_grouped(recs: list[dict[str, Any]]) -> tuple[float, float]:
+def apply_grouped(recs: list[bytes]) -> tuple[float, float]:
     """CPU seconds to apply the adds and, apart, the frees of ``recs``: a batch of
     ``BATCH`` adds, then the batch of their frees."""
     consumer = _service(None, 2)
     adds, frees = recs[0::2], recs[1::2]
     apply = consumer.replica.apply_remote
+    decode = reader_decode()
     clock = time.process_time
     add_s = free_s = 0.0
     gc.collect()
     for i in range(0, len(adds), BATCH):
         t0 = clock()
-        apply(adds[i : i + BATCH])
+        apply([decode(p) for p in adds[i : i + BATCH]])
         t1 = clock()
-        apply(frees[i : i + BATCH])
+        apply([decode(p) for p in frees[i : i + BATCH]])
         t2 = clock()
         add_s += t1 - t0
         free_s += t2 - t1

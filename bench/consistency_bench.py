@@ -51,7 +51,8 @@ from tests.e2e.consistency import (  # noqa: E402
     register_topology,
 )  # noqa: E402
 from tests.e2e.servers import Fleet, ServerProcess, wait_until  # noqa: E402
-from tests.replication.helpers import RedisServer, free_port  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+from tests.replication.helpers import RedisServer  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:

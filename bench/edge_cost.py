@@ -13,16 +13,17 @@ made 64 calls before (the approximate cache written and read); ``sel_kv``, KV ev
 against an index fed one 32-block store per rank by engine events (half of them carrying the
 u64 form of their hashes, half the signed form).
 ``direct`` feeds the same /add and /free calls as raw HTTP requests through the direct protocol
-(``kv_slot_tracker.http.direct``) on a fake transport: the HTTP parsing and answering a standalone server
+(``kv_slot_tracker.http.fast_protocol``) on a fake transport: the HTTP parsing and answering a standalone server
 adds, without sockets. With
 ``--instructions`` it runs itself under callgrind instead and reports instructions per call,
 which do not depend on what else the machine is doing: the figure to compare two commits on a
 busy machine (``--repo`` points at a checkout of the other commit). With ``--opcodes`` it counts
 the Python opcodes each function executes per call instead (a tracing run, exact and
 repeatable): where the interpreted part of a call goes. ``--replicated`` runs the operations
-of a Redis-mode instance instead (``ReplicatedOperations``: the readiness gate open, the
-records queued in the outbox, which is never started, so no Redis is needed); ``direct`` is
-skipped then.
+of a Redis-mode instance instead (``ReplicatedEdge`` around ``Operations``: the readiness gate
+open, the records queued in the outbox, which is never started, so no Redis is needed);
+``direct`` is skipped then. ``--repo`` may be a tree from before the edge modules were renamed
+and the replicated edge composed (``http/direct.py``, ``ReplicatedOperations``).
 
     .venv/bin/python bench/edge_cost.py [--instructions | --opcodes] [--replicated] [--repo PATH]
         [--only ...]
@@ -56,8 +57,8 @@ def build(repo: Path, replicated: bool = False):
         app = create_app(load_settings(api_key="", redis_url=""))
         ops = Operations(app.state.service, 1_000_000)
     else:
+        from kv_slot_tracker.http import replicated
         from kv_slot_tracker.http.gate import ReadinessGate
-        from kv_slot_tracker.http.replicated import ReplicatedOperations
         from kv_slot_tracker.service.consistency import Consistency
 
         # Redis mode, never started: nothing connects, the records stay in the outbox
@@ -70,7 +71,10 @@ def build(repo: Path, replicated: bool = False):
         gate.closed = False  # caught up
         # no wait for an unknown id
         consistency = Consistency(service, replication, wait_ms=0)
-        ops = ReplicatedOperations(service, 1_000_000, gate, consistency)
+        if hasattr(replicated, "ReplicatedEdge"):
+            ops = replicated.ReplicatedEdge(Operations(service, 1_000_000), gate, consistency)
+        else:  # a tree where the replicated operations subclassed the embedded ones
+            ops = replicated.ReplicatedOperations(service, 1_000_000, gate, consistency)
     return {name: ops.get(name) for name in ("register", "add", "free", "potential_loads", "batch")}
 
 
@@ -103,7 +107,7 @@ class _Transport:
 
 
 def build_direct(repo: Path):
-    """A direct HTTP protocol connection (``kv_slot_tracker.http.direct``) on a fake transport: requests
+    """A direct HTTP protocol connection (``kv_slot_tracker.http.fast_protocol``) on a fake transport: requests
     go in as bytes through ``data_received``, the answers are written at once. None for a
     checkout without the direct path."""
 
@@ -115,9 +119,12 @@ def build_direct(repo: Path):
     from kv_slot_tracker.settings import load_settings
 
     try:
-        from kv_slot_tracker.http.direct import direct_protocol
+        from kv_slot_tracker.http.fast_protocol import direct_protocol
     except ImportError:
-        return None
+        try:  # a tree from before the module was named fast_protocol
+            from kv_slot_tracker.http.direct import direct_protocol
+        except ImportError:
+            return None
     app = create_app(load_settings(api_key="", redis_url=""))
     import uvloop
 
@@ -279,12 +286,15 @@ def selection_kv_setup(repo: Path, selection) -> list[bytes]:
 
     rng = random.Random(13)
     shared = [rng.getrandbits(31) for _ in range(16 * SEL_BS)]
+    # the shared blocks under the same engine hashes on every rank (engines hashing with one
+    # seed): a rank storing them under other hashes keeps only them (the reference's rule)
+    shared_engine = [rng.getrandbits(64) for _ in range(16)]
     tails = []
     for w in range(SEL_WORKERS):
         for r in range(SEL_RANKS):
             tail = [rng.getrandbits(31) for _ in range(16 * SEL_BS)]
             tails.append(tail)
-            engine = [rng.getrandbits(64) for _ in range(32)]  # u64: about half >= 2^63
+            engine = shared_engine + [rng.getrandbits(64) for _ in range(16)]  # u64: half >= 2^63
             if (w * SEL_RANKS + r) % 2:
                 engine = [_signed(h) for h in engine]
             store = ["BlockStored", engine, None, shared + tail, SEL_BS, None, "GPU", None]
@@ -363,7 +373,7 @@ def run(
     ops = build(repo, replicated)
     if replicated:
         # a batch naming an id unknown here (the set-up batches' frees, batch_mix's repeated
-        # free) answers a coroutine: run at once, no wait (``wait_ms=0``)
+        # free) answers an awaitable (``Later``): run at once, no wait (``wait_ms=0``)
         loop = asyncio.new_event_loop()
         waiting = ops["batch"]
 

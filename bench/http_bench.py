@@ -17,7 +17,7 @@ Figures:
   memory      resident size with 100,000 active requests of 32 blocks
 
 With ``--workers N`` (N > 1) ours also runs as ``python -m kv_slot_tracker --workers N`` (N processes on
-one port sharing one state, kv_slot_tracker/workers.py): the throughput figures then compare the reference,
+one port sharing one state, kv_slot_tracker/supervisor.py): the throughput figures then compare the reference,
 one process ("ours1") and N processes ("ours"), and nothing is pinned: every server may use
 every core (the reference's threads, our processes and the private Redis), wrk included.
 
@@ -196,7 +196,7 @@ def wait_all_ready(url: str, workers: int, timeout: float = 60.0) -> None:
         try:
             with urllib.request.urlopen(url + "/replication", timeout=5) as r:
                 status = json.loads(r.read())
-            if status.get("ready") and len(status.get("workers", [])) == workers:
+            if status.get("ready") and len(status.get("processes", [])) == workers:
                 return
         except OSError:
             pass
@@ -217,7 +217,7 @@ def settle(url: str) -> None:
             return  # the reference: one process
         if status.get("mode") == "embedded":
             return
-        views = status.get("workers") or [status]
+        views = status.get("processes") or [status]
         if status["outbox_depth"] == 0 and len({v.get("stream_position") for v in views}) == 1:
             return
         time.sleep(0.05)

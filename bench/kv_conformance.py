@@ -7,21 +7,26 @@ Both servers run with KV events on (the reference's default): the reference
 engines; random workers (dp 1-2, some with a replay endpoint) are registered on both servers with
 the same publisher addresses, so both subscribe to the same sockets. Then random operations:
 
-* event batches: stores (from block 0 or continuing a chain the rank holds; GPU, sometimes CPU or
-  DISK), removals of held blocks (middle ones included), unknown removals, stores under an
-  unknown parent, clears, batches with several events; on ranks with a replay endpoint, dropped
-  batches (a gap the next batch reveals and both servers replay);
+* event batches: stores (from block 0 or continuing a chain the rank holds; GPU, sometimes CPU,
+  CPU_PINNED, DISK, STORAGE, EXTERNAL or a medium the reference does not know), removals of held
+  blocks (middle ones included), unknown removals, stores under an unknown parent, clears,
+  batches with several events; each event as the engines encode it now (a msgspec map) or in
+  the older positional form, some with ``locality``, ``ownership``, a cache salt (``cache_salt``,
+  or vLLM's tagged ``extra_keys``), KV cache group fields, EAGLE bigram tokens; each rank's
+  engine hashes content-addressed with a seed of its own or shared (so ranks store the same
+  tokens under the same or other hashes); on ranks with a replay endpoint, dropped batches (a
+  gap the next batch reveals and both servers replay);
 * after each batch both ``/dump`` answers are polled until they hold the same facts
   ``(worker, dp_rank, tier, block_hash, tokens_hash, parent)`` (up to ``--settle`` seconds); a
   difference left then is counted;
-* ``/overlap_scores`` on a random prompt (every column compared, rows sorted);
+* ``/overlap_scores`` on a random prompt, sometimes salted (every column compared, rows sorted);
 * ``/select`` on a random prompt: equal picks compare the whole body; different picks count as
   agreeing when the reference, asked again (``--requery`` times), can choose ours (random
   tie-breaks), and then our body is compared with its body for that pick.
 
 Prompts share prefixes (a few base prompts cut at random depths), so ranks overlap partially.
-Gaps without a replay endpoint are left out: there the reference carries on with the batches
-lost while this service clears the rank (documented in ``kv_slot_tracker/ingest/zmq.py``).
+Gaps without a replay endpoint are left out here; they, and the other gap and hostile-input
+scenarios, are compared one by one in ``bench/kv_gap_conformance.py``.
 
     .venv/bin/python bench/kv_conformance.py --seed 1 --runs 10 --ops 60
 
@@ -45,12 +50,13 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kv_publisher import CLEARED, PublisherProcess, removed, stored  # noqa: E402
+from bench.kv_publisher import CLEARED, PublisherProcess  # noqa: E402
 from bench.reference import start_ours, start_reference  # noqa: E402
 
 BS = 4
 BLOCKS = 8
-MEDIA = ["GPU"] * 6 + ["CPU", "DISK"]
+MEDIA = ["GPU"] * 8 + ["CPU", "CPU_PINNED", "DISK", "STORAGE", "EXTERNAL", "NVME_XYZ"]
+SALTS = ["s1", "s2"]
 
 
 def dump_facts(body: dict, model: str) -> set[tuple]:
@@ -90,7 +96,8 @@ class Run:
         self.checks: Counter[str] = Counter()
         self.examples: dict[str, list[str]] = {}
         # base prompts: each block's tokens, and the engine hash of each (prompt, depth)
-        self.bases = [[rng.randrange(1, 50_000) for _ in range(BS * BLOCKS)] for _ in range(3)]
+        # (one token more than the blocks: an EAGLE block's hash covers the token after it)
+        self.bases = [[rng.randrange(1, 50_000) for _ in range(BS * BLOCKS + 1)] for _ in range(3)]
         # base 1 shares base 0's first blocks
         cut = rng.randrange(1, BLOCKS) * BS
         self.bases[1][:cut] = self.bases[0][:cut]
@@ -102,6 +109,7 @@ class Run:
         self.held: dict[
             int, dict[int, tuple[int, int, str]]
         ] = {}  # pub rank -> hash -> (base, depth, medium)
+        self.seeds: dict[int, int] = {}  # pub rank -> the seed of its engine hashes
         pr = 0
         for i, size in enumerate(sizes):
             wid = first_worker + i
@@ -119,16 +127,17 @@ class Run:
             for r in range(size):
                 self.rank_of[wid, r] = pr + r
                 self.held[pr + r] = {}
+                self.seeds[pr + r] = rng.choice([0, 0, pr + r + 1])
             self.workers.append((wid, size, replay))
             pr += size
         for rank in range(pr):
             self.pub.wait_subscribers(rank, 2)
 
-    def ext_hash(self, base: int, depth: int) -> int:
-        """The engine's hash of a block: content-addressed like vLLM's (same prefix, same hash),
-        signed or unsigned 64-bit at random."""
+    def ext_hash(self, base: int, depth: int, seed: int = 0) -> int:
+        """The engine's hash of a block: content-addressed like vLLM's (same prefix, same hash,
+        for one ``seed``), signed or unsigned 64-bit at random."""
         prefix = self.bases[base][: (depth + 1) * BS]
-        h = xxhash.xxh64_intdigest(b"".join(t.to_bytes(4, "little") for t in prefix))
+        h = xxhash.xxh64_intdigest(b"".join(t.to_bytes(4, "little") for t in prefix), seed)
         return h - (1 << 64) if h >= (1 << 63) and depth % 2 else h
 
     def note(self, family: str, ok: bool, detail: str) -> None:
@@ -136,6 +145,10 @@ class Run:
         if not ok:
             if self.args.verbose and not self.diffs:
                 print("\n".join(self.log[-12:]), "\n  ->", family, detail[:600])
+            if self.args.log and not self.diffs:
+                with open(self.args.log, "a") as f:
+                    f.write(json.dumps({"model": self.model, "ops": self.log, "family": family,
+                                        "detail": detail[:2000]}) + "\n")  # fmt: skip
             self.diffs[family] += 1
             self.examples.setdefault(family, [])
             if len(self.examples[family]) < self.args.show:
@@ -143,9 +156,10 @@ class Run:
 
     # -- events -----------------------------------------------------------------------------
 
-    def random_event(self, rank: int) -> list:
+    def random_event(self, rank: int) -> list | dict:
         rng = self.rng
         held = self.held[rank]
+        seed = self.seeds[rank]
         roll = rng.random()
         if roll < 0.55 or not held:
             base = rng.randrange(3)
@@ -160,13 +174,32 @@ class Run:
             if start and rng.random() < 0.2:  # parent unknown to the rank
                 parent = rng.randrange(1, 1 << 62)
             else:
-                parent = self.ext_hash(base, start - 1) if start else None
-            hashes = [self.ext_hash(base, start + i) for i in range(n)]
-            tokens = self.bases[base][start * BS : (start + n) * BS]
+                parent = self.ext_hash(base, start - 1, seed) if start else None
+            hashes = [self.ext_hash(base, start + i, seed) for i in range(n)]
+            tokens: list = self.bases[base][start * BS : (start + n) * BS]
+            if rng.random() < 0.08:  # EAGLE: bigrams, each block hashed with the next token
+                window = self.bases[base][start * BS : (start + n) * BS + 1]
+                tokens = [[window[i], window[i + 1]] for i in range(len(window) - 1)]
             if parent is None or parent in held or parent in [h for h in hashes]:
                 for i, h in enumerate(hashes):
                     held[h] = (base, start + i, medium)
-            return stored(hashes, tokens, BS, parent, medium)
+            extra = self.extras(stored_=True)
+            salt = rng.choice(SALTS) if rng.random() < 0.15 else None
+            if rng.random() < 0.5:  # the engines' encoding: a msgspec map
+                ev = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                      "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": medium,
+                      **extra}  # fmt: skip
+                if salt is not None:
+                    ev["cache_salt"] = salt
+                return ev
+            keys = [[f"dynamo-cache-salt:{salt}"]] if salt is not None else None
+            trailing = [extra.get(k) for k in ("group_idx", "kv_cache_spec_kind",
+                        "kv_cache_spec_sliding_window", "locality", "ownership")]  # fmt: skip
+            while trailing and trailing[-1] is None:
+                trailing.pop()
+            if trailing:
+                trailing += [None] * (4 - len(trailing))
+            return ["BlockStored", hashes, parent, tokens, BS, None, medium, None, keys, *trailing]
         if roll < 0.85:
             victims = rng.sample(sorted(held), rng.randrange(1, min(3, len(held)) + 1))
             by_medium: dict[str, list[int]] = {}
@@ -177,9 +210,34 @@ class Run:
                 held.pop(h, None)
             if rng.random() < 0.2:
                 hashes = [*hashes, rng.randrange(1, 1 << 62)]
-            return removed(hashes, medium)
+            extra = self.extras(stored_=False)
+            if rng.random() < 0.5:
+                return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, **extra}
+            return ["BlockRemoved", hashes, medium]
         held.clear()
-        return CLEARED
+        return CLEARED if rng.random() < 0.5 else {"type": "AllBlocksCleared"}
+
+    def extras(self, *, stored_: bool) -> dict:
+        """Optional fields of an event: KV cache groups, locality, ownership (each now and then)."""
+        rng = self.rng
+        out: dict = {}
+        roll = rng.random()
+        if roll < 0.06:
+            out.update(group_idx=1, kv_cache_spec_kind="sliding_window")
+        elif roll < 0.12:
+            out.update(group_idx=0, kv_cache_spec_kind="full_attention")
+        elif roll < 0.16:
+            out.update(group_idx=1)
+        elif roll < 0.18 and stored_:
+            out.update(group_idx=1, kv_cache_spec_kind="full_attention")
+        roll = rng.random()
+        if roll < 0.05:
+            out["locality"] = "REMOTE"
+        elif roll < 0.1:
+            out["locality"] = "LOCAL"
+        elif roll < 0.13:
+            out["ownership"] = "kvcr"
+        return out
 
     def publish(self) -> None:
         wid, size, replay = self.rng.choice(self.workers)
@@ -187,7 +245,7 @@ class Run:
         rank = self.rank_of[wid, dp]
         events = [self.random_event(rank) for _ in range(self.rng.choice([1, 1, 2, 3]))]
         drop = replay and self.rng.random() < 0.25
-        self.log.append(f"publish w{wid} dp{dp} drop={drop} {events}")
+        self.log.append(f"publish w{wid} dp{dp} drop={drop} {json.dumps(events)}")
         self.pub.publish(rank, events, dp_rank=dp, drop=drop)
         self.args.published += 1
         if drop:  # the gap shows with the next batch, which both servers then replay
@@ -230,7 +288,9 @@ class Run:
         return tokens
 
     def overlap(self) -> None:
-        body = {"model_name": self.model, "token_ids": self.prompt()}
+        body: dict[str, Any] = {"model_name": self.model, "token_ids": self.prompt()}
+        if self.rng.random() < 0.2:
+            body["cache_salt"] = self.rng.choice(SALTS)
         self.log.append(f"overlap {len(body['token_ids'])} tokens")
         a = self.ref.post("/overlap_scores", json=body)
         b = self.ours.post("/overlap_scores", json=body)
@@ -243,7 +303,9 @@ class Run:
         self.note("overlap_scores", ok, f"{a.text[:300]} vs {b.text[:300]}")
 
     def select(self) -> None:
-        body = {"model_name": self.model, "token_ids": self.prompt()}
+        body: dict[str, Any] = {"model_name": self.model, "token_ids": self.prompt()}
+        if self.rng.random() < 0.2:
+            body["cache_salt"] = self.rng.choice(SALTS)
         b = self.ours.post("/select", json=body)
         a = self.ref.post("/select", json=body)
         if a.status_code != 200 or b.status_code != 200:
@@ -281,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requery", type=int, default=32)
     ap.add_argument("--settle", type=float, default=3.0)
     ap.add_argument("--show", type=int, default=2)
+    ap.add_argument("--log", help="append each run's operations up to its first difference")
     ap.add_argument(
         "-v",
         "--verbose",

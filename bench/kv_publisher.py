@@ -38,16 +38,19 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class Rank:
-    def __init__(self, ctx: zmq.Context, topic: bytes, buffer_steps: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, topic: bytes, buffer_steps: int, host: str = "127.0.0.1"
+    ) -> None:
+        """Binds on ``host`` (an address the subscribers reach), on ports of the kernel's choice."""
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        port = self.pub.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
-        rport = self.replay.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+        rport = self.replay.bind_to_random_port(f"tcp://{host}")
+        self.replay_endpoint = f"tcp://{host}:{rport}"
         self.topic = topic
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -70,8 +73,11 @@ class Rank:
         first = int.from_bytes(start, "big")
         for seq, payload in self.buffer:
             if seq >= first:
-                self.replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-        self.replay.send_multipart([client, b"", END_SEQ, b""])
+                # as the engines: [delimiter, topic, seq, payload], then the end marker
+                self.replay.send_multipart(
+                    [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
+        self.replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
     def read_subscriptions(self) -> None:
         while self.pub.poll(0):

@@ -46,6 +46,7 @@ from bench.http_bench import post, rss_mb, setup_active, setup_topology, started
 from kv_slot_tracker.service import SlotTrackerService  # noqa: E402
 from tests.calls import AddCall, register  # noqa: E402
 from tests.calls import free as free_call  # noqa: E402
+from tests.support.tracker import active_request_counts  # noqa: E402
 
 WORKERS, RANKS_PER_WORKER = 16, 4
 RANKS = WORKERS * RANKS_PER_WORKER
@@ -150,7 +151,7 @@ def inprocess(fill_count: int, gc_mode: str) -> dict:
     res["fill_chunks_s"] = chunks
     gc.collect()
     res["rss_above_idle_mb"] = rss_self_mb() - base
-    res["active"] = sum(svc.tracker(KEY).active_request_counts().values())
+    res["active"] = sum(active_request_counts(svc.tracker(KEY)).values())
     return res
 
 

@@ -32,7 +32,11 @@ Comparison rules:
   hold the prompt on both ranks.
 
 Every run uses fresh model names, worker ids and reservation ids (an id stays taken after its
-worker is deleted). The temperature knob is left at 0 (a sampled pick cannot be re-queried
+worker is deleted). An id whose reservation kv-slot-tracker freed is never booked again in the
+run (nor selected or replayed under that id): there the two differ by design. The reference
+books a freed id again; kv-slot-tracker refuses it with 409 while its tombstone lasts
+(``reservation_tombstone_ttl_seconds``), so that a late duplicate of a booking cannot hold a
+reservation the client already freed (``tests/api/selection/test_selection_tombstones.py``). The temperature knob is left at 0 (a sampled pick cannot be re-queried
 reliably). The last line is ``N requests, M differences, agreement P %``; exit code 1 when M > 0.
 
 Other flags: ``--ref-url/--ours-url`` use running servers (ours without ``/selection``), ``-v``
@@ -56,7 +60,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.reference import Server, start_ours, start_reference  # noqa: E402
+from bench.reference import Server, free_port, start_ours, start_reference  # noqa: E402
 from kv_slot_tracker.core.hashing import compute_seq_hash_for_block  # noqa: E402
 
 REF_MODULE = "dynamo.select_service"
@@ -228,6 +232,12 @@ class World:
     def new_id(self) -> str:
         self.next_id += 1
         return f"s{self.run}-{self.next_id}"
+
+    def released(self, sid: str) -> None:
+        """``sid``'s reservation was freed: never booked, selected or replayed again (see the
+        module docstring)."""
+        self.shared_ids = [s for s in self.shared_ids if s != sid]
+        self.pending = [p for p in self.pending if p[0] != sid]
 
     def worker_ids(self) -> list[int]:
         return [self.run * 100 + i for i in range(1, 7)]
@@ -636,6 +646,8 @@ class Runner:
         self.coverage[req.label] += 1
         data = req.payload()
         ours = self.ours.send(req.method, req.path_ours or req.path, data, req.ctype)
+        if req.label == "lifecycle:delete" and ours.status == 200 and req.ids is not None:
+            world.released(req.ids[1])
         before = None
         if req.kind == "reserve" and ours.status == 200:
             # a booking changes the state: ask now whether the reference can pick our rank
@@ -793,6 +805,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--show", type=int, default=3)
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--only-run", type=int, help="replay one run of the seed")
+    ap.add_argument(
+        "--selection-port",
+        action="store_true",
+        help="compare ours at the root of its selection_port (started with --selection-port)",
+    )
     args = ap.parse_args(argv)
 
     servers: list[Server] = []
@@ -808,12 +825,17 @@ def main(argv: list[str] | None = None) -> int:
             ours_url = args.ours_url
         else:
             # both in the approximate-cache mode (KV events off), which this harness compares
-            ours = start_ours(env={**os.environ, "DYN_ROUTER_USE_KV_EVENTS": "false"})
+            extra = ["--selection-port", str(free_port())] if args.selection_port else []
+            ours = start_ours(
+                extra_args=extra, env={**os.environ, "DYN_ROUTER_USE_KV_EVENTS": "false"}
+            )
             servers.append(ours)
             ours_url = ours.url
+            if args.selection_port:  # the selection routes at the root, as the reference's
+                ours_url = f"http://127.0.0.1:{extra[1]}"
         runner = Runner(
             Side("reference", ref_url),
-            Side("ours", ours_url + PREFIX),
+            Side("ours", ours_url if args.selection_port else ours_url + PREFIX),
             requery=args.requery,
             verbose=args.verbose,
         )

@@ -1,6 +1,6 @@
 """What the replication keys cost in Redis memory: bytes per stream entry (an add with a
 prompt of N blocks, a free) and bytes of snapshot per active request, measured with
-``MEMORY USAGE`` on a namespace of its own. The README's sizing paragraph comes from this.
+``MEMORY USAGE`` on a namespace of its own. The sizing paragraph of docs/redis-ha.md comes from this.
 
 Run:  .venv/bin/python bench/stream_size.py [--redis-url URL] [--requests 20000] [--blocks 32]
 """

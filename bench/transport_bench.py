@@ -40,7 +40,6 @@ from redis.asyncio import Redis
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kv_slot_tracker.replication.records import encode_record  # noqa: E402
 from kv_slot_tracker.replication.redis.stream import APPEND_SCRIPT  # noqa: E402
 
 
@@ -112,8 +111,8 @@ async def redis_per_record(
     server0 = server_cpu_s(server_pid)
     t0 = time.process_time()
     for i in range(0, len(records), batch):
-        payloads = [encode_record(r) for r in records[i : i + batch]]
-        await append(keys=["s1", "reset"], args=["", "0", *payloads])
+        payloads = [msgpack.packb(r) for r in records[i : i + batch]]
+        await append(keys=["s1", "reset", "snap"], args=["", "0", "0", "", *payloads])
     send = time.process_time() - t0
     server = server_cpu_s(server_pid) - server0
     t0 = time.process_time()

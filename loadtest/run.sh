@@ -12,7 +12,8 @@
 #                        run_exceptions.csv, run_stats_history.csv, report.html, server.log
 #   LOADTEST_ARGS        extra Locust arguments, e.g. "--lt-workers 32 --lt-inject-ratio 0.1"
 #   LOADTEST_* / SLOT_TRACKER_API_KEY: workload options read by loadtest/locustfile.py
-# The instance gets this environment too (SLOT_TRACKER_* settings apply; with
+# The locustfile starts simulated engines (loadtest/kv_engines.py) that publish KV events to
+# the instance on loopback ports. The instance gets this environment too (SLOT_TRACKER_* settings apply; with
 # SLOT_TRACKER_API_KEY set both sides use the key). Exits with Locust's exit code: non-zero on
 # unexpected failures, or 1 when the instance does not come up or dies during the run.
 set -euo pipefail
@@ -28,7 +29,7 @@ OUT="${LOADTEST_OUT:-$ROOT/loadtest/out}"
 log() { echo "loadtest: $*" >&2; }
 
 if [[ ! -x "$PY" ]] || ! "$PY" -c 'import locust' 2>/dev/null; then
-    log "no locust in .venv: run 'make dev' first"
+    log "no locust in .venv: run 'make loadtest' (or pip install -e '.[loadtest]') first"
     exit 1
 fi
 PORT="${LOADTEST_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
