@@ -3,9 +3,11 @@
 #   docker build -t kv-slot-tracker .
 #   docker run --rm -p 8091:8091 kv-slot-tracker
 #
-# Settings come from SLOT_TRACKER_* environment variables (see README.md), e.g.
+# Settings come from SLOT_TRACKER_* environment variables (see docs/configuration.md), e.g.
 # -e SLOT_TRACKER_REDIS_URL=redis://redis:6379/0 -e SLOT_TRACKER_API_KEY=...
-# Lint: make docker-lint (hadolint).
+# Check them without starting: docker run --rm -e ... IMAGE kv-slot-tracker --check-config
+# Lint: make docker-lint (hadolint). tests/test_packaging.py reproduces these steps without an
+# engine (read-only virtualenv, unprivileged user) and builds the image where one runs.
 
 # --- builder: the package and its runtime dependencies in a virtualenv ----------------------
 FROM python:3.11-slim-bookworm AS builder
@@ -23,9 +25,13 @@ COPY pyproject.toml README.md ./
 COPY kv_slot_tracker ./kv_slot_tracker
 # A regular (not editable) install without the dev extras, with the Kubernetes client of
 # worker discovery (off unless configured; deploy/kubernetes/discovery); bytecode is compiled
-# here, as the final image's virtualenv is read-only to the service user.
+# here, as the final image's virtualenv is read-only to the service user. The installed
+# console script (which, unlike `python -m`, does not import from /src) then runs the
+# start-up's own configuration check: an install missing a file fails the build, not the pod.
 RUN pip install --no-cache-dir "./[kubernetes]" \
-    && python -m compileall -q /opt/venv/lib
+    && python -m compileall -q /opt/venv/lib \
+    && kv-slot-tracker --version \
+    && kv-slot-tracker --check-config > /dev/null
 
 # --- final: the virtualenv on a clean base, run as an unprivileged user ---------------------
 FROM python:3.11-slim-bookworm

@@ -10,6 +10,7 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.stamp-venv
 DEV_STAMP := $(VENV)/.stamp-dev
+LOADTEST_STAMP := $(VENV)/.stamp-loadtest
 CLIENT := clients/python
 
 ARGS ?=
@@ -17,7 +18,7 @@ PYTEST_ARGS ?=
 LINT_PATHS := $(wildcard kv_slot_tracker tests bench scripts loadtest clients docs)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv dev run test lint fmt openapi clean chromium docker-lint loadtest
+.PHONY: help venv dev run test lint fmt openapi clean chromium docker-lint loadtest engines
 
 help:
 	@echo "make run      start the service (ARGS='--port 8091 --config FILE')"
@@ -27,6 +28,7 @@ help:
 	@echo "make openapi  write openapi.yaml from the app"
 	@echo "make loadtest run Locust against a local instance (LOADTEST_TIME=60s LOADTEST_USERS=50)"
 	@echo "make docker-lint  lint the Dockerfile with hadolint"
+	@echo "make engines  vLLM's and SGLang's own KV-event publishers vs the reference (ARGS='--json -')"
 	@echo "make venv     runtime virtualenv in $(VENV); make dev adds test/lint tools"
 	@echo "make clean    remove $(VENV) and caches"
 
@@ -48,18 +50,34 @@ $(DEV_STAMP): pyproject.toml $(CLIENT)/pyproject.toml | $(VENV_PY)
 
 venv: $(VENV_STAMP)
 
+# The load test needs the runtime install and Locust only (the loadtest extra).
+$(LOADTEST_STAMP): pyproject.toml | $(VENV_PY)
+	$(VENV_PY) -m pip install --upgrade pip
+	$(VENV_PY) -m pip install -e '.[loadtest]'
+	touch $(VENV_STAMP) $@
+
 dev: $(DEV_STAMP)
 
 run: venv
 	$(VENV_PY) -m kv_slot_tracker $(ARGS)
 
+# The suite runs on every core (pytest-xdist); PYTEST_PARALLEL= runs it in one process.
+PYTEST_PARALLEL ?= -n auto --dist loadgroup
 test: dev chromium
-	scripts/with_redis.sh $(VENV_PY) -m pytest $(PYTEST_ARGS)
+	scripts/with_redis.sh $(VENV_PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # Headless Chromium for tests/browser/; installed with apt-get when missing. A failed install
 # does not stop the other tests: the browser tests then fail and say why.
 chromium:
 	-scripts/ensure_chromium.sh
+
+# Prometheus's promtool for tests/deploy/test_alerts.py (promtool check/test rules on
+# deploy/prometheus/); installed with apt-get when missing. As above, a failed install does not
+# stop the other tests: the alert tests then fail and say why.
+.PHONY: promtool
+test: promtool
+promtool:
+	-scripts/ensure_promtool.sh
 
 docker-lint: dev
 	$(VENV)/bin/hadolint Dockerfile
@@ -78,8 +96,13 @@ openapi: venv
 	mv openapi.yaml.tmp openapi.yaml
 
 # Starts a local instance, runs Locust headless, writes CSVs to loadtest/out/.
-loadtest: dev
+loadtest: $(LOADTEST_STAMP)
 	bash loadtest/run.sh
+
+# The engines' own KV-event publishers (wheels in $$KV_ENGINE_WHEELS, downloaded when missing)
+# against the reference selection service and this one; prints agreement per scenario.
+engines: dev
+	$(VENV_PY) bench/engine_conformance.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis
