@@ -26,7 +26,7 @@ open, the records queued in the outbox, which is never started, so no Redis is n
 and the replicated edge composed (``http/direct.py``, ``ReplicatedOperations``).
 
     .venv/bin/python bench/edge_cost.py [--instructions | --opcodes] [--replicated] [--repo PATH]
-        [--only ...]
+        [--only ...] [--top N]
 """
 
 from __future__ import annotations
@@ -478,6 +478,7 @@ def main() -> None:
         default="lifecycle,direct,potential,batch,batch_mix,batch_signed,sel_reserve,sel_kv",
         help="workloads, comma-separated",
     )
+    ap.add_argument("--top", type=int, default=12, help="functions listed with --opcodes")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
@@ -501,7 +502,7 @@ def main() -> None:
             run(args.repo, what, args.n, counts, args.replicated)
             calls = args.n * per
             print(f"{what}: {sum(counts.values()) / calls:,.1f} opcodes per {unit(what)}")
-            for (file, name), c in counts.most_common(12):
+            for (file, name), c in counts.most_common(args.top):
                 print(f"  {c / calls:8.1f}  {file}:{name}")
         elif args.instructions:
             base = instructions(args.repo, f"base:{what}", args.n, args.replicated)

@@ -40,6 +40,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+import httptools
 import uvicorn.protocols.http.httptools_impl as _uvicorn_httptools
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -103,7 +104,8 @@ class ConnectionLimits:
         self.max_per_client = max_per_client
         self.open = 0  # connections counted (made, not shed, not lost)
         self.per_client: dict[str, int] = {}
-        # idle connections, longest idle first, of everyone and per client address
+        # connections that went idle, longest idle first, of everyone and per client address;
+        # a connection that went busy since stays until the shedding drops it (``went_idle``)
         self.idle: OrderedDict[LimitedHttpToolsProtocol, None] = OrderedDict()
         # per client address with connections counted (kept, maybe empty, until its last
         # connection goes: a connection going idle and busy per request makes none)
@@ -126,33 +128,58 @@ class ConnectionLimits:
         logger.warning("closing an HTTP connection: %s%s", message, suffix)
 
     def went_idle(self, conn: LimitedHttpToolsProtocol) -> None:
+        """Put ``conn`` last in the idle tables (the server's and its client's). A connection
+        going busy only says so (``conn._idle = False``, inline where it happens) and stays in
+        the tables; the shedding skips and drops such entries (``_oldest_idle``), and the
+        next ``went_idle`` moves the connection to the end again: per request two
+        ``move_to_end`` calls, no insert and no delete."""
         if conn._counted and not conn._idle:
             conn._idle = True
-            self.idle[conn] = None
-            # not ``setdefault``: its default, a new OrderedDict, would be made on every call
-            mine = self.idle_by_client.get(conn._address)
-            if mine is None:
-                mine = self.idle_by_client[conn._address] = OrderedDict()
-            mine[conn] = None
+            idle = self.idle
+            try:
+                idle.move_to_end(conn)
+            except KeyError:
+                idle[conn] = None
+            mine = conn._client_idle
+            try:
+                mine.move_to_end(conn)
+            except KeyError:
+                mine[conn] = None
 
-    def went_busy(self, conn: LimitedHttpToolsProtocol) -> None:
-        if conn._idle:
-            conn._idle = False
-            del self.idle[conn]
-            del self.idle_by_client[conn._address][conn]  # an empty one goes in ``forget``
+    @staticmethod
+    def _oldest_idle(
+        table: OrderedDict[LimitedHttpToolsProtocol, None],
+    ) -> LimitedHttpToolsProtocol | None:
+        """The longest idle connection of ``table``, dropping the busy ones found before it
+        (they enter again, last, when they next go idle): each entry is dropped at most once
+        per ``went_idle``, so shedding costs O(1) amortized."""
+        while table:
+            conn = next(iter(table))
+            if conn._idle:
+                return conn
+            del table[conn]
+        return None
 
     def count(self, conn: LimitedHttpToolsProtocol) -> bool:
         """Count a new connection, closing the longest idle one of its client (beyond the
         per-client limit) or of anyone (beyond the server's): False when its client is over
         its limit with nothing idle to close (the connection is then refused)."""
         address = conn._address
+        mine = self.idle_by_client.get(address)
         if self.per_client.get(address, 0) >= self.max_per_client:
-            mine = self.idle_by_client.get(address)
-            if not mine:
+            oldest = self._oldest_idle(mine) if mine is not None else None
+            if oldest is None:
                 return False
-            self._shed(next(iter(mine)))
-        if self.open >= self.max_connections and self.idle:
-            self._shed(next(iter(self.idle)))
+            self._shed(oldest)
+            mine = self.idle_by_client.get(address)  # gone if that was the client's last
+        if self.open >= self.max_connections:
+            oldest = self._oldest_idle(self.idle)
+            if oldest is not None:
+                self._shed(oldest)
+                mine = self.idle_by_client.get(address)
+        if mine is None:
+            mine = self.idle_by_client[address] = OrderedDict()
+        conn._client_idle = mine
         conn._counted = True
         self.open += 1
         self.per_client[address] = self.per_client.get(address, 0) + 1
@@ -161,8 +188,9 @@ class ConnectionLimits:
     def forget(self, conn: LimitedHttpToolsProtocol) -> None:
         if not conn._counted:
             return
-        self.went_busy(conn)
-        conn._counted = False
+        conn._idle = conn._counted = False
+        self.idle.pop(conn, None)
+        conn._client_idle.pop(conn, None)
         self.open -= 1
         left = self.per_client[conn._address] - 1
         if left:
@@ -196,12 +224,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _body_bytes: int = 0  # body bytes of the current request parsed so far
     _started: float = 0.0  # when the current request's first byte came
     _deadline_timer: asyncio.TimerHandle | None = None
+    # the request's first ``content-type`` and ``content-length`` headers, noted as they are
+    # parsed (``on_header``): the size limit and a route's body checks read them, no scan
+    _content_type: bytes | None = None
+    _declared: bytes | None = None
+    # the loop's time when the piece being parsed came, while a request's first piece is
+    # parsed (its callbacks run within the same loop step: one clock read serves them all)
+    _fed_at: float | None = None
+    # since when the connection is idle (None while a request is received or served): the
+    # direct path's keep-alive (``kv_slot_tracker.http.fast_protocol``)
+    _idle_since: float | None = None
     _refused: bool = False  # answered and closing: parse nothing more
     _deferred_400: bool = False  # a parse error behind requests still being served
     # the connection table's view (``ConnectionLimits``)
     _address: str = ""
     _counted: bool = False
     _idle: bool = False
+    _client_idle: OrderedDict[LimitedHttpToolsProtocol, None]  # its client's idle table
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -230,22 +269,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return min(self.limits.header_timeout, self.limits.rate_grace)
 
     def data_received(self, data: bytes) -> None:
+        """The request's bookkeeping (its first piece's clock read, the header block's size
+        while it is coming, the pieces counted), then uvicorn's ``data_received`` written out
+        here (its keep-alive timer cancelled, the parser fed): one Python call per read."""
         if self._refused or self._deferred_400:
             return  # answered (or to be) and closing: nothing more is parsed
-        limits = self.limits
         n = len(data)
         if self._reading_since is None:  # the first bytes of the next request: its first piece
-            self._reading_since = self._started = self.loop.time()
+            self._reading_since = self._started = self._fed_at = self.loop.time()
             self._in_head = self._received = True
             self._body_bytes = 0
             self._reads = 1
             self._request_bytes = n
             head = 0
-            if self._idle:
-                limits.went_busy(self)
         else:
-            if self._idle:
-                limits.went_busy(self)
             self._received = True
             reads = self._reads = self._reads + 1
             size = self._request_bytes = self._request_bytes + n
@@ -253,35 +290,68 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if reads > FREE_PIECES and self._too_fragmented(size):
                 return
             head = self._head_bytes
+        self._idle = False  # busy (``ConnectionLimits.went_idle``)
         if self._in_head:
             end = data.find(_HEAD_END)
             head = self._head_bytes = head + (n if end < 0 else end)
+            limits = self.limits
             if head > limits.max_header_bytes:
+                self._fed_at = None
                 self._refuse(
                     431, f"request header block larger than {limits.max_header_bytes} bytes"
                 )
                 return
-        super().data_received(data)
+        # uvicorn's ``data_received`` (``_unset_keepalive_if_required`` inline)
+        self._idle_since = None
+        task = self.timeout_keep_alive_task
+        if task is not None:
+            task.cancel()
+            self.timeout_keep_alive_task = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        self._fed_at = None
 
-    def _body_too_large(self) -> bool:
-        """After the header block: refuse a declared ``Content-Length`` above the body limit,
-        413, or 415 when the content type is not JSON either (the reference checks the content
-        type first)."""
-        headers = self.headers
-        for key, value in headers:  # the first content-length decides
-            if key == b"content-length":
-                if not value.isdigit() or int(value) <= self.limits.max_body_bytes:
-                    return False
-                break
-        else:
-            return False
-        # too large: the content type (its first header) is looked for only then
-        content_type = next((value for key, value in headers if key == b"content-type"), None)
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """uvicorn's ``on_header``, noting the first content type and length."""
+        name = name.lower()
+        # llhttp keeps trailing whitespace, which RFC 9110 section 5.5 excludes from the value
+        value = value.rstrip(b" \t")
+        if name == b"content-length":
+            if self._declared is None:
+                self._declared = value
+        elif name == b"content-type":
+            if self._content_type is None:
+                self._content_type = value
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
+    def _too_large(self, declared: bytes | None) -> bool:
+        """Whether a declared ``Content-Length`` (the first) is above the body limit."""
+        return (
+            declared is not None
+            and declared.isdigit()
+            and int(declared) > self.limits.max_body_bytes
+        )
+
+    def _refuse_too_large(self) -> None:
+        """Refuse a request declaring a body above the limit: 413, or 415 when the content
+        type (its first header) is not JSON either (the reference checks the content type
+        first)."""
+        content_type = self._content_type
         if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
             self._refuse(415, CONTENT_TYPE)
         else:
             self._refuse(413, TOO_LARGE)
-        return True
 
     def _too_fragmented(self, size: int) -> bool:
         """Refuse (and True) a request of ``size`` bytes so far in more pieces than
@@ -305,15 +375,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         return reads > FREE_PIECES and self._too_fragmented(self._request_bytes)
 
     def on_message_begin(self) -> None:
-        if self._idle:
-            self.limits.went_busy(self)
+        self._idle = False
+        self._content_type = self._declared = None
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        if self._refused or self._body_too_large():
+        if self._refused:
+            return
+        if self._too_large(self._declared):
+            self._refuse_too_large()
             return
         self._in_head = False
-        self._reading_since = self.loop.time()  # now the body is due
+        fed = self._fed_at  # now the body is due
+        self._reading_since = fed if fed is not None else self.loop.time()
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -402,11 +476,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
         self.transport.close()
         self._reading_since = None
-
-    def over_connection_limit(self) -> bool:
-        """uvicorn's ``limit_concurrency`` test: its path then answers 503."""
-        limit = self.limit_concurrency
-        return limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
 
 
 async def _service_unavailable(scope: Scope, receive: Receive, send: Send) -> None:

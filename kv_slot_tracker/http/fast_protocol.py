@@ -35,10 +35,14 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from kv_slot_tracker.http.answers import Answer, Later
-from kv_slot_tracker.http.body import check_body_headers, declares_body
-from kv_slot_tracker.http.connection import ConnectionLimits, LimitedHttpToolsProtocol
+from kv_slot_tracker.http.body import check_declared_body, declares_body
+from kv_slot_tracker.http.connection import (
+    FREE_PIECES,
+    ConnectionLimits,
+    LimitedHttpToolsProtocol,
+)
 from kv_slot_tracker.http.dispatch import LeanDispatcher, LeanRoute, parse_params
-from kv_slot_tracker.http.errors import HttpError, error_result
+from kv_slot_tracker.http.errors import TOO_LARGE, HttpError, error_result
 
 _JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
 _CLOSE = b"connection: close\r\n"
@@ -48,6 +52,9 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     """uvicorn's httptools protocol, answering the lean routes itself (module notes)."""
 
     lean: LeanDispatcher  # set on the subclass ``direct_protocol`` makes
+    # whether the connection's size limit (checked first) is within the lean routes' own:
+    # then a JSON body that passed it needs no second check
+    size_checked: bool = False
 
     # the request being served directly: its route, parsed parameters, body so far, and the
     # error to answer instead of running it (a bad parameter, content type or size)
@@ -61,8 +68,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     _head: bytes = b""
     # keep-alive of the direct path: uvicorn cancels its timer when data arrives and arms a new
     # one after each response (a timer handle made and cancelled per request); here one timer
-    # per idle period checks when the connection last went idle
-    _idle_since: float | None = None  # None while a request is being received or served
+    # per idle period checks when the connection last went idle (``_idle_since``, kept by
+    # ``LimitedHttpToolsProtocol``: None while a request is being received or served)
     _idle_timer: asyncio.TimerHandle | None = None
 
     def _unset_keepalive_if_required(self) -> None:
@@ -93,8 +100,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     def on_message_begin(self) -> None:
         """uvicorn's, without the ASGI parts of the scope; ``_asgi_scope`` adds them for a
         request that takes uvicorn's path."""
-        if self._idle:
-            self.limits.went_busy(self)
+        self._idle = False
+        self._content_type = self._declared = None
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
@@ -115,9 +122,19 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._route = None
-        if self._refused or self._body_too_large():
+        if self._refused:
+            return
+        declared = self._declared
+        # ``_too_large``, inline: a request with a body makes no call for it
+        if (
+            declared is not None
+            and declared.isdigit()
+            and int(declared) > self.limits.max_body_bytes
+        ):
+            self._refuse_too_large()
             return
         cycle = self.cycle
+        limit = self.limit_concurrency
         if (
             (cycle is None or cycle.response_complete)
             and not self.pipeline
@@ -125,7 +142,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             and not self.flow.write_paused
             and not self.root_path
             and not self.parser.should_upgrade()
-            and not self.over_connection_limit()  # uvicorn's path answers 503
+            # uvicorn's ``limit_concurrency``: its path answers 503
+            and (limit is None or (len(self.connections) < limit and len(self.tasks) < limit))
         ):
             url = httptools.parse_url(self.url)
             raw_path = url.path
@@ -140,7 +158,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             found = self.lean.route_for(scope)  # type: ignore[arg-type]
             if found is not None:
                 self._in_head = False  # what LimitedHttpToolsProtocol.on_headers_complete does
-                self._reading_since = self.loop.time()
+                fed = self._fed_at
+                self._reading_since = fed if fed is not None else self.loop.time()
                 self._start = perf_counter()
                 route, values = found
                 self._route, self._body, self._error = route, b"", None
@@ -149,7 +168,10 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
                     if route.reads_body and (
                         not route.optional_body or declares_body(self.headers)
                     ):
-                        check_body_headers(self.headers, self.lean.max_body)
+                        content_type = self._content_type
+                        # a JSON body within the connection's limit passes: no call
+                        if content_type != b"application/json" or not self.size_checked:
+                            check_declared_body(content_type, declared, self.lean.max_body)
                 except HttpError as e:
                     self._error = e
                 return
@@ -159,16 +181,24 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         if self._route is None:
             super().on_body(body)  # counted there
-        elif self._refused or self._body_part(len(body)):
             return
-        elif self._error is None:
-            buf = self._body
-            if not buf:
-                buf = self._body = body  # the usual body: one chunk, kept without a copy
-            else:  # appending to bytes would copy the whole body per chunk
-                if type(buf) is bytes:
-                    buf = self._body = bytearray(buf)
-                buf += body
+        if self._refused:
+            return
+        # ``LimitedHttpToolsProtocol._body_part``: the size and the piece counted inline
+        received = self._body_bytes = self._body_bytes + len(body)
+        if received > self.limits.max_body_bytes:
+            self._refuse(413, TOO_LARGE)
+            return
+        reads = self._reads = self._reads + 1
+        if (reads > FREE_PIECES and self._too_fragmented(self._request_bytes)) or self._error:
+            return
+        buf = self._body
+        if not buf:
+            buf = self._body = body  # the usual body: one chunk, kept without a copy
+        else:  # appending to bytes would copy the whole body per chunk
+            if type(buf) is bytes:
+                buf = self._body = bytearray(buf)
+            buf += body
 
     def on_message_complete(self) -> None:
         route = self._route
@@ -246,7 +276,10 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         if not keep_alive:
             transport.close()
         else:
-            self._idle_since = self.loop.time()
+            # idle from the request's own clock read when it came in one piece (the same loop
+            # step): the keep-alive timeout runs a few microseconds early
+            fed = self._fed_at
+            self._idle_since = fed if fed is not None else self.loop.time()
             if not self.pipeline:
                 self.limits.went_idle(self)
             if self._idle_timer is None:
@@ -259,5 +292,9 @@ def direct_protocol(
     """The protocol class to give uvicorn (``http=``) for ``lean``'s routes."""
     if limits is None:
         limits = ConnectionLimits(65_536, 10.0, 30.0, max_body_bytes=lean.max_body)
-    attrs: dict[str, Any] = {"lean": lean, "limits": limits}
+    attrs: dict[str, Any] = {
+        "lean": lean,
+        "limits": limits,
+        "size_checked": limits.max_body_bytes <= lean.max_body,
+    }
     return type("DirectHttpToolsProtocol", (DirectHttpToolsProtocol,), attrs)
