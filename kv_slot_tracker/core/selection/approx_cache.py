@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..hashing import chained_hashes, to_signed, to_unsigned
 from ..types import WorkerWithDpRank
@@ -342,3 +343,24 @@ class ApproximateCache:
 def chain_keys(block_hashes: Sequence[int]) -> list[int]:
     """The cache keys of a prompt's blocks: the chained hashes of its (signed) block hashes."""
     return chained_hashes(block_hashes)
+
+
+class ChainSource(Protocol):
+    """What ``cache_chain`` reads of a prompt (a ``Prompt`` or a pending selection)."""
+
+    @property
+    def block_hashes(self) -> tuple[int, ...] | None: ...
+    @property
+    def sequence_hashes(self) -> tuple[int, ...]: ...
+    @property
+    def from_tokens(self) -> bool: ...
+
+
+def cache_chain(prompt: ChainSource) -> tuple[int, ...] | None:
+    """The approximate-cache keys of a prompt's blocks: its sequence hashes for a token prompt,
+    else the chained block hashes (computed once per request, used by lookup and write)."""
+    if prompt.block_hashes is None:
+        return None
+    if prompt.from_tokens:
+        return prompt.sequence_hashes
+    return tuple(chain_keys(prompt.block_hashes))

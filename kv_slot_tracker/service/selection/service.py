@@ -42,11 +42,10 @@ from kv_slot_tracker.core.selection import (
     ApproximateCache,
     Prompt,
     RouterConfig,
-    chain_keys,
     effective_prefill_tokens,
     normalize_prompt,
 )
-from kv_slot_tracker.core.selection.approx_cache import StoredRun
+from kv_slot_tracker.core.selection.approx_cache import StoredRun, cache_chain
 from kv_slot_tracker.core.selection.catalog import (
     INCOMPLETE,
     MAX_DP_SIZE,
@@ -76,13 +75,7 @@ from kv_slot_tracker.core.selection.errors import (
 from kv_slot_tracker.core.selection.kv_blocks import LOWER_TIERS, TIER_NAMES
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
-from kv_slot_tracker.core.selection.receipts import (
-    BOOKED,
-    SELECTED,
-    Receipt,
-    ReceiptRing,
-    pack_columns,
-)
+from kv_slot_tracker.core.selection.receipts import Receipt, ReceiptRing
 from kv_slot_tracker.core.selection.selector import Selection, select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
 from kv_slot_tracker.core.sequences import EXPIRY_DURATION_NS
@@ -92,6 +85,7 @@ from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
 from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import commands, mutations
 from kv_slot_tracker.service.selection.kv_events import KvEvents, kv_endpoints
+from kv_slot_tracker.service.selection.receipt_keeper import ReceiptKeeper, decision_receipt
 from kv_slot_tracker.service.selection.replica import SelectionReplica
 from kv_slot_tracker.service.selection.reservations import Reservations
 from kv_slot_tracker.service.selection.tombstones import DEFAULT_CAPACITY as TOMBSTONE_CAPACITY
@@ -169,11 +163,15 @@ class SelectionService:
         self.wall_clock = wall_clock
         self.instance = instance
         """This instance's name in a receipt (receipts stay on the instance that decided)."""
-        self._receipt_seq = 0
+        self.receipt_keeper = (
+            ReceiptKeeper(receipts, self.config, clock, wall_clock)
+            if receipts is not None
+            else None
+        )
+        """Keeps and follows the receipts (``receipt_keeper``): None when they are off."""
         self._explain_rng = random.Random()
-        if receipts is not None and self.config.use_kv_events:
-            self.kv_events.storing_hook = self._kv_storing
-        self._kv_watch: dict[tuple[WorkerWithDpRank, int], tuple[Receipt, tuple[int, ...]]] = {}
+        if self.receipt_keeper is not None and self.config.use_kv_events:
+            self.kv_events.storing_hook = self.receipt_keeper.kv_storing
 
     # -- the one mutation entry point ------------------------------------------------------
 
@@ -455,8 +453,8 @@ class SelectionService:
             expected_output_tokens=entry.expected_output_tokens,
             lora_name=entry.lora_name,
         )
-        if self.receipts is not None:
-            self._receipt_booked(sid, key, worker, entry)
+        if self.receipt_keeper is not None:
+            self.receipt_keeper.booked(sid, key, worker, entry)
         return self._booked(sid, key, worker, spec, "replay")
 
     def _book(
@@ -557,61 +555,22 @@ class SelectionService:
             expected_output_tokens=cmd.expected_output_tokens,
             lora_name=cmd.lora_name,
         )
-        if self.receipts is not None:
-            self._receipt_booked(sid, key, worker, prompt)
+        if self.receipt_keeper is not None:
+            self.receipt_keeper.booked(sid, key, worker, prompt)
         return self._booked(sid, key, worker, spec, "explicit")
-
-    def _receipt_booked(
-        self, sid: str, key: Key, worker: WorkerWithDpRank, prompt: Prompt | PendingSelection
-    ) -> None:
-        """A replay or an explicit booking of ``sid``: the receipt of the ``/selection/select``
-        that chose ``worker`` for it (same id, same partition) is booked, and then followed
-        as a ``select_and_reserve``'s is (prefill, free, the reported cached tokens, the KV
-        check). A booking on another rank than the one chosen is not that decision's outcome:
-        the receipt stays ``selected``."""
-        ring = self.receipts
-        assert ring is not None
-        r = ring.get(sid)
-        if r is None or r.selection_id != sid or r.key != key or r.chosen != worker:
-            return
-        if r.state != SELECTED:
-            return
-        ring.booked(sid, self.wall_clock(), self.clock())
-        blocks = prompt.block_hashes
-        if (
-            self.config.use_kv_events
-            and blocks is not None
-            and len(blocks) == r.prompt_blocks
-            and prompt.isl_tokens == r.isl_tokens
-        ):  # the prompt the decision saw (by its size): watch it as a reservation's
-            self._watch_kv(r, prompt, cache_chain(prompt))
 
     def request_outcome(self, key: Key, request_id: str, cached_tokens: int, freed: bool) -> None:
         """A slot-tracker ``/prefill_complete`` or ``/free`` (``freed``) of ``request_id`` in
-        ``key`` reported ``cached_tokens``: the receipt of the selection of that id in that
-        partition, if this instance made it, records them (the first report counts) and, when
-        the selection was booked through this API, the prefill or free time as the
-        reservation's calls do. Receipts are local: on another instance nothing is found."""
-        ring = self.receipts
-        if ring is None:
-            return
-        r = ring.get(request_id)
-        if r is None or r.selection_id != request_id or r.key != key:
-            return
-        if freed:
-            ring.freed(request_id, self.wall_clock())
-        else:
-            ring.prefill_done(request_id, self.wall_clock(), self.clock())
-        ring.report_cached(r, cached_tokens)
+        ``key`` reported ``cached_tokens``: the receipt of that selection, if this instance
+        made it, records them (``ReceiptKeeper.request_outcome``)."""
+        if self.receipt_keeper is not None:
+            self.receipt_keeper.request_outcome(key, request_id, cached_tokens, freed)
 
     def prefill_complete(self, cmd: commands.ReservationCall) -> None:
         self._check_live(cmd.selection_id)
         self.commit(mutations.CompletePrefill(cmd.selection_id))
-        ring = self.receipts
-        if ring is not None:
-            r = ring.prefill_done(cmd.selection_id, self.wall_clock(), self.clock())
-            if r is not None and cmd.cached_tokens is not None:
-                ring.report_cached(r, cmd.cached_tokens)
+        if self.receipt_keeper is not None:
+            self.receipt_keeper.prefill_done(cmd.selection_id, cmd.cached_tokens)
 
     def output_block(self, cmd: commands.ReservationOutputBlock) -> None:
         f = cmd.decay_fraction
@@ -623,11 +582,8 @@ class SelectionService:
     def release(self, cmd: commands.ReservationCall) -> None:
         self._check_live(cmd.selection_id)
         self.commit(mutations.Release(cmd.selection_id))
-        ring = self.receipts
-        if ring is not None:
-            r = ring.freed(cmd.selection_id, self.wall_clock())
-            if r is not None and cmd.cached_tokens is not None:
-                ring.report_cached(r, cmd.cached_tokens)
+        if self.receipt_keeper is not None:
+            self.receipt_keeper.freed(cmd.selection_id, cmd.cached_tokens)
 
     def _check_live(self, sid: str) -> None:
         """404 unless ``sid`` still holds its request (a dead id is dropped on the way)."""
@@ -794,21 +750,12 @@ class SelectionService:
             else:
                 self.sessions.touch(session, now)
         self.counters.count(key, "select_and_reserve" if cmd.reserve else "select")
-        ring = self.receipts
-        if ring is not None:
-            reserve = cmd.reserve
-            rid = sid
-            if rid is None:  # a /select without an id
-                self._receipt_seq += 1
-                rid = f"auto:{self._receipt_seq}"
-            r = self._receipt(
-                cmd, part, prompt, config, now, candidates, chosen, rid,
-                "select_and_reserve" if reserve else "select", session, bound, by_session,
-                reserve,
+        keeper = self.receipt_keeper
+        if keeper is not None:
+            keeper.selected(
+                cmd, part, prompt, config, now, candidates, chosen, sid, session, bound,
+                by_session, chain,
             )  # fmt: skip
-            ring.put(r)
-            if reserve and chain is not None and self.config.use_kv_events:
-                self._watch_kv(r, prompt, chain)
         return SelectOutcome(
             selection_id=sid,
             model_name=key[0],
@@ -870,98 +817,11 @@ class SelectionService:
         prompt, config, now, _, candidates, session, bound, by_session, chosen = self._decide(
             cmd, part, self._explain_rng
         )
-        return self._receipt(
-            cmd, part, prompt, config, now, candidates, chosen, cmd.selection_id or "explain",
+        return decision_receipt(
+            self.wall_clock(), cmd, part, prompt, config, now, candidates, chosen,
+            cmd.selection_id or "explain",
             "explain", session, bound, by_session,
         )  # fmt: skip
-
-    def _receipt(
-        self,
-        cmd: commands.Select,
-        part: Partition,
-        prompt: Prompt,
-        config: RouterConfig,
-        now: int,
-        c: Candidates,
-        chosen: Selection,
-        receipt_id: str,
-        action: str,
-        session: str | None,
-        bound: int | None,
-        by_session: bool,
-        booked: bool = False,
-    ) -> Receipt:
-        """The receipt of a decision: references to what it computed, the rest derived when
-        read (the columns and costs packed into one bytes object, in C: see ``Receipt``). Positional,
-        in ``Receipt``'s field order: this runs on every selection."""
-        blocks = prompt.block_hashes
-        scored = chosen.scored
-        workers, overlap = c.workers, c.overlap
-        at = self.wall_clock()
-        return Receipt(
-            receipt_id,
-            receipt_id if booked else cmd.selection_id,
-            action,
-            at,
-            now,
-            part.key,
-            part.block_size,
-            prompt.isl_tokens,
-            len(blocks) if blocks is not None else len(prompt.sequence_hashes),
-            workers,
-            pack_columns((c.prefill, c.decode, c.requests, overlap, chosen.costs)),
-            max(overlap),
-            c.lower,
-            scored if scored is workers else tuple(scored),
-            chosen.worker,
-            chosen.overlap_blocks,
-            chosen.effective_prefill_tokens,
-            config,
-            cmd.pinned_worker,
-            cmd.allowed_worker_ids,
-            session,
-            bound,
-            by_session,
-            BOOKED if booked else SELECTED,
-            at if booked else None,
-            now if booked else None,
-        )
-
-    def _watch_kv(
-        self, r: Receipt, prompt: Prompt | PendingSelection, chain: tuple[int, ...] | None
-    ) -> None:
-        """KV events on: watch for the chosen rank storing the prompt's first block past the
-        predicted prefix, to check then that the predicted blocks were still there."""
-        if not self.config.use_kv_events or chain is None or prompt.block_hashes is None:
-            return
-        k = r.chosen_overlap
-        if k >= len(prompt.block_hashes):
-            return
-        watch = self._kv_watch
-        watch[r.chosen, prompt.block_hashes[k]] = (r, chain[:k])
-        ring = self.receipts
-        limit = ring.max_entries if ring is not None else 0
-        while len(watch) > limit:
-            del watch[next(iter(watch))]
-
-    def _kv_storing(self, part: Partition, rank: WorkerWithDpRank, locals_: list[int]) -> None:
-        """A rank is about to store blocks (KV events): a receipt watching one of them (the
-        first block of its prompt past the predicted prefix) learns how many of the predicted
-        blocks the rank still holds, before this store adds any back."""
-        watch = self._kv_watch
-        if not watch:
-            return
-        ring = self.receipts
-        for h in locals_:
-            found = watch.pop((rank, h), None)
-            if found is None or ring is None:
-                continue
-            r, keys = found
-            held = 0
-            if keys:
-                o = part.index.overlaps(keys).get(rank)
-                held = min(o.device, len(keys)) if o is not None else 0
-            ring.kv_checked(r, len(keys), held)
 
     def potential_loads(self, cmd: commands.PotentialLoads) -> list[LoadRow]:
         """Per candidate rank, sorted: its load if the prompt went there."""
@@ -1104,16 +964,6 @@ class SelectionService:
             )
             self._evictions_logged = evicted
         return n
-
-
-def cache_chain(prompt: Prompt | PendingSelection) -> tuple[int, ...] | None:
-    """The approximate-cache keys of a prompt's blocks: its sequence hashes for a token prompt,
-    else the chained block hashes (computed once per request, used by lookup and write)."""
-    if prompt.block_hashes is None:
-        return None
-    if prompt.from_tokens:
-        return prompt.sequence_hashes
-    return tuple(chain_keys(prompt.block_hashes))
 
 
 def _record_order(r: WorkerRecord) -> tuple[str, str, int]:
