@@ -50,7 +50,7 @@ def redis_namespace() -> str:
     return f"test-{uuid.uuid4().hex}"
 
 
-# Under pytest-xdist (``make test`` runs ``-n auto --dist loadgroup``) the tests of one group run
+# Under pytest-xdist (``make test`` runs ``-n CORES+1 --dist loadgroup``) the tests of one group run
 # on one worker, one after another, while the other workers run the rest. A group holds the
 # tests that start many processes at once and whose outcome depends on those getting the CPU in
 # time (Redis Sentinel failovers with a 1 s down-after, a Cluster, several service processes),

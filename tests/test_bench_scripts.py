@@ -64,7 +64,7 @@ def test_edge_cost_runs_every_workload() -> None:
     """edge_cost's workloads (the in-process figures of bench/RESULTS.md) run on this code:
     ``direct`` asserts every call was answered by the direct protocol."""
     done = subprocess.run(
-        [sys.executable, str(BENCH / "edge_cost.py"), "--n", "200"],
+        [sys.executable, str(BENCH / "edge_cost.py"), "--n", "20"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -102,7 +102,7 @@ def test_apply_cost_applies_every_record() -> None:
 def test_edge_cost_counts_opcodes_per_function() -> None:
     """``--opcodes`` traces the measured calls only: the batch's own functions are listed."""
     done = subprocess.run(
-        [sys.executable, str(BENCH / "edge_cost.py"), "--opcodes", "--only", "batch", "--n", "200"],
+        [sys.executable, str(BENCH / "edge_cost.py"), "--opcodes", "--only", "batch", "--n", "20"],
         capture_output=True,
         text=True,
         timeout=300,

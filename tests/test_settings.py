@@ -3,14 +3,19 @@ validation for ``--check-config`` and start-up, each problem on one line naming 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import shutil
 import socket
 from pathlib import Path
+from unittest import mock
 
 import certifi
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from kv_slot_tracker import __main__ as command
 from kv_slot_tracker.settings import (
     DEFAULT_CONFIG_FILE,
     WORKERS_TRANSPORT_REDIS_REMOVED,
@@ -198,17 +203,65 @@ def test_an_unknown_slot_tracker_variable_is_named_with_the_closest_setting() ->
 # -- one validation: what --check-config passes, start-up runs --------------------------------
 
 
-def check_and_start(*args: str, env: dict[str, str] | None = None) -> str:
-    """Run ``--check-config`` and a start with the same settings; both must refuse them the
-    same way (exit 2, the same lines, no traceback). Returns the problem lines."""
-    checked = run_app(*args, "--check-config", env=env)
-    started = run_app(*args, env=env)  # refused before it listens (else: the timeout fails it)
-    assert (checked.returncode, started.returncode) == (2, 2), (checked.stderr, started.stderr)
-    assert checked.stderr == started.stderr
-    assert "Traceback" not in checked.stderr
-    head, _, problems = checked.stderr.partition("\n")
+def problem_lines(checked: tuple[int, str], started: tuple[int, str]) -> str:
+    """Both refused the same way (exit 2, the same lines, no traceback): the problem lines."""
+    assert (checked[0], started[0]) == (2, 2), (checked[1], started[1])
+    assert checked[1] == started[1]
+    assert "Traceback" not in checked[1]
+    head, _, problems = checked[1].partition("\n")
     assert head == "invalid configuration:"
     return problems.rstrip("\n")
+
+
+def run_main(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """The command's ``main(args)`` in this process, with ``env`` as the only SLOT_TRACKER_*
+    variables: its exit code and standard error. A start that gets past the validation fails
+    at once (the app is never made, no process started) instead of serving."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SLOT_TRACKER_")}
+    for name in saved:
+        del os.environ[name]
+    os.environ.update(env or {})
+    err = io.StringIO()
+    started = AssertionError("the configuration was accepted: the service would start")
+    try:
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            mock.patch.object(command, "create_app", side_effect=started),
+            mock.patch.object(command, "supervise", side_effect=started),
+        ):
+            try:
+                code = command.main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for name in [k for k in os.environ if k.startswith("SLOT_TRACKER_")]:
+            del os.environ[name]
+        os.environ.update(saved)
+    return code, err.getvalue()
+
+
+def check_and_start(*args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``--check-config`` and a start with the same settings, through the command's
+    ``main`` in this process; both must refuse them the same way (exit 2, the same lines, no
+    traceback). Returns the problem lines. (``test_the_command_line_refuses_as_its_check_does``
+    runs the real command line, twice, for one case.)"""
+    return problem_lines(run_main(*args, "--check-config", env=env), run_main(*args, env=env))
+
+
+def check_and_start_command(*args: str, env: dict[str, str] | None = None) -> str:
+    """``check_and_start`` through ``python -m kv_slot_tracker`` itself (two processes)."""
+    checked = run_app(*args, "--check-config", env=env)
+    started = run_app(*args, env=env)  # refused before it listens (else: the timeout fails it)
+    return problem_lines((checked.returncode, checked.stderr), (started.returncode, started.stderr))
+
+
+def test_the_command_line_refuses_as_its_check_does() -> None:
+    args = ("--redis-url", "redis://127.0.0.1:7000", "--redis-cluster", "true",
+            "--replication-ack", "redis", "--replication-ack-replicas", "1")  # fmt: skip
+    problems = check_and_start_command(*args)
+    assert problems == check_and_start(*args)
+    assert problems.startswith("--replication-ack-replicas, --redis-cluster: ")
 
 
 def test_replicas_with_a_cluster_are_refused_by_the_check_too() -> None:
@@ -374,7 +427,7 @@ def test_discovery_without_the_kubernetes_client_is_refused_by_the_check(tmp_pat
     blocker = tmp_path / "kubernetes_asyncio"
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('not installed here')\n")
-    problems = check_and_start(
+    problems = check_and_start_command(  # a process of its own: the client blocked there
         "--discovery-kubernetes-service", "vllm", env={"PYTHONPATH": str(tmp_path)}
     )
     assert problems.startswith("--discovery-kubernetes-service: ")
