@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -53,6 +54,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RedisProcess, RedisPr
             if p.proc is not None:
                 os.kill(p.proc.pid, signal.SIGCONT)  # a stopped process ignores SIGKILL's wait
             p.kill()
+        shutil.rmtree(root, ignore_errors=True)  # the logs' tails are in a failure's report
 
 
 def publisher_clients(server: RedisProcess, app: App) -> list[dict[str, str]]:

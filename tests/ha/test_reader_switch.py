@@ -12,6 +12,7 @@ re-sends too before A's reader gets through (the proxy holds the reader's connec
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -92,6 +93,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[RedisProcess, RedisPr
     finally:
         old.kill()
         new.kill()
+        shutil.rmtree(root, ignore_errors=True)  # the logs' tails are in a failure's report
 
 
 async def add_retrying(app: App, rid: str) -> None:

@@ -5,6 +5,7 @@ whole apps in this process (``tests/replication/apps.py``)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 import time
 import uuid
@@ -81,3 +82,4 @@ async def test_acknowledged_only_once_a_replica_holds_it() -> None:
     finally:
         primary.kill()
         replica.kill()
+        shutil.rmtree(root, ignore_errors=True)
