@@ -16,9 +16,11 @@ published to the other instances from: the catalog, reservations, approximate ca
 selections are shared like the trackers.
 
 Its collaborators, each holding a part and working on the service through its public API:
+``placement`` (``WorkerPlacement``: the catalog's changes and where its workers' ranks sit),
 ``reservations`` (``Reservations``: the reservation ids), ``replica`` (``SelectionReplica``: the
-records shared with the other instances and the snapshots) and ``kv_events`` (``KvEvents``: the
-KV-event ingest's sink, into the partitions' indexes).
+records shared with the other instances and the snapshots), ``kv_events`` (``KvEvents``: the
+KV-event ingest's sink, into the partitions' indexes) and ``receipt_keeper`` (``ReceiptKeeper``:
+the routing receipts, when they are on).
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
 with its block size, after its last worker goes, while the tracker itself is dropped as the
@@ -37,9 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kv_slot_tracker.core.commands import Add
-from kv_slot_tracker.core.limits import MAX_RANKS_PER_TRACKER
 from kv_slot_tracker.core.selection import (
-    ApproximateCache,
     Prompt,
     RouterConfig,
     effective_prefill_tokens,
@@ -47,21 +47,11 @@ from kv_slot_tracker.core.selection import (
 )
 from kv_slot_tracker.core.selection.approx_cache import StoredRun, cache_chain
 from kv_slot_tracker.core.selection.catalog import (
-    INCOMPLETE,
-    MAX_DP_SIZE,
-    REPLAY_NEEDS_ONE_RANK,
-    SCHEDULABLE,
     WorkerRecord,
     WorkerSpec,
-    block_size_mismatch,
-    intrinsic_reasons,
-    patched,
-    replay_endpoints_problem,
 )
 from kv_slot_tracker.core.selection.errors import (
-    CatalogWorkerNotFound,
     InvalidDecayFraction,
-    InvalidReplayEndpoints,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
     PendingSelectionNotFound,
@@ -81,10 +71,11 @@ from kv_slot_tracker.core.selection.sessions import SessionAffinity
 from kv_slot_tracker.core.sequences import EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key
-from kv_slot_tracker.service.errors import TooManyHashes, TooManyTrackers
+from kv_slot_tracker.service.errors import TooManyHashes
 from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import commands, mutations
-from kv_slot_tracker.service.selection.kv_events import KvEvents, kv_endpoints
+from kv_slot_tracker.service.selection.kv_events import KvEvents
+from kv_slot_tracker.service.selection.placement import WorkerPlacement
 from kv_slot_tracker.service.selection.receipt_keeper import ReceiptKeeper, decision_receipt
 from kv_slot_tracker.service.selection.replica import SelectionReplica
 from kv_slot_tracker.service.selection.reservations import Reservations
@@ -92,7 +83,6 @@ from kv_slot_tracker.service.selection.tombstones import DEFAULT_CAPACITY as TOM
 from kv_slot_tracker.service.selection.tombstones import DEFAULT_MAX_BYTES as TOMBSTONE_MAX_BYTES
 from kv_slot_tracker.service.selection.tombstones import ReservationTombstones
 from kv_slot_tracker.service.selection.types import (
-    SELECTION_OUTCOMES,
     Booked,
     Candidates,
     LoadRow,
@@ -108,9 +98,6 @@ log = logging.getLogger(__name__)
 
 # What the reference reports as a rank's prefill capacity when the worker declared none.
 DEFAULT_PREFILL_TOKEN_CAPACITY = 10_000_000
-
-# Most ranks one tracker may hold (the slot-tracker routes' limit).
-MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
 
 
 class SelectionService:
@@ -143,11 +130,12 @@ class SelectionService:
         self.pending = PendingSelections(pending_max_entries, pending_ttl_ns, pending_max_bytes)
         self.partitions: dict[Key, Partition] = {}
         self.catalog: dict[int, WorkerRecord] = {}
+        self.placement = WorkerPlacement(self)
+        """Checks and applies the catalog's changes, and places its workers' ranks."""
         self.reservations = Reservations(
             registry,
             ReservationTombstones(tombstone_ttl_ns, tombstone_capacity, tombstone_max_bytes),
         )
-        self._schedulable = 0  # schedulable workers in the catalog
         self._evictions_logged = 0
         self.counters = SelectionCounters()
         self.sessions = (
@@ -198,9 +186,9 @@ class SelectionService:
                 mutation.selection_id, mutation.decay_fraction
             )
         elif isinstance(mutation, mutations.PutWorker):
-            self._apply_put_worker(mutation.spec)
+            self.placement.put(mutation.spec)
         elif isinstance(mutation, mutations.RemoveWorker):
-            self._apply_remove_worker(mutation.worker_id)
+            self.placement.remove(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
 
@@ -237,198 +225,29 @@ class SelectionService:
         self.registry.get(res.key).free(r.selection_id, now)
         self.reservations.release(r.selection_id, now, now)  # remembered: a late booking is refused
 
+    # -- the worker catalog (``placement``) -------------------------------------------------
+
     def replace_catalog(
         self, catalog: dict[int, WorkerRecord], partitions: dict[Key, Partition]
     ) -> None:
         """Replace the catalog and the partitions (a snapshot's, restored by the replica)."""
-        self.catalog, self.partitions = catalog, partitions
-        self._schedulable = sum(r.schedulable for r in catalog.values())
-
-    # -- the worker catalog ----------------------------------------------------------------
-
-    def _admit_put(self, spec: WorkerSpec) -> None:
-        """The global budgets' check of a worker put into the catalog: a new entry, and the
-        ranks it may place beyond those its record has placed (``OverBudget``)."""
-        held = self.catalog.get(spec.worker_id)
-        if held is None:
-            self.registry.admit_selection_worker(len(self.catalog))
-        if spec.block_size is not None:
-            before = held.spec.dp_size if held is not None and held.schedulable else 0
-            self.registry.admit_ranks(spec.dp_size - before)
+        self.placement.replace(catalog, partitions)
 
     def upsert_worker(self, cmd: commands.UpsertWorker) -> WorkerRecord:
-        _check_replay_endpoints(cmd.spec)
-        self._admit_put(cmd.spec)
-        self.commit(mutations.PutWorker(cmd.spec))
-        return self.catalog[cmd.spec.worker_id]
+        return self.placement.upsert(cmd)
 
     def patch_worker(self, cmd: commands.PatchWorker) -> WorkerRecord:
-        record = self.catalog.get(cmd.worker_id)
-        if record is None:
-            raise CatalogWorkerNotFound(cmd.worker_id)
-        spec = patched(record.spec, cmd.changes)
-        _check_replay_endpoints(spec)
-        self._admit_put(spec)
-        self.commit(mutations.PutWorker(spec))
-        return self.catalog[cmd.worker_id]
+        return self.placement.patch(cmd)
 
     def delete_worker(self, cmd: commands.DeleteWorker) -> WorkerRecord:
-        record = self.catalog.get(cmd.worker_id)
-        if record is None:
-            raise CatalogWorkerNotFound(cmd.worker_id)
-        self.commit(mutations.RemoveWorker(cmd.worker_id))
-        return WorkerRecord(record.spec, "unschedulable")
+        return self.placement.delete(cmd)
 
     def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerRecord]:
         """Catalog records, sorted by partition then id, optionally filtered."""
-        return [
-            r
-            for r in sorted(self.catalog.values(), key=_record_order)
-            if (model_name is None or r.spec.model_name == model_name)
-            and (routing_group is None or r.spec.routing_group == routing_group)
-        ]
+        return self.placement.records_of(model_name, routing_group)
 
     def schedulable_count(self) -> int:
-        return self._schedulable
-
-    def _existing_block_size(self, key: Key) -> int | None:
-        t = self.registry.find(key)
-        if t is not None:
-            return t.block_size
-        part = self.partitions.get(key)
-        return part.block_size if part is not None else None
-
-    def _reasons(self, spec: WorkerSpec, placed_here: int) -> list[str]:
-        """Why ``spec`` cannot be placed; ``placed_here`` = its ranks already in that tracker."""
-        reasons = intrinsic_reasons(spec)
-        if self.config.use_kv_events and spec.dp_size <= MAX_DP_SIZE:
-            endpoints = kv_endpoints(spec)
-            reasons += [
-                f"kv_events endpoint is required for dp_rank {rank}"
-                for rank in range(spec.dp_start, spec.dp_start + spec.dp_size)
-                if not endpoints.get(rank)
-            ]
-            if spec.dp_size > 1 and spec.replay_endpoint is not None:
-                reasons.append(REPLAY_NEEDS_ONE_RANK)
-        if reasons:
-            return reasons
-        assert spec.block_size is not None
-        existing = self._existing_block_size(spec.key)
-        if existing is not None and existing != spec.block_size:
-            return [block_size_mismatch(spec.key, existing, spec.block_size)]
-        t = self.registry.find(spec.key)
-        if t is None:
-            try:
-                self.registry.check_room(spec.key)
-            except TooManyTrackers as e:
-                return [str(e)]
-            if not self._room_for_partition(spec.key):
-                return [
-                    f"too many partitions: this instance already holds "
-                    f"{self.registry.max_trackers} (max_trackers)"
-                ]
-        ranks = (t.num_ranks() if t is not None else 0) - placed_here + spec.dp_size
-        if ranks > MAX_RANKS_PER_PARTITION:
-            return [
-                f"reconciliation failed: too many ranks for model={spec.model_name} "
-                f"routing_group={spec.routing_group}: {ranks} > {MAX_RANKS_PER_PARTITION}"
-            ]
-        return []
-
-    def _set_record(self, worker_id: int, record: WorkerRecord | None) -> None:
-        old = self.catalog.get(worker_id)
-        self._schedulable -= old is not None and old.schedulable
-        if record is None:
-            self.catalog.pop(worker_id, None)
-        else:
-            self.catalog[worker_id] = record
-            self._schedulable += record.schedulable
-
-    def _apply_put_worker(self, spec: WorkerSpec) -> None:
-        old = self.catalog.get(spec.worker_id)
-        old_spec = old.spec if old is not None and old.schedulable else None
-        same_place = old_spec is not None and old_spec.key == spec.key
-        placed_here = old_spec.dp_size if same_place and old_spec is not None else 0
-        reasons = self._reasons(spec, placed_here)
-        if reasons:
-            if old_spec is not None:
-                self._unplace(old_spec)
-            self._set_record(spec.worker_id, WorkerRecord(spec, INCOMPLETE, tuple(reasons)))
-        else:
-            if old_spec is not None and not same_place:
-                self._unplace(old_spec)
-            self._place(spec)
-            self._set_record(spec.worker_id, WorkerRecord(spec, SCHEDULABLE))
-
-    def _apply_remove_worker(self, worker_id: int) -> None:
-        record = self.catalog[worker_id]
-        self._set_record(worker_id, None)
-        if record.schedulable:
-            self._unplace(record.spec)
-
-    def _unused_partition(self) -> Key | None:
-        """A partition no catalog worker names and no reservation is held in, if any. Such a
-        partition stays listed, as the reference lists it after its last worker goes, until
-        its place is needed (``_room_for_partition``)."""
-        named = {r.spec.key for r in self.catalog.values()}
-        held = self.reservations.partitions_held()
-        for key, part in self.partitions.items():  # oldest first
-            if not part.workers and key not in named and key not in held:
-                return key
-        return None
-
-    def _room_for_partition(self, key: Key) -> bool:
-        """Whether a partition for ``key`` exists or may be made (an unused one is dropped,
-        with its series, to make room beyond ``max_trackers``). O(catalog + partitions), only
-        when a new partition meets the limit."""
-        if key in self.partitions or len(self.partitions) < self.registry.max_trackers:
-            return True
-        unused = self._unused_partition()
-        if unused is None:
-            return False
-        del self.partitions[unused]
-        made = self.counters.made
-        for outcome in SELECTION_OUTCOMES:
-            made.pop((unused, outcome), None)
-        if self.receipts is not None:
-            self.receipts.forget_partition(unused)
-        return True
-
-    def _place(self, spec: WorkerSpec) -> None:
-        """Register (or re-range) a schedulable worker's ranks in its partition's tracker."""
-        self.kv_events.worker_placed()
-        key = spec.key
-        assert spec.block_size is not None
-        t = self.registry.find(key)
-        if t is None:
-            t = self.registry.create(key, spec.block_size)
-        change = t.upsert_worker(spec.dp_range)
-        part = self.partitions.get(key)
-        if part is None:
-            part = self.partitions[key] = Partition(
-                key, t.block_size, ApproximateCache(self.config.router_ttl_ns)
-            )
-        part.block_size = t.block_size
-        part.workers[spec.worker_id] = spec
-        if change.removed:
-            for w in change.removed:
-                part.index.clear_rank(w, prune=True)
-            self.reservations.orphan(spec.worker_id, {w.dp_rank for w in change.removed})
-
-    def _unplace(self, spec: WorkerSpec) -> None:
-        """Take a worker off its partition: ranks, their requests and its cached blocks."""
-        key = spec.key
-        t = self.registry.find(key)
-        if t is not None and t.has_worker(spec.worker_id):
-            t.unregister_worker(spec.worker_id)
-            self.registry.drop_if_empty(key)
-        part = self.partitions.get(key)
-        if part is not None:
-            part.workers.pop(spec.worker_id, None)
-            part.cache.remove_worker(spec.worker_id)
-            part.index.remove_worker(spec.worker_id)
-        self.kv_events.worker_left(spec.worker_id)
-        self.reservations.orphan(spec.worker_id, None)
+        return self.placement.schedulable
 
     # -- reservations (SELECTION.md §6) -----------------------------------------------------
 
@@ -964,14 +783,3 @@ class SelectionService:
             )
             self._evictions_logged = evicted
         return n
-
-
-def _record_order(r: WorkerRecord) -> tuple[str, str, int]:
-    return (r.spec.model_name, r.spec.routing_group, r.spec.worker_id)
-
-
-def _check_replay_endpoints(spec: WorkerSpec) -> None:
-    """Refuse (400, nothing changed) ``replay_endpoints`` that do not fit the worker's ranks."""
-    problem = replay_endpoints_problem(spec)
-    if problem is not None:
-        raise InvalidReplayEndpoints(problem)
