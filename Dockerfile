@@ -17,7 +17,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 # --upgrade-deps: a current pip resolves and installs the dependencies in half the time of the
-# one the base image's venv would bundle (and is the pip users get)
+# one the base image's venv would bundle
 RUN python -m venv --upgrade-deps /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
