@@ -13,10 +13,10 @@ one, on this instance or from a peer's record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kv_slot_tracker.core.limits import MAX_RANKS_PER_TRACKER
-from kv_slot_tracker.core.selection import ApproximateCache
+from kv_slot_tracker.core.selection import ApproximateCache, RouterConfig
 from kv_slot_tracker.core.selection.catalog import (
     INCOMPLETE,
     MAX_DP_SIZE,
@@ -30,14 +30,31 @@ from kv_slot_tracker.core.selection.catalog import (
     replay_endpoints_problem,
 )
 from kv_slot_tracker.core.selection.errors import CatalogWorkerNotFound, InvalidReplayEndpoints
+from kv_slot_tracker.core.selection.receipts import ReceiptRing
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyTrackers
+from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import commands, mutations
-from kv_slot_tracker.service.selection.kv_events import kv_endpoints
-from kv_slot_tracker.service.selection.types import SELECTION_OUTCOMES, Partition
+from kv_slot_tracker.service.selection.kv_events import KvEvents, kv_endpoints
+from kv_slot_tracker.service.selection.reservations import Reservations
+from kv_slot_tracker.service.selection.types import SELECTION_OUTCOMES, Partition, SelectionCounters
 
-if TYPE_CHECKING:
-    from kv_slot_tracker.service.selection.service import SelectionService
+
+class PlacementHost(Protocol):
+    """What the placement needs of the selection service: the state it changes (the catalog and
+    the partitions), its collaborators, and ``commit`` for the changes it decides."""
+
+    catalog: dict[int, WorkerRecord]
+    partitions: dict[Key, Partition]
+    registry: TrackerRegistry
+    config: RouterConfig
+    kv_events: KvEvents
+    reservations: Reservations
+    counters: SelectionCounters
+    receipts: ReceiptRing | None
+
+    def commit(self, mutation: mutations.Mutation) -> None: ...
+
 
 # Most ranks one tracker may hold (the slot-tracker routes' limit).
 MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
@@ -46,7 +63,7 @@ MAX_RANKS_PER_PARTITION = MAX_RANKS_PER_TRACKER
 class WorkerPlacement:
     """The catalog's changes and its workers' places (module notes)."""
 
-    def __init__(self, service: SelectionService) -> None:
+    def __init__(self, service: PlacementHost) -> None:
         self.service = service
         self.schedulable = 0  # schedulable workers in the catalog
 
