@@ -147,11 +147,17 @@ def test_unexpected_failures_fail_the_run(instance: str, tmp_path: Path) -> None
 def test_a_run_across_two_instances_sharing_one_state(
     tmp_path: Path, redis_url: str, redis_namespace: str
 ) -> None:
-    """Every call goes to one of two instances at random; the drain check reads the other."""
+    """Every call goes to one of two instances at random; the drain check reads the other.
+    With durable acknowledgements: a call answered by one instance is in the stream, so the
+    other finds it behind its read barrier, and no call may fail. (With local ones a booking of
+    a selection made a moment earlier on the other instance may answer 404 once its records take
+    longer than ``consistency_wait_ms`` to arrive, as they do on a saturated machine: that case
+    is the consistency tests' (tests/e2e/test_consistency.py, tests/replication/).)"""
     shared = {
         "SLOT_TRACKER_API_KEY": API_KEY,
         "SLOT_TRACKER_REDIS_URL": redis_url,
         "SLOT_TRACKER_NAMESPACE": redis_namespace,
+        "SLOT_TRACKER_REPLICATION_ACK": "redis",
         **KV_EVENTS_ON,
     }
     with (
