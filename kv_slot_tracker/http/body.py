@@ -38,22 +38,10 @@ def is_json_content_type(value: str | None) -> bool:
     return mime.startswith("application/") and mime.endswith("+json")
 
 
-def body_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
-    """The first ``content-type`` and the first ``content-length`` of a header list, in one
-    scan (the connection's size limit and a route's body checks both read them)."""
-    content_type = declared = None
-    for key, value in headers:
-        if key == b"content-type":
-            if content_type is None:
-                content_type = value
-        elif key == b"content-length" and declared is None:
-            declared = value
-    return content_type, declared
-
-
 def check_declared_body(content_type: bytes | None, declared: bytes | None, limit: int) -> None:
-    """The checks made before a body is read, on the headers ``body_headers`` found: a JSON
-    content type (415) and a declared length within ``limit`` (413)."""
+    """The checks made before a body is read, on the request's first ``content-type`` and
+    ``content-length`` values: a JSON content type (415) and a declared length within ``limit``
+    (413)."""
     if content_type != b"application/json" and (
         content_type is None or not is_json_content_type(content_type.decode("latin-1"))
     ):
@@ -65,7 +53,12 @@ def check_declared_body(content_type: bytes | None, declared: bytes | None, limi
 def check_body_headers(headers: list[tuple[bytes, bytes]], limit: int) -> None:
     """The checks made before a body is read: a JSON content type (415) and a declared length
     within ``limit`` (413)."""
-    content_type, declared = body_headers(headers)
+    content_type = declared = None
+    for key, value in headers:
+        if key == b"content-type" and content_type is None:
+            content_type = value
+        elif key == b"content-length" and declared is None:
+            declared = value
     check_declared_body(content_type, declared, limit)
 
 

@@ -36,7 +36,7 @@ class Prompt:
     @property
     def precomputed_chain(self) -> list[int] | None:
         """The approximate-cache keys when known for free (a token prompt's sequence hashes),
-        else ``None`` (the selection service's ``cache_chain`` computes them for any prompt)."""
+        else ``None`` (``approx_cache.cache_chain`` computes them for any prompt)."""
         return list(self.sequence_hashes) if self.from_tokens else None
 
 
