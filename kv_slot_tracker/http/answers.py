@@ -6,7 +6,7 @@ with no ``await`` inside. On a replicated instance a call may have to wait befor
 (for the add of a request id not known here yet, for its records to reach the stream:
 ``kv_slot_tracker.http.replicated``); it answers ``Later`` then, which the dispatchers
 (``kv_slot_tracker.http.dispatch``, ``kv_slot_tracker.http.fast_protocol``, the FastAPI endpoints
-of ``kv_slot_tracker.http.routes``) await. ``Answer`` is the one type of both, and
+of ``kv_slot_tracker.http.endpoints``) await. ``Answer`` is the one type of both, and
 ``isinstance(answer, Later)`` the one test between them: a call that does not wait answers its
 ``Result`` as an embedded instance does, with nothing allocated around it.
 """

@@ -26,6 +26,7 @@ from kv_slot_tracker.http.auth import BearerAuth, open_paths
 from kv_slot_tracker.http.dashboard import build_dashboard_router
 from kv_slot_tracker.http.dispatch import LeanDispatcher, LeanRoute
 from kv_slot_tracker.http.docs import build_docs_router
+from kv_slot_tracker.http.endpoints import call_endpoint, fastapi_route_args, query_endpoint
 from kv_slot_tracker.http.errors import (
     INTERNAL_ERROR,
     METHOD_NOT_ALLOWED,
@@ -35,18 +36,10 @@ from kv_slot_tracker.http.errors import (
 from kv_slot_tracker.http.gate import ReadinessGate
 from kv_slot_tracker.http.middleware import HeadAsGet
 from kv_slot_tracker.http.operations import Operations
+from kv_slot_tracker.http.queries import Queries
 from kv_slot_tracker.http.replicated import DurableAcks, ReplicatedEdge
 from kv_slot_tracker.http.responses import JSON, json_response
-from kv_slot_tracker.http.routes import (
-    ROUTES,
-    TAGS,
-    Queries,
-    body_models,
-    call_endpoint,
-    fastapi_route_args,
-    query_endpoint,
-    response_examples,
-)
+from kv_slot_tracker.http.routes import ROUTES, TAGS, body_models, response_examples
 from kv_slot_tracker.http.schemas import INTEGER_LITERALS
 from kv_slot_tracker.http.selection.operations import SelectionOperations, SelectionQueries
 from kv_slot_tracker.http.selection.receipts import build_receipts_router, is_receipt_path

@@ -35,7 +35,7 @@ METRICS = "/metrics"
 PROBE_FIELDS: dict[str, tuple[str, ...]] = {
     "/selection/ready": ("ready", "schedulable_workers"),
 }
-# Set in the scope of such a call: the handler computes only those fields (``routes.PROBE``).
+# Set in the scope of such a call: the handler computes only those fields (``queries.PROBE``).
 PROBE_SCOPE_KEY = "kv_slot_tracker.probe_fields"
 
 

@@ -2,42 +2,48 @@
 
 A ``Route`` names its path, method, operation, summary, body and response models, path
 parameters and documented errors. From this one table ``kv_slot_tracker.http.app`` builds both the FastAPI
-routes (and so the OpenAPI document and ``/docs``) and the lean dispatcher's table of hot routes.
-A route belongs to one API (``api``): the slot tracker's (``kv_slot_tracker.http.operations`` and
-``Queries``) or the selection service's under ``/selection`` (``kv_slot_tracker.http.selection.operations``).
+routes (``kv_slot_tracker.http.endpoints``, and so the OpenAPI document and ``/docs``) and the lean
+dispatcher's table of hot routes. A route belongs to one API (``api``): the slot tracker's
+(``kv_slot_tracker.http.operations`` and ``kv_slot_tracker.http.queries.Queries``) or the selection
+service's under ``/selection`` (``kv_slot_tracker.http.selection.operations``).
 *Call* routes (a body or path parameters) run an operation ``op(body, *path parameters)``;
 *query* routes run a queries method on the query string.
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin
 
-from fastapi import Path, Query, Request, Response
+from fastapi import Response
 from pydantic import BaseModel, TypeAdapter
-from starlette.datastructures import QueryParams
 
 from kv_slot_tracker.core.types import U64_MAX
 from kv_slot_tracker.http import schemas
-from kv_slot_tracker.http.answers import Call, Later
-from kv_slot_tracker.http.auth import PROBE_SCOPE_KEY
-from kv_slot_tracker.http.body import declares_body, read_asgi_body
 from kv_slot_tracker.http.errors import (
     CONTENT_TYPE,
-    EXPECTED,
     JSON_PARSE,
     JSON_SHAPE,
     TOO_LARGE,
     UNAUTHORIZED,
     HttpError,
-    error_result,
-    query_error,
 )
-from kv_slot_tracker.http.responses import JSON, json_response, raw_response
+from kv_slot_tracker.http.response_schemas import (
+    BatchResponse,
+    ErrorBody,
+    LoadRow,
+    LoraCounts,
+    PotentialLoadRow,
+    ProjectedLoadRow,
+    ReadyBody,
+    ReconcileResult,
+    ReplicationStatus,
+    StatusOk,
+    WorkerRow,
+)
+from kv_slot_tracker.http.responses import JSON
 from kv_slot_tracker.http.selection import schemas as selection_schemas
 from kv_slot_tracker.http.selection.outcome import ReservationOutcomeBody
 from kv_slot_tracker.http.selection.replica_sync import PeerBody
@@ -53,8 +59,7 @@ from kv_slot_tracker.http.selection.responses import (
     SelectResponse,
     WorkerRecord,
 )
-from kv_slot_tracker.replication.port import Replication
-from kv_slot_tracker.service import DEFAULT_ROUTING_GROUP, SlotTrackerService
+from kv_slot_tracker.service import DEFAULT_ROUTING_GROUP
 
 ERROR_DOCS: dict[int, str] = {
     400: "Malformed JSON or an invalid value.",
@@ -89,7 +94,7 @@ ERROR_EXAMPLES: dict[int, str] = {
 def error_responses(codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
     return {
         c: {
-            "model": schemas.ErrorBody,
+            "model": ErrorBody,
             "description": ERROR_DOCS[c],
             "content": {JSON: {"example": {"error": ERROR_EXAMPLES[c]}}},
         }
@@ -119,10 +124,6 @@ class QueryParam:
 
 
 U64_PATH = r"\+?[0-9]+"
-
-# A query parameter the edge adds for a caller without the key on an open probe that answers
-# such a caller only some fields (``auth.PROBE_FIELDS``): the handler computes only those.
-PROBE = "kv_slot_tracker_probe"
 
 
 def parse_u64_path(value: str) -> int:
@@ -195,37 +196,6 @@ _CURSOR_Q = QueryParam(
     {"anyOf": [{"type": "string", "pattern": "^[0-9]{1,18}$"}, {"type": "null"}]},
 )  # fmt: skip
 PAGE_QUERY = (_LIMIT_Q, _CURSOR_Q)
-NEXT_CURSOR = "x-next-cursor"
-
-
-def page_of(params: QueryParams, max_items: int) -> tuple[int, int]:
-    """The ``(start, limit)`` of the page ``params`` ask for (400 for a bad value)."""
-    limit_text, cursor = query_value(params, "limit"), query_value(params, "cursor")
-    limit = max_items
-    if limit_text is not None:
-        if not (limit_text.isascii() and limit_text.isdigit()) or int(limit_text) < 1:
-            raise query_error("limit: expected a positive integer")
-        limit = min(int(limit_text), max_items)
-    start = 0
-    if cursor is not None:
-        if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):
-            raise query_error("cursor: expected the x-next-cursor header of the previous page")
-        start = int(cursor)
-    return start, limit
-
-
-def paged(items: list[Any], params: QueryParams, max_items: int) -> tuple[list[Any], str | None]:
-    """One page of ``items`` and the cursor of the next one (None: this is the last)."""
-    start, limit = page_of(params, max_items)
-    end = start + limit
-    return items[start:end], (str(end) if end < len(items) else None)
-
-
-def paged_response(payload: Any, cursor: str | None) -> Response:
-    response = json_response(payload)
-    if cursor is not None:
-        response.headers[NEXT_CURSOR] = cursor
-    return response
 
 
 # -- the selection API (SELECTION.md): Dynamo's selection service under /selection ------------
@@ -349,63 +319,63 @@ ROUTES: tuple[Route, ...] = (
                  "responses": {200: {"description": "Alive.", "content": {}}}}, tag="operations",
           description='200 with an empty body while the process runs; never needs a key. Use `/ready` to know whether it can serve.'),
     Route("/ready", "GET", "ready", "Readiness: 200 once the instance can serve",
-          response=schemas.ReadyBody, errors=(), needs_state=False,
-          extra={"responses": {503: {"model": schemas.ReadyBody, "description": "Not ready (yet, or for now)."}}}, tag="operations",
+          response=ReadyBody, errors=(), needs_state=False,
+          extra={"responses": {503: {"model": ReadyBody, "description": "Not ready (yet, or for now)."}}}, tag="operations",
           description="200 once the instance has loaded the shared state and can serve; 503 with the reason until then, while it re-reads the stream after a Redis failover, and, with `replication_ack = \"redis\"`, while it refuses changes (`writes refused: Redis unreachable`) (a load balancer's readiness probe)."),
     Route("/replication", "GET", "replication_status", "Replication status of this instance",
-          response=schemas.ReplicationStatus, errors=(401,), needs_state=False, tag="operations",
+          response=ReplicationStatus, errors=(401,), needs_state=False, tag="operations",
           description='Mode, positions, counts and health of the replication between instances (`mode: embedded` for a single instance).'),
     Route("/register", "POST", "register", "Register a worker's ranks", schemas.RegisterBody,
-          schemas.StatusOk, 201, TOPOLOGY_ERRORS, tag="topology",
+          StatusOk, 201, TOPOLOGY_ERRORS, tag="topology",
           description='Adds ranks `dp_start … dp_start + dp_size - 1` of a worker to the tracker of `(model_name, routing_group)`, creating the tracker (with `block_size`) on first use. 409 when the worker id is registered already.'),
     Route("/upsert", "POST", "upsert", "Register a worker or replace its ranks (201 when created)",
-          schemas.UpsertBody, schemas.StatusOk, 200, TOPOLOGY_ERRORS,
+          schemas.UpsertBody, StatusOk, 200, TOPOLOGY_ERRORS,
           other_ok={201: "Created: the worker id was new."}, tag="topology",
           description='Like `/register`, but replaces the ranks of a known worker (requests on removed ranks are freed): 201 when the id was new, 200 otherwise.'),
     Route("/unregister", "POST", "unregister", "Remove a worker with all its ranks and requests",
-          schemas.UnregisterBody, schemas.StatusOk, tag="topology",
+          schemas.UnregisterBody, StatusOk, tag="topology",
           description="Removes the worker's ranks and frees their active requests."),
     Route("/heartbeat", "POST", "heartbeat", "Renew a worker's lease", schemas.HeartbeatBody,
-          schemas.StatusOk, 200, BODY_ERRORS, tag="topology",
+          StatusOk, 200, BODY_ERRORS, tag="topology",
           description="With `worker_ttl_seconds` set, a worker that is not renewed within that "
           "many seconds (by this call, `/register` or `/upsert`) is unregistered on every "
           "instance. Without it the call changes nothing. 404 for an unknown worker."),
     Route("/reconcile", "POST", "reconcile",
           "Make a list of workers the whole topology of a tracker", schemas.ReconcileBody,
-          schemas.ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",
+          ReconcileResult, 200, TOPOLOGY_ERRORS, tag="topology",
           description="Makes the given workers the tracker's whole topology in one step: adds, replaces and removes ranks, and answers what changed."),
-    Route("/workers", "GET", "workers", "Registered workers", response=list[schemas.WorkerRow],
+    Route("/workers", "GET", "workers", "Registered workers", response=list[WorkerRow],
           errors=(400, 401), query=(_MODEL_Q, _GROUP_Q, *PAGE_QUERY), tag="topology",
           description="Every tracker's registered workers and ranks, optionally only one model and/or routing group; at most `list_max_items` (or `limit`) per answer, the `x-next-cursor` header giving the `cursor` of the next page."),
-    Route("/add", "POST", "add", "Add an active request to a rank", schemas.AddBody, schemas.StatusOk, 201,
+    Route("/add", "POST", "add", "Add an active request to a rank", schemas.AddBody, StatusOk, 201,
           ADD_ERRORS, lean=True, tag="lifecycle",
           description='Adds an active request (its prompt as `sequence_hashes` or `token_ids`) to a rank: its new blocks become decode load and its input tokens prefill load until `/prefill_complete`. 409 for an id that is active already, 404 for an unknown rank.'),
     Route("/prefill_complete", "POST", "prefill_complete", "Mark a request's prefill as done",
-          schemas.RequestBody, schemas.StatusOk, lean=True, tag="lifecycle",
+          schemas.RequestBody, StatusOk, lean=True, tag="lifecycle",
           description="The request's prefill tokens stop counting. 404 for an unknown id."),
     Route("/free", "POST", "free", "Free a request (unknown ids succeed)", schemas.RequestBody,
-          schemas.StatusOk, lean=True, tag="lifecycle",
+          StatusOk, lean=True, tag="lifecycle",
           description='Removes the request and its blocks. An unknown or already freed id succeeds too, as in the reference (a retried free is harmless).'),
     Route("/output_block", "POST", "output_block", "Add a generated (output) block to a request",
-          schemas.OutputBlockBody, schemas.StatusOk, lean=True, tag="lifecycle",
+          schemas.OutputBlockBody, StatusOk, lean=True, tag="lifecycle",
           description="One generated block more on the request's rank; `decay_fraction` also decays the remaining modeled prefill."),
-    Route("/loads", "GET", "loads", "Current load of every rank", response=list[schemas.LoadRow],
+    Route("/loads", "GET", "loads", "Current load of every rank", response=list[LoadRow],
           errors=(400, 401), query=(_MODEL_Q, _GROUP_Q), tag="loads",
           description="Every rank's active requests, decode blocks, prefill tokens and modeled remaining prefill time. An unknown `model_name` answers `[]`, as the reference does: check the spelling with `GET /workers`."),
     Route("/potential_loads", "POST", "potential_loads", "Load of every rank if a prompt went there",
-          schemas.PotentialLoadsBody, list[schemas.PotentialLoadRow], lean=True, tag="loads",
+          schemas.PotentialLoadsBody, list[PotentialLoadRow], lean=True, tag="loads",
           description="What every rank's prefill tokens and decode blocks would be if the prompt went there (blocks already active on a rank are not counted twice); changes nothing."),
     Route("/project_loads", "POST", "project_loads", "Projected load of every rank for a prompt",
-          schemas.ProjectLoadsBody, list[schemas.ProjectedLoadRow], lean=True, tag="loads",
+          schemas.ProjectLoadsBody, list[ProjectedLoadRow], lean=True, tag="loads",
           description="Like `/potential_loads`, plus each rank's prefix overlap and modeled prefill time."),
     Route("/lora_counts", "GET", "lora_counts", "Active requests per LoRA name",
-          response=schemas.LoraCounts, errors=(400, 401, 404),
+          response=LoraCounts, errors=(400, 401, 404),
           query=(QueryParam("model_name", str, ..., "Model name."),
                  QueryParam("routing_group", str, DEFAULT_ROUTING_GROUP, "Routing group."),
                  *PAGE_QUERY), tag="loads",
           description='Active requests per LoRA adapter name in one tracker, by name; at most `list_max_items` names (or `limit`) per answer, the `x-next-cursor` header giving the `cursor` of the next page.'),
     Route("/batch", "POST", "batch", "Apply many lifecycle operations in one call", schemas.BatchBody,
-          schemas.BatchResponse, lean=True, tag="lifecycle",
+          BatchResponse, lean=True, tag="lifecycle",
           description='Many `add`, `prefill_complete`, `output_block` and `free` operations in one call, applied in order; each answers its own status, and one failing changes nothing for the others. At most `max_batch_operations` operations.'),
     *_replica_sync_routes("", "replica_sync_"),
     *SELECTION_ROUTES,
@@ -436,174 +406,3 @@ def response_examples() -> dict[str, list[Any]]:
         if examples:
             out[model.__name__] = examples
     return out
-
-
-def query_value(params: QueryParams, name: str) -> str | None:
-    values = params.getlist(name)
-    if len(values) > 1:
-        raise query_error(f"duplicate field `{name}`")
-    return values[0] if values else None
-
-
-class Queries:
-    """The GET routes' handlers: query parameters in, ``Response`` out."""
-
-    def __init__(
-        self,
-        service: SlotTrackerService,
-        replication: Replication,
-        durable_acks: bool = False,
-        list_max_items: int = 1000,
-    ) -> None:
-        self.service = service
-        self.replication = replication
-        # ``replication_ack = "redis"``: while changes are refused, the instance is not ready
-        self.durable_acks = durable_acks
-        self.list_max_items = list_max_items
-
-    def health(self, params: QueryParams) -> Response:
-        return Response(status_code=200)
-
-    def ready(self, params: QueryParams) -> Response:
-        if self.replication.ready():
-            refused = self.replication.write_refusal() if self.durable_acks else None
-            if refused is None:
-                return json_response({"status": "ready", "reason": None})
-            return json_response(
-                {"status": "not_ready", "reason": f"writes refused: {refused}"}, 503
-            )
-        reason = self.replication.status().not_ready_reason or "replication is catching up"
-        return json_response({"status": "not_ready", "reason": reason}, 503)
-
-    def replication_status(self, params: QueryParams) -> Response:
-        return json_response(self.replication.status().as_dict())
-
-    def workers(self, params: QueryParams) -> Response:
-        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
-        rows, cursor = paged(self.service.workers(m, g), params, self.list_max_items)
-        return paged_response(rows, cursor)
-
-    def loads(self, params: QueryParams) -> Response:
-        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
-        return json_response(self.service.loads(m, g))
-
-    def lora_counts(self, params: QueryParams) -> Response:
-        m, g = query_value(params, "model_name"), query_value(params, "routing_group")
-        key = (m or "", g if g is not None else DEFAULT_ROUTING_GROUP)
-        names, cursor = paged(
-            list(self.service.lora_counts(key).items()), params, self.list_max_items
-        )
-        payload = {"model_name": key[0], "routing_group": key[1], "lora_counts": dict(names)}
-        return paged_response(payload, cursor)
-
-
-def fastapi_route_args(route: Route) -> dict[str, Any]:
-    """``add_api_route`` arguments that document ``route``."""
-    args: dict[str, Any] = {
-        "summary": route.summary,
-        "methods": [route.method],
-        "name": route.operation_id,
-        "operation_id": route.operation_id,
-        "tags": [route.tag or route.api],
-    }
-    if route.description:
-        args["description"] = route.description
-    if route.is_call:
-        if route.body is not None:
-            ref = f"#/components/schemas/{route.body.__name__}"
-            args["openapi_extra"] = {
-                "requestBody": {
-                    "required": not route.optional_body,
-                    "content": {JSON: {"schema": {"$ref": ref}}},
-                }
-            }
-        args["status_code"] = route.status
-        args["response_model"] = None
-        args["responses"] = {
-            route.status: {"model": route.response, "description": "Success."},
-            **{c: {"model": route.response, "description": d} for c, d in route.other_ok.items()},
-            **error_responses(route.errors),
-        }
-    else:
-        if route.response is not None:
-            args["response_model"] = route.response
-        args["responses"] = error_responses(route.errors)
-    if route.needs_state:
-        args["responses"].update(error_responses((503,)))
-    for k, v in route.extra.items():
-        if k == "responses":
-            args["responses"] = {**args["responses"], **v}
-        else:
-            args[k] = v
-    return args
-
-
-def call_endpoint(route: Route, operation: Call, max_body: int) -> Callable[..., Any]:
-    """A FastAPI endpoint running ``operation(body, *path parameters)``: path parameters are
-    parsed first, then the body is read (when the route has one), as the reference does. The
-    operation answers its ``Result``, or ``Later`` (``kv_slot_tracker.http.answers``)."""
-
-    async def endpoint(request: Request, **_: Any) -> Response:
-        try:
-            args = [p.parse(request.path_params[p.name]) for p in route.path_params]
-            raw = (
-                await read_asgi_body(request.scope, request.receive, max_body)
-                if route.body is not None
-                and (not route.optional_body or declares_body(request.scope["headers"]))
-                else b""
-            )
-        except EXPECTED as e:
-            status, payload = error_result(e)
-        else:
-            answer = operation(raw, *args)
-            status, payload = await answer if isinstance(answer, Later) else answer
-        return raw_response(payload, status)
-
-    params = [
-        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
-    ]
-    for p in route.path_params:  # declared as text: the route parses (and rejects) the value
-        params.append(
-            inspect.Parameter(
-                p.name,
-                inspect.Parameter.KEYWORD_ONLY,
-                default=Path(description=p.description, json_schema_extra=p.schema),
-                annotation=str,
-            )
-        )
-    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
-    endpoint.__name__ = route.name
-    return endpoint
-
-
-def query_endpoint(route: Route, handler: Callable[[QueryParams], Response]) -> Callable[..., Any]:
-    """A FastAPI endpoint whose signature declares the route's query parameters (so FastAPI
-    validates and documents them); the handler reads the raw query string itself."""
-
-    async def endpoint(request: Request, **_: Any) -> Response:
-        try:
-            params = request.query_params
-            if request.scope.get(PROBE_SCOPE_KEY):  # a caller without the key: the probe's part
-                params = QueryParams([*params.multi_items(), (PROBE, "1")])
-            return handler(params)
-        except EXPECTED as e:
-            status, payload = error_result(e)
-            return raw_response(payload, status)
-
-    params = [
-        inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
-    ]
-    for q in route.query:
-        default = (
-            Query(q.default, description=q.description, json_schema_extra=q.schema)
-            if q.default is not ...
-            else Query(description=q.description, json_schema_extra=q.schema)
-        )
-        params.append(
-            inspect.Parameter(
-                q.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=q.annotation
-            )
-        )
-    endpoint.__signature__ = inspect.Signature(params, return_annotation=Response)  # type: ignore[attr-defined]
-    endpoint.__name__ = route.name
-    return endpoint

@@ -30,8 +30,8 @@ from kv_slot_tracker.core.types import U32_MAX, WorkerWithDpRank
 from kv_slot_tracker.http.answers import Result
 from kv_slot_tracker.http.body import parse_json
 from kv_slot_tracker.http.errors import EXPECTED, JSON_PARSE, JSON_SHAPE, HttpError, error_result
+from kv_slot_tracker.http.queries import PROBE, paged, paged_response, query_value
 from kv_slot_tracker.http.responses import json_response, load_rows_json
-from kv_slot_tracker.http.routes import PROBE, paged, paged_response, query_value
 from kv_slot_tracker.http.selection import schemas
 from kv_slot_tracker.http.selection.outcome import reported_cached_tokens
 from kv_slot_tracker.ingest.peers import MEDIA_TYPE, IndexPeers
