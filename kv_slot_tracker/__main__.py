@@ -20,6 +20,7 @@ import uvicorn
 import uvicorn.config
 
 from kv_slot_tracker import cli
+from kv_slot_tracker.config_sources import ConfigError
 from kv_slot_tracker.cores import process_count
 from kv_slot_tracker.gc_tuning import tune_gc
 from kv_slot_tracker.http.connection import ConnectionLimits, limited_protocol
@@ -29,7 +30,7 @@ from kv_slot_tracker.http.selection import port as selection_port
 from kv_slot_tracker.log_format import LogFormat, logging_config, supervisor_handler
 from kv_slot_tracker.main import create_app
 from kv_slot_tracker.observability.http import ACCESS_LOGGER
-from kv_slot_tracker.settings import ConfigError, Settings, unknown_environment
+from kv_slot_tracker.settings import Settings, unknown_environment
 from kv_slot_tracker.supervisor import Supervisor, control_socket_index, control_sockets
 
 # A process started by the supervisor waits this long for the shared state before it accepts

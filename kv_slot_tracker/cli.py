@@ -24,15 +24,9 @@ from typing import Any
 from pydantic import SecretStr
 
 from kv_slot_tracker import __version__
+from kv_slot_tracker.config_sources import DEFAULT_CONFIG_FILE, ConfigError, Problem, did_you_mean
 from kv_slot_tracker.dynamo_flags import add_dynamo_flags
-from kv_slot_tracker.settings import (
-    DEFAULT_CONFIG_FILE,
-    ConfigError,
-    Problem,
-    Settings,
-    did_you_mean,
-    load_settings,
-)
+from kv_slot_tracker.settings import Settings, load_settings
 
 PROG = "kv-slot-tracker"  # the console script; ``python -m kv_slot_tracker`` is the same
 # Settings that are secrets: never flags, masked by --check-config.

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from kv_slot_tracker import __version__
 from kv_slot_tracker.core.limits import Budgets
 from kv_slot_tracker.core.selection import RouterConfig
-from kv_slot_tracker.core.selection.receipts import ReceiptRing
+from kv_slot_tracker.core.selection.receipt_ring import ReceiptRing
 from kv_slot_tracker.core.types import NS_PER_S
 from kv_slot_tracker.discovery.kubernetes import KubernetesDiscovery, require_client
 from kv_slot_tracker.dynamo_flags import with_preset

@@ -15,6 +15,10 @@ material that must load, optional packages that must be installed), and raises
 :class:`ConfigError` with one :class:`Problem` per finding, each naming where the value came
 from: the flag, the variable, or the file and line. ``Settings()`` alone reads sources 1, 3 and
 4 and checks values and rules only.
+
+This module holds the model, its rules and the checks on this machine; the reading of the
+sources and the reporting of problems (where a value came from) are in
+``kv_slot_tracker.config_sources``.
 """
 
 from __future__ import annotations
@@ -24,32 +28,34 @@ import os
 import re
 import ssl
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
-from importlib.resources import files
-from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kv_slot_tracker.config_sources import (
+    DEFAULT_CONFIG_FILE,
+    ENV_PREFIX,
+    RULES_ERROR,
+    ConfigError,
+    Origins,
+    Problem,
+    TomlFilesSource,
+    did_you_mean,
+    key_in_file,
+    read_toml,
+)
 from kv_slot_tracker.core.limits import DEFAULT_MAX_TRACKERS, MAX_DP_SIZE, MAX_NAME_LENGTH
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.sequences import CHECK_EXPIRY_FREQUENCY_NS, EXPIRY_DURATION_NS
 from kv_slot_tracker.core.types import NS_PER_S, U32_MAX, U64_MAX
 from kv_slot_tracker.cores import process_count
-
-ENV_PREFIX = "SLOT_TRACKER_"
-RULES_ERROR = "settings_rules"  # the pydantic error type carrying the broken rules
-# Package data, so that a regular (not editable) install and the image find it.
-DEFAULT_CONFIG_FILE: Traversable = files("kv_slot_tracker").joinpath("config", "default.toml")
-DEFAULT_CONFIG_NAME = "kv_slot_tracker/config/default.toml"
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -75,56 +81,6 @@ KUBERNETES_CLIENT_MISSING = (
 def peer_urls(value: str) -> list[str]:
     """The base URLs of ``indexer_peers`` (comma-separated), without a trailing slash."""
     return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One thing wrong with the configuration: ``where`` names its source (``--port``,
-    ``SLOT_TRACKER_PORT``, ``site.toml:3: port``), ``message`` says what is wrong."""
-
-    where: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.message}"
-
-
-class ConfigError(ValueError):
-    """Settings that cannot run: every problem found, one line each."""
-
-    def __init__(self, problems: Sequence[Problem]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("\n".join(map(str, self.problems)))
-
-
-def read_toml(path: Path | Traversable) -> dict[str, Any]:
-    """The TOML file at ``path``; :class:`ConfigError` naming it when it is not valid TOML,
-    ``OSError`` when it cannot be read."""
-    with path.open("rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([Problem(str(path), f"not valid TOML: {exc}")]) from None
-
-
-def did_you_mean(word: str, choices: Sequence[str], show: Any = str) -> str:
-    """`` (did you mean X?)`` with the closest of ``choices``, or nothing."""
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {show(close[0])}?)" if close else ""
-
-
-class _TomlFilesSource(PydanticBaseSettingsSource):
-    """The values of the TOML files (``_file_values``), else the packaged defaults."""
-
-    def __init__(self, settings_cls: type[BaseSettings], values: Mapping[str, Any] | None) -> None:
-        super().__init__(settings_cls)
-        self._values = dict(read_toml(DEFAULT_CONFIG_FILE) if values is None else values)
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self._values.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._values)
 
 
 class Settings(BaseSettings):
@@ -464,7 +420,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest precedence first. No .env or secrets-dir files.
-        return (init_settings, env_settings, _TomlFilesSource(settings_cls, _file_values.get()))
+        return (init_settings, env_settings, TomlFilesSource(settings_cls, _file_values.get()))
 
 
 @contextmanager
@@ -490,7 +446,7 @@ def load_settings(
     values, rules between values, and what start-up would find on this machine
     (:func:`machine_problems`).
     """
-    origins = _Origins(labels or {})
+    origins = Origins(labels or {}, Settings.model_fields)
     problems: list[Problem] = []
     values = read_toml(DEFAULT_CONFIG_FILE)
     if config_file is not None:
@@ -509,7 +465,7 @@ def load_settings(
             else:
                 lines = text.splitlines()
                 for key, value in from_file.items():
-                    origins.files[key] = _key_in_file(path, lines, key)
+                    origins.files[key] = key_in_file(path, lines, key)
                     if key in Settings.model_fields:
                         values[key] = value
                     else:
@@ -597,75 +553,6 @@ def _cannot_load(path: str, exc: Exception) -> str:
     if isinstance(exc, OSError) and not isinstance(exc, ssl.SSLError) and exc.strerror:
         return f"cannot read {path}: {exc.strerror}"
     return f"cannot load {path}: {exc}"
-
-
-def _key_in_file(path: Path, lines: Sequence[str], key: str) -> str:
-    """``path:LINE: key``, the line where ``key`` is set (or its table starts)."""
-    pattern = re.compile(rf"""^\s*(\[\s*)?["']?{re.escape(key)}["']?\s*[=.\]]""")
-    for number, line in enumerate(lines, 1):
-        if pattern.match(line):
-            return f"{path}:{number}: {key}"
-    return f"{path}: {key}"
-
-
-class _Origins:
-    """Where each setting's value came from, to name it in a problem: the override (a flag),
-    the environment variable, the config file's line, or the packaged default."""
-
-    def __init__(self, labels: Mapping[str, str]) -> None:
-        self.labels = labels
-        self.given: set[str] = set()
-        self.files: dict[str, str] = {}
-        self.environ = {name.upper(): name for name in os.environ}
-
-    def of(self, name: str) -> str:
-        if name in self.given:
-            return self.labels.get(name, "--" + name.replace("_", "-"))
-        variable = ENV_PREFIX + name.upper()
-        if variable in self.environ:
-            return self.environ[variable]
-        if name in self.files:
-            return self.files[name]
-        return f"{name} (default)"
-
-    def where(self, names: Sequence[str]) -> str:
-        return ", ".join(self.of(name) for name in names) or "settings"
-
-    def describe(self, exc: ValidationError) -> list[Problem]:
-        """One problem per pydantic error, without its links or secret values."""
-        problems = []
-        for err in exc.errors(include_url=False):
-            loc = err.get("loc", ())
-            if not loc and err["type"] == RULES_ERROR:
-                for fields, message in err["ctx"]["problems"]:
-                    problems.append(Problem(self.where(fields), message))
-                continue
-            name = str(loc[0]) if loc else ""
-            message = err["msg"].removeprefix("Value error, ")
-            shown = err.get("input")
-            if name not in Settings.model_fields:
-                where = self.where([]) if not name else self.of(name)
-                problems.append(Problem(where, message))
-                continue
-            hint = ""
-            choices = _choices(Settings.model_fields[name].annotation)
-            if choices and isinstance(shown, str):
-                hint = did_you_mean(shown.lower(), choices, repr)
-            secret = "key" in name or "password" in name or "url" in name
-            given = "" if secret or isinstance(shown, dict) else f" (got {shown!r})"
-            problems.append(Problem(self.of(name), f"{message}{given}{hint}"))
-        return problems
-
-
-def _choices(annotation: Any) -> list[str]:
-    """The strings a ``Literal`` (possibly in a union) allows."""
-    out: list[str] = []
-    for arg in getattr(annotation, "__args__", ()):
-        if isinstance(arg, str):
-            out.append(arg)
-        else:
-            out.extend(_choices(arg))
-    return out
 
 
 def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:

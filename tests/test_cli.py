@@ -13,7 +13,8 @@ import pytest
 
 from kv_slot_tracker import __version__ as app_version
 from kv_slot_tracker import cli
-from kv_slot_tracker.settings import ConfigError, Settings, load_settings
+from kv_slot_tracker.config_sources import ConfigError
+from kv_slot_tracker.settings import Settings, load_settings
 from tests.servers import run_app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,9 @@ import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
+from kv_slot_tracker.config_sources import ENV_PREFIX
 from kv_slot_tracker.main import create_app
-from kv_slot_tracker.settings import ENV_PREFIX, Settings, load_settings
+from kv_slot_tracker.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

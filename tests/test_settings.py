@@ -16,14 +16,12 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from kv_slot_tracker import __main__ as command
+from kv_slot_tracker.config_sources import DEFAULT_CONFIG_FILE, ConfigError, read_toml
 from kv_slot_tracker.settings import (
-    DEFAULT_CONFIG_FILE,
     WORKERS_TRANSPORT_REDIS_REMOVED,
-    ConfigError,
     Settings,
     load_settings,
     peer_urls,
-    read_toml,
     unknown_environment,
 )
 from tests.servers import run_app

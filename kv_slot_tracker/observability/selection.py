@@ -12,7 +12,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kv_slot_tracker.core.selection.catalog import INCOMPLETE, SCHEDULABLE, UNSCHEDULABLE
-from kv_slot_tracker.core.selection.receipts import FUNNEL, REASONS, DecisionStats, Histogram
+from kv_slot_tracker.core.selection.decision_stats import FUNNEL, DecisionStats, Histogram
+from kv_slot_tracker.core.selection.receipts import REASONS
 from kv_slot_tracker.observability.labels import KEY_LABELS, OTHER, short_label
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.selection.service import SelectionService

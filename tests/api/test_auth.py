@@ -18,9 +18,10 @@ import pytest
 from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
+from kv_slot_tracker.config_sources import DEFAULT_CONFIG_FILE
 from kv_slot_tracker.http.auth import OPEN_PATHS
 from kv_slot_tracker.http.docs import DOCS_ASSETS
-from kv_slot_tracker.settings import DEFAULT_CONFIG_FILE, load_settings
+from kv_slot_tracker.settings import load_settings
 from tests.api.conftest import post_json
 
 KEY = "s3cret"

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import yaml
 
+from kv_slot_tracker.config_sources import ENV_PREFIX
 from kv_slot_tracker.main import create_app
-from kv_slot_tracker.settings import ENV_PREFIX, Settings, load_settings
+from kv_slot_tracker.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 import kv_slot_tracker
-from kv_slot_tracker.settings import ENV_PREFIX, Settings
+from kv_slot_tracker.config_sources import ENV_PREFIX
+from kv_slot_tracker.settings import Settings
 from tests.deploy.support import (
     DEPLOY_DOC,
     KUBE_DIR,

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kv_slot_tracker import __main__ as entry
+from kv_slot_tracker.config_sources import ConfigError
 from kv_slot_tracker.discovery import kubernetes as kube_discovery
 from kv_slot_tracker.discovery.kubernetes import (
     DiscoveryUnavailable,
@@ -23,7 +24,7 @@ from kv_slot_tracker.discovery.kubernetes import (
     require_client,
 )
 from kv_slot_tracker.main import create_app
-from kv_slot_tracker.settings import ConfigError, Settings, load_settings
+from kv_slot_tracker.settings import Settings, load_settings
 from tests.discovery.fake_kube import FakeKubeApi, endpoint
 
 SERVICE = {"kubernetes.io/service-name": "vllm"}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kv_slot_tracker.config_sources import ConfigError
 from kv_slot_tracker.cores import process_count, usable_cores
-from kv_slot_tracker.settings import WORKERS_TRANSPORT_REDIS_REMOVED, ConfigError, load_settings
+from kv_slot_tracker.settings import WORKERS_TRANSPORT_REDIS_REMOVED, load_settings
 from kv_slot_tracker.supervisor import (
     RESTART_DELAY_S,
     ProcessSlot,

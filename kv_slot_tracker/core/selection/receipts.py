@@ -13,25 +13,19 @@ bytes object (msgpack, in C; the collector never tracks bytes), the chosen rank 
 Nothing per rank is computed when it is made: the ranks with the most overlap, what decided,
 the tie set, the reason for a non-optimal choice, the per-rank rows with their decayed credits
 and the predicted hit rate are worked out when a receipt is read. Recording a decision costs a
-``max`` over the overlap column and a few counter updates (the decision statistics, read by the
-metrics at scrape time).
+``max`` over the overlap column and a few counter updates (the decision statistics,
+``decision_stats``, read by the metrics at scrape time).
 
-``ReceiptRing`` keeps the newest receipts, bounded by count and by an estimate of their bytes
-(an upper bound of what a receipt holds alive, checked against ``tracemalloc`` in the tests).
-``DecisionStats`` holds per-partition counters and histograms for the metrics, read at scrape
-time. Receipts are local to the instance that decided: they are not replicated.
-
-Pure: no clock is read here; times are passed in (``at``: wall-clock seconds, for the operator;
-``now_ns``: the service's monotonic clock, for durations).
+This module holds the receipt and how a decision is described (what decided, why a choice was
+not the most cached one, the hit rate); ``receipt_ring`` keeps the receipts and follows them to
+their outcomes, ``decision_stats`` counts them per partition. Receipts are local to the instance
+that decided: they are not replicated.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -58,21 +52,6 @@ REASONS = (LOAD, TIE, TEMPERATURE, PIN, SESSION, ALLOWED)
 SELECTED = "selected"  # chosen, not booked (query-only /select, or explain)
 BOOKED = "booked"
 FREED = "freed"
-FUNNEL = ("prompt", "indexed_any", "chosen", "reported_cached")
-"""The cache-loss funnel's stages, in blocks: the prompt's blocks, the most of them cached on
-any rank, cached on the chosen rank, and reported cached by the client (where it reports)."""
-
-HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
-"""Prediction error in tokens (predicted minus reported cached tokens): negative when the engine
-had more cached than the router counted on."""
-
-# Byte estimate of one receipt, an upper bound checked with tracemalloc in the tests: the object,
-# its id and the ring's entry, and per candidate rank what it keeps alive (four packed numbers
-# and a cost, at most 45 bytes, and the rank list when the tracker no longer shares it: 8 bytes
-# and a rank object). Kept from when the columns were Python objects (170-185 bytes a rank).
-RECEIPT_BASE_BYTES = 1536
-RECEIPT_RANK_BYTES = 200
 
 Columns = tuple[
     Sequence[WorkerWithDpRank], Sequence[int], Sequence[int], Sequence[int], Sequence[int]
@@ -85,96 +64,6 @@ instructions a number."""
 _unpack = msgspec.msgpack.Decoder(
     tuple[list[int], list[int], list[int], list[int], list[float]]
 ).decode
-
-
-@dataclass(slots=True)
-class Histogram:
-    """Cumulative-ready bucket counts (``le`` bounds), their sum and count."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """``(le, count)`` pairs for the exposition (``+Inf`` last)."""
-        counts = self.counts or [0] * (len(self.bounds) + 1)
-        out, running = [], 0
-        for bound, c in zip((*self.bounds, math.inf), counts, strict=True):
-            running += c
-            out.append(("+Inf" if bound == math.inf else _bound_text(bound), running))
-        return out
-
-
-def _bound_text(b: float) -> str:
-    return repr(float(b))
-
-
-@dataclass(slots=True)
-class DecisionStats:
-    """Decision quality of one partition (never reset; read at scrape time)."""
-
-    decisions: int = 0
-    max_overlap_decisions: int = 0
-    non_max: dict[str, int] = field(default_factory=dict)
-    """Decisions that did not take a rank with the most overlap, by reason."""
-    overlap_blocks_lost: int = 0
-    """Blocks of overlap given up: the most overlap on any rank minus the chosen rank's."""
-    funnel: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
-    """Blocks per ``FUNNEL`` stage (the last only for decisions with a reported outcome)."""
-    reported: int = 0
-    """Decisions whose cached tokens a client reported."""
-    reported_prompt_blocks: int = 0
-    reported_predicted_blocks: int = 0
-    reported_predicted_tokens: int = 0
-    reported_cached_tokens: int = 0
-    """Predicted and reported cached tokens of the reported decisions (their difference over
-    ``reported`` is the mean prediction error; the error histogram has negative buckets, which
-    the exposition gives no sum)."""
-    predicted_hit_rate: Histogram = field(default_factory=lambda: Histogram(HIT_RATE_BUCKETS))
-    observed_hit_rate: Histogram = field(default_factory=lambda: Histogram(HIT_RATE_BUCKETS))
-    prediction_error: Histogram = field(default_factory=lambda: Histogram(ERROR_BUCKETS))
-    kv_checked: int = 0
-    """Decisions whose rank later stored the rest of the prompt (KV events)."""
-    kv_predicted_blocks: int = 0
-    kv_still_held_blocks: int = 0
-
-    def summary(self) -> dict[str, Any]:
-        """The partition's decision quality in plain numbers (the load page shows them)."""
-        n, reported = self.decisions, self.reported
-        return {
-            "decisions": n,
-            "kv_optimal": self.max_overlap_decisions,
-            "non_optimal": {reason: self.non_max.get(reason, 0) for reason in REASONS},
-            "overlap_blocks_lost": self.overlap_blocks_lost,
-            "funnel_blocks": dict(zip(FUNNEL, self.funnel, strict=True)),
-            "predicted_hit_rate": self.predicted_hit_rate.total / n if n else None,
-            "reported": reported,
-            "reported_predicted_hit_rate": hit_rate(
-                self.reported_predicted_blocks, self.reported_prompt_blocks
-            )
-            if reported
-            else None,
-            "observed_hit_rate": self.observed_hit_rate.total / reported if reported else None,
-            "mean_prediction_error_tokens": (
-                self.reported_predicted_tokens - self.reported_cached_tokens
-            )
-            / reported
-            if reported
-            else None,
-            "kv_checked": self.kv_checked,
-            "kv_predicted_blocks": self.kv_predicted_blocks,
-            "kv_still_held_blocks": self.kv_still_held_blocks,
-        }
 
 
 class Receipt(msgspec.Struct, gc=False):
@@ -456,166 +345,3 @@ def decided_by(
         return TEMPERATURE
     lo = min(costs)
     return TIE if costs.count(lo) > 1 else COST
-
-
-@dataclass(frozen=True, slots=True)
-class ReceiptFilter:
-    model_name: str | None = None
-    routing_group: str | None = None
-    worker_id: int | None = None
-    since: float | None = None
-    until: float | None = None
-    non_optimal: bool = False
-
-    def matches(self, r: Receipt) -> bool:
-        return (
-            (self.model_name is None or r.model_name == self.model_name)
-            and (self.routing_group is None or r.routing_group == self.routing_group)
-            and (self.worker_id is None or r.chosen.worker_id == self.worker_id)
-            and (self.since is None or r.at >= self.since)
-            and (self.until is None or r.at < self.until)
-            and (not self.non_optimal or not r.optimal)
-        )
-
-
-class ReceiptRing:
-    """The newest receipts by id, bounded by count and estimated bytes (oldest go first)."""
-
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
-        if max_entries <= 0 or max_bytes <= 0:
-            raise ValueError("max_entries and max_bytes must be > 0")
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._by_id: OrderedDict[str, Receipt] = OrderedDict()
-        self.bytes = 0
-        self.evicted = 0
-        self.stats: dict[tuple[str, str], DecisionStats] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def get(self, receipt_id: str) -> Receipt | None:
-        return self._by_id.get(receipt_id)
-
-    def put(self, r: Receipt) -> None:
-        """Keep ``r`` (replacing an older receipt of its id) and count its decision in its
-        partition's statistics (this runs on every selection: written out in one function)."""
-        rid, key = r.receipt_id, r.key
-        size = r.size = RECEIPT_BASE_BYTES + len(rid) + RECEIPT_RANK_BYTES * len(r.workers)
-        by_id = self._by_id
-        old = by_id.pop(rid, None)
-        if old is not None:
-            self.bytes -= old.size
-        by_id[rid] = r
-        self.bytes += size
-        if len(by_id) > self.max_entries or self.bytes > self.max_bytes:
-            self._evict()
-        s = self.stats.get(key)
-        if s is None:
-            s = self.stats[key] = DecisionStats()
-        s.decisions += 1
-        chosen, best, blocks = r.chosen_overlap, r.max_overlap, r.prompt_blocks
-        if chosen >= best:
-            s.max_overlap_decisions += 1
-        else:
-            reason = r.non_optimal_reason() or LOAD
-            s.non_max[reason] = s.non_max.get(reason, 0) + 1
-            s.overlap_blocks_lost += best - chosen
-        f = s.funnel
-        f[0] += blocks
-        f[1] += best if best < blocks else blocks
-        f[2] += chosen if chosen < blocks else blocks
-        # Histogram.observe of hit_rate(chosen, blocks), inlined
-        rate = (chosen / blocks if chosen < blocks else 1.0) if blocks > 0 else 0.0
-        h = s.predicted_hit_rate
-        h.counts[bisect_left(h.bounds, rate)] += 1
-        h.total += rate
-        h.n += 1
-
-    def _evict(self) -> None:
-        by_id = self._by_id
-        while len(by_id) > self.max_entries or self.bytes > self.max_bytes:
-            _, gone = by_id.popitem(last=False)
-            self.bytes -= gone.size
-            self.evicted += 1
-
-    def forget_partition(self, key: tuple[str, str]) -> None:
-        self.stats.pop(key, None)
-
-    # -- outcomes --------------------------------------------------------------------------
-
-    def booked(self, receipt_id: str, at: float, now_ns: int) -> None:
-        r = self._by_id.get(receipt_id)
-        if r is not None and r.state == SELECTED:
-            r.state, r.booked_at, r.booked_ns = BOOKED, at, now_ns
-
-    def prefill_done(self, receipt_id: str, at: float, now_ns: int) -> Receipt | None:
-        r = self._by_id.get(receipt_id)
-        if r is None or r.state != BOOKED:
-            return None
-        if r.prefill_done_at is None:
-            r.prefill_done_at = at
-            if r.booked_ns is not None:
-                r.prefill_seconds = (now_ns - r.booked_ns) / 1e9
-        return r
-
-    def freed(self, receipt_id: str, at: float) -> Receipt | None:
-        r = self._by_id.get(receipt_id)
-        if r is None or r.state != BOOKED:
-            return None
-        r.state, r.freed_at = FREED, at
-        return r
-
-    def report_cached(self, r: Receipt, cached_tokens: int) -> None:
-        """The client's observed cached tokens for ``r`` (counted once: the first report)."""
-        if r.cached_tokens is not None:
-            return
-        cached = min(cached_tokens, r.isl_tokens)
-        r.cached_tokens = cached
-        s = self.stats.get(r.key)
-        if s is None:
-            return
-        s.reported += 1
-        s.reported_prompt_blocks += r.prompt_blocks
-        s.reported_predicted_blocks += min(r.chosen_overlap, r.prompt_blocks)
-        s.funnel[3] += min(cached // r.block_size, r.prompt_blocks)
-        s.reported_predicted_tokens += r.predicted_cached_tokens
-        s.reported_cached_tokens += cached
-        s.observed_hit_rate.observe(hit_rate(cached, r.isl_tokens))
-        s.prediction_error.observe(r.predicted_cached_tokens - cached)
-
-    def kv_checked(self, r: Receipt, predicted: int, still_held: int) -> None:
-        """The chosen rank stored the rest of the prompt holding ``still_held`` of the
-        ``predicted`` blocks (first time only)."""
-        if r.kv_predicted_blocks is not None:
-            return
-        r.kv_predicted_blocks, r.kv_still_held_blocks = predicted, still_held
-        s = self.stats.get(r.key)
-        if s is not None:
-            s.kv_checked += 1
-            s.kv_predicted_blocks += predicted
-            s.kv_still_held_blocks += still_held
-
-    # -- reads -----------------------------------------------------------------------------
-
-    def summaries(self) -> list[dict[str, Any]]:
-        """Every partition's ``DecisionStats.summary``, sorted by partition."""
-        return [
-            {"model_name": key[0], "routing_group": key[1], **s.summary()}
-            for key, s in sorted(self.stats.items())
-        ]
-
-    def newest(self, where: ReceiptFilter, limit: int) -> list[Receipt]:
-        """Up to ``limit`` receipts matching ``where``, newest first (O(ring) at worst)."""
-        out: list[Receipt] = []
-        if limit <= 0:
-            return out
-        for r in reversed(self._by_id.values()):
-            if where.matches(r):
-                out.append(r)
-                if len(out) >= limit:
-                    break
-        return out
-
-    def __iter__(self) -> Iterator[Receipt]:
-        return iter(self._by_id.values())

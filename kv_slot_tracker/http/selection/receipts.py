@@ -19,7 +19,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Scope
 
-from kv_slot_tracker.core.selection.receipts import Receipt, ReceiptFilter
+from kv_slot_tracker.core.selection.receipt_ring import ReceiptFilter
+from kv_slot_tracker.core.selection.receipts import Receipt
 from kv_slot_tracker.http.body import parse_json, read_asgi_body
 from kv_slot_tracker.http.errors import EXPECTED, QUERY_SHAPE, error_result
 from kv_slot_tracker.http.responses import json_response, raw_response

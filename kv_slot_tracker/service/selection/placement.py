@@ -30,7 +30,7 @@ from kv_slot_tracker.core.selection.catalog import (
     replay_endpoints_problem,
 )
 from kv_slot_tracker.core.selection.errors import CatalogWorkerNotFound, InvalidReplayEndpoints
-from kv_slot_tracker.core.selection.receipts import ReceiptRing
+from kv_slot_tracker.core.selection.receipt_ring import ReceiptRing
 from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyTrackers
 from kv_slot_tracker.service.registry import TrackerRegistry

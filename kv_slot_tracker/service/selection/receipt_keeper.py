@@ -5,8 +5,8 @@ and with KV events whether the chosen rank still held the predicted blocks).
 ``ReceiptKeeper`` is one of ``SelectionService``'s collaborators, as ``Reservations``,
 ``SelectionReplica`` and ``KvEvents`` are: the service decides and changes state, the keeper
 records. Receipts stay on the instance that decided (``kv_slot_tracker.core.selection.receipts``
-holds the receipt and its ring): nothing here is replicated, and on another instance a follow-up
-finds no receipt and does nothing.
+holds the receipt, ``receipt_ring`` beside it the ring that keeps them): nothing here is
+replicated, and on another instance a follow-up finds no receipt and does nothing.
 """
 
 from __future__ import annotations
@@ -16,13 +16,8 @@ from collections.abc import Callable
 from kv_slot_tracker.core.selection import Prompt, RouterConfig
 from kv_slot_tracker.core.selection.approx_cache import cache_chain
 from kv_slot_tracker.core.selection.pending import PendingSelection
-from kv_slot_tracker.core.selection.receipts import (
-    BOOKED,
-    SELECTED,
-    Receipt,
-    ReceiptRing,
-    pack_columns,
-)
+from kv_slot_tracker.core.selection.receipt_ring import ReceiptRing
+from kv_slot_tracker.core.selection.receipts import BOOKED, SELECTED, Receipt, pack_columns
 from kv_slot_tracker.core.selection.selector import Selection
 from kv_slot_tracker.core.types import WorkerWithDpRank
 from kv_slot_tracker.service.commands import Key

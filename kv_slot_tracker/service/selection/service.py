@@ -65,7 +65,8 @@ from kv_slot_tracker.core.selection.errors import (
 from kv_slot_tracker.core.selection.kv_blocks import LOWER_TIERS, TIER_NAMES
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
 from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
-from kv_slot_tracker.core.selection.receipts import Receipt, ReceiptRing
+from kv_slot_tracker.core.selection.receipt_ring import ReceiptRing
+from kv_slot_tracker.core.selection.receipts import Receipt
 from kv_slot_tracker.core.selection.selector import Selection, select_columns
 from kv_slot_tracker.core.selection.sessions import SessionAffinity
 from kv_slot_tracker.core.sequences import EXPIRY_DURATION_NS

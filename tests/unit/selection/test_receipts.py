@@ -1,4 +1,4 @@
-"""The receipt ring (``kv_slot_tracker.core.selection.receipts``): bounded by count and by
+"""The receipt ring (``kv_slot_tracker.core.selection.receipt_ring``): bounded by count and by
 bytes under a flood of selections, its byte estimate an upper bound of what a receipt holds
 alive, the decision statistics and the reasons for non-optimal decisions."""
 
@@ -12,14 +12,13 @@ from dataclasses import replace
 import pytest
 
 from kv_slot_tracker.core.selection import RouterConfig
-from kv_slot_tracker.core.selection.receipts import (
+from kv_slot_tracker.core.selection.receipt_ring import (
     RECEIPT_BASE_BYTES,
     RECEIPT_RANK_BYTES,
-    Receipt,
     ReceiptFilter,
     ReceiptRing,
-    pack_columns,
 )
+from kv_slot_tracker.core.selection.receipts import Receipt, pack_columns
 from kv_slot_tracker.core.selection.selector import select_columns
 from kv_slot_tracker.core.types import WorkerWithDpRank
 
