@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,8 +42,13 @@ PROBE_SCOPE_KEY = "kv_slot_tracker.probe_fields"
 
 def authorized(scope: Scope, token: bytes) -> bool:
     """``Authorization: Bearer <token>`` (scheme case-insensitive, constant-time compare)."""
+    return bearer_matches(scope["headers"], token)
+
+
+def bearer_matches(headers: Iterable[tuple[bytes, bytes]], token: bytes) -> bool:
+    """``authorized`` on a request's header list (names lower-case, as ASGI gives them)."""
     given = b""
-    for name, value in scope["headers"]:
+    for name, value in headers:
         if name == b"authorization":
             given = value
             break

@@ -275,32 +275,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused or self._deferred_400:
             return  # answered (or to be) and closing: nothing more is parsed
         n = len(data)
+        limits = self.limits
         if self._reading_since is None:  # the first bytes of the next request: its first piece
             self._reading_since = self._started = self._fed_at = self.loop.time()
             self._in_head = self._received = True
+            self._idle = False  # busy (``ConnectionLimits.went_idle``)
             self._body_bytes = 0
             self._reads = 1
             self._request_bytes = n
-            head = 0
+            # a first piece within the limit holds at most that much of the header block:
+            # no search for its end (``_head_bytes`` is read again only if it does not end
+            # here, and then it is exactly ``n``)
+            head = self._head_bytes = n if n <= limits.max_header_bytes else _head_end(data)
         else:
             self._received = True
+            self._idle = False
             reads = self._reads = self._reads + 1
             size = self._request_bytes = self._request_bytes + n
             # a request in a few pieces makes no call until it may be too fragmented
             if reads > FREE_PIECES and self._too_fragmented(size):
                 return
-            head = self._head_bytes
-        self._idle = False  # busy (``ConnectionLimits.went_idle``)
-        if self._in_head:
-            end = data.find(_HEAD_END)
-            head = self._head_bytes = head + (n if end < 0 else end)
-            limits = self.limits
-            if head > limits.max_header_bytes:
-                self._fed_at = None
-                self._refuse(
-                    431, f"request header block larger than {limits.max_header_bytes} bytes"
-                )
-                return
+            head = 0
+            if self._in_head:
+                head = self._head_bytes = self._head_bytes + _head_end(data)
+        if head > limits.max_header_bytes:
+            self._fed_at = None
+            self._refuse(431, f"request header block larger than {limits.max_header_bytes} bytes")
+            return
         # uvicorn's ``data_received`` (``_unset_keepalive_if_required`` inline)
         self._idle_since = None
         task = self.timeout_keep_alive_task
@@ -498,6 +499,13 @@ async def _service_unavailable(scope: Scope, receive: Receive, send: Send) -> No
 # uvicorn's protocol looks its 503 application up by this module-level name (``pyproject.toml``
 # bounds uvicorn's version; ``tests/api/test_http_limits.py`` checks the answer)
 _uvicorn_httptools.service_unavailable = _service_unavailable  # type: ignore[assignment]
+
+
+def _head_end(data: bytes) -> int:
+    """How many bytes of ``data`` belong to a header block still coming: up to its end, or
+    all of them."""
+    end = data.find(_HEAD_END)
+    return len(data) if end < 0 else end
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:

@@ -71,17 +71,29 @@ class LeanDispatcher:
         api_key: str = "",
     ) -> None:
         self.exact: dict[str, dict[str, LeanRoute]] = {}  # method -> path -> route
+        # the exact routes by the request line's method and target as sent: a target that is
+        # a route's path (no query string, nothing percent-encoded) finds its route without
+        # parsing (``kv_slot_tracker.http.fast_protocol``)
+        self.raw_exact: dict[bytes, dict[bytes, LeanRoute]] = {}
         # method -> segment count -> [(segments, route)]
         self.templated: dict[str, dict[int, list[tuple[list[bytes | None], LeanRoute]]]] = {}
         for r in routes:
-            if "{" in r.path:
-                segs = r.segments()
-                self.templated.setdefault(r.method, {}).setdefault(len(segs), []).append((segs, r))
-            else:
-                self.exact.setdefault(r.method, {})[r.path] = r
+            self.add_route(r)
         self.observe = observe
         self.max_body = max_body
         self.token = api_key.encode() if api_key else None
+
+    def add_route(self, r: LeanRoute) -> None:
+        """Serve ``r`` (in place of a route of the same method and path)."""
+        if "{" in r.path:
+            by_count = self.templated.setdefault(r.method, {})
+            segs = r.segments()
+            same = by_count.setdefault(len(segs), [])
+            same[:] = [(s, o) for s, o in same if o.path != r.path]
+            same.append((segs, r))
+        else:
+            self.exact.setdefault(r.method, {})[r.path] = r
+            self.raw_exact.setdefault(r.method.encode(), {})[r.path.encode()] = r
 
     def route_for(self, scope: Scope) -> tuple[LeanRoute, list[str]] | None:
         """The lean route serving this request with its raw path parameters, or None for the

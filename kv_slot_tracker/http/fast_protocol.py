@@ -35,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from kv_slot_tracker.http.answers import Answer, Later
+from kv_slot_tracker.http.auth import bearer_matches
 from kv_slot_tracker.http.body import check_declared_body, declares_body
 from kv_slot_tracker.http.connection import (
     FREE_PIECES,
@@ -145,17 +146,20 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             # uvicorn's ``limit_concurrency``: its path answers 503
             and (limit is None or (len(self.connections) < limit and len(self.tasks) < limit))
         ):
-            url = httptools.parse_url(self.url)
-            raw_path = url.path
-            path = raw_path.decode("ascii")
-            if "%" in path:
-                path = urllib.parse.unquote(path)
-            scope = self.scope
-            scope["method"] = self.parser.get_method().decode("ascii")
-            scope["path"] = path
-            scope["raw_path"] = raw_path
-            scope["query_string"] = url.query or b""
-            found = self.lean.route_for(scope)  # type: ignore[arg-type]
+            lean = self.lean
+            # a target that is an exact route's path as sent (the usual request) is looked up
+            # on the request line's bytes: its scope is filled only if uvicorn's path takes
+            # the request after all (``_answer_later``)
+            by_target = lean.raw_exact.get(self.parser.get_method())
+            route = by_target.get(self.url) if by_target is not None else None
+            found: tuple[LeanRoute, list[str]] | None
+            if route is not None and (
+                lean.token is None or bearer_matches(self.headers, lean.token)
+            ):
+                found = (route, [])
+            else:
+                self._path_scope()
+                found = lean.route_for(self.scope)  # type: ignore[arg-type]
             if found is not None:
                 self._in_head = False  # what LimitedHttpToolsProtocol.on_headers_complete does
                 fed = self._fed_at
@@ -178,19 +182,38 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         self._asgi_scope()
         super().on_headers_complete()
 
+    def _path_scope(self) -> None:
+        """The scope's method, path and query string, from the request line."""
+        url = httptools.parse_url(self.url)
+        raw_path = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope = self.scope
+        scope["method"] = self.parser.get_method().decode("ascii")
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = url.query or b""
+
     def on_body(self, body: bytes) -> None:
         if self._route is None:
             super().on_body(body)  # counted there
             return
         if self._refused:
             return
-        # ``LimitedHttpToolsProtocol._body_part``: the size and the piece counted inline
-        received = self._body_bytes = self._body_bytes + len(body)
-        if received > self.limits.max_body_bytes:
-            self._refuse(413, TOO_LARGE)
-            return
-        reads = self._reads = self._reads + 1
-        if (reads > FREE_PIECES and self._too_fragmented(self._request_bytes)) or self._error:
+        if self._declared is None:
+            # a chunked body: ``LimitedHttpToolsProtocol._body_part`` inline, the size and the
+            # piece counted. A declared length was checked within the limit, the parser ends
+            # the body there, and its pieces are the reads ``data_received`` counts: nothing
+            # to count.
+            received = self._body_bytes = self._body_bytes + len(body)
+            if received > self.limits.max_body_bytes:
+                self._refuse(413, TOO_LARGE)
+                return
+            reads = self._reads = self._reads + 1
+            if reads > FREE_PIECES and self._too_fragmented(self._request_bytes):
+                return
+        if self._error:
             return
         buf = self._body
         if not buf:
@@ -227,6 +250,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         """Hand a call that waits to uvicorn's request cycle, as if it had taken uvicorn's
         path from the start: requests pipelined behind it queue until it is answered, and
         uvicorn writes the answer, keeps the connection alive and serves the queue."""
+        self._path_scope()  # not filled when the route was found on the request line
         self._asgi_scope()
         self.cycle = cycle = RequestResponseCycle(
             scope=self.scope,

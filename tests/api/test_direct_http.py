@@ -391,9 +391,7 @@ def waiting(path: str, until: asyncio.Event, fail: bool = False) -> Callable[[An
 
             return Later(later())
 
-        app.lean.exact["POST"][path] = LeanRoute(
-            route.method, route.path, op, route.reads_body, route.params
-        )
+        app.lean.add_route(LeanRoute(route.method, route.path, op, route.reads_body, route.params))
 
     return patch
 
