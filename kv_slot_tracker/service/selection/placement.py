@@ -1,14 +1,14 @@
 """The worker catalog's changes, and where its schedulable workers sit.
 
-``WorkerPlacement`` is one of ``SelectionService``'s collaborators (as ``Reservations``,
-``SelectionReplica``, ``KvEvents`` and ``ReceiptKeeper`` are): it checks a worker put into the
-catalog (the budgets, its own fields, the partition's block size, room for a new partition and
-for its ranks), records why a worker cannot be placed (``incomplete``), and registers a
-schedulable worker's ranks in its partition's tracker, or takes them off with their requests and
-cached blocks. It works on the service's catalog and partitions (``SelectionService.catalog``,
-``.partitions``): the state the selection and the replica read. Changes go through the service's
-``commit`` like every other (``upsert``, ``patch``, ``delete``); ``put`` and ``remove`` apply
-one, on this instance or from a peer's record.
+``WorkerPlacement`` is one of ``SelectionService``'s collaborators (as ``Bookings``,
+``Reservations``, ``SelectionReplica``, ``KvEvents`` and ``ReceiptKeeper`` are): it checks a
+worker put into the catalog (the budgets, its own fields, the partition's block size, room for a
+new partition and for its ranks), records why a worker cannot be placed (``incomplete``), and
+registers a schedulable worker's ranks in its partition's tracker, or takes them off with their
+requests and cached blocks. It works on the service's catalog and partitions
+(``SelectionService.catalog``, ``.partitions``): the state the selection and the replica read.
+Changes go through the service's ``commit`` like every other (``upsert``, ``patch``,
+``delete``); ``put`` and ``remove`` apply one, on this instance or from a peer's record.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the per-``(partition, lingering)`` tally kept as they change (for metrics) and t
 worker (to mark them lingering when the worker leaves). It reads the trackers to tell whether an
 id still holds its request; an id that no longer does (freed elsewhere, or lingering) is dropped
 on the way, as the service's own derived state (no replicated change: every instance derives it
-from state it already shares). The bookings themselves go through ``SelectionService.commit``.
+from state it already shares). The bookings themselves (``bookings.py``) go through
+``SelectionService.commit``.
 """
 
 from __future__ import annotations

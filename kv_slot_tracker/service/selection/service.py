@@ -17,10 +17,13 @@ selections are shared like the trackers.
 
 Its collaborators, each holding a part and working on the service through its public API:
 ``placement`` (``WorkerPlacement``: the catalog's changes and where its workers' ranks sit),
+``bookings`` (``Bookings``: a reservation booked, then its calls to its release),
 ``reservations`` (``Reservations``: the reservation ids), ``replica`` (``SelectionReplica``: the
 records shared with the other instances and the snapshots), ``kv_events`` (``KvEvents``: the
 KV-event ingest's sink, into the partitions' indexes) and ``receipt_keeper`` (``ReceiptKeeper``:
-the routing receipts, when they are on).
+the routing receipts, when they are on). The catalog's and the reservations' calls are the
+placement's and the bookings' own methods, bound as the service's in ``__init__``: their
+callers (the HTTP edge, discovery) call the service, at no extra hop.
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
 with its block size, after its last worker goes, while the tracker itself is dropped as the
@@ -38,7 +41,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
-from kv_slot_tracker.core.commands import Add
 from kv_slot_tracker.core.selection import (
     Prompt,
     RouterConfig,
@@ -46,25 +48,15 @@ from kv_slot_tracker.core.selection import (
     normalize_prompt,
 )
 from kv_slot_tracker.core.selection.approx_cache import StoredRun, cache_chain
-from kv_slot_tracker.core.selection.catalog import (
-    WorkerRecord,
-    WorkerSpec,
-)
+from kv_slot_tracker.core.selection.catalog import WorkerRecord
 from kv_slot_tracker.core.selection.errors import (
-    InvalidDecayFraction,
     NoSchedulableWorkers,
     NoSchedulableWorkersAvailable,
-    PendingSelectionNotFound,
-    PendingWorkerGone,
-    PrefillExceedsIsl,
-    RankNotFound,
-    ReservationNotFound,
-    SchedulableWorkerNotFound,
     SessionBoundElsewhere,
 )
 from kv_slot_tracker.core.selection.kv_blocks import LOWER_TIERS, TIER_NAMES
 from kv_slot_tracker.core.selection.pending import DEFAULT_MAX_BYTES as PENDING_MAX_BYTES
-from kv_slot_tracker.core.selection.pending import PendingSelection, PendingSelections
+from kv_slot_tracker.core.selection.pending import PendingSelections
 from kv_slot_tracker.core.selection.receipt_ring import ReceiptRing
 from kv_slot_tracker.core.selection.receipts import Receipt
 from kv_slot_tracker.core.selection.selector import Selection, select_columns
@@ -75,6 +67,7 @@ from kv_slot_tracker.service.commands import Key
 from kv_slot_tracker.service.errors import TooManyHashes
 from kv_slot_tracker.service.registry import TrackerRegistry
 from kv_slot_tracker.service.selection import commands, mutations
+from kv_slot_tracker.service.selection.bookings import Bookings
 from kv_slot_tracker.service.selection.kv_events import KvEvents
 from kv_slot_tracker.service.selection.placement import WorkerPlacement
 from kv_slot_tracker.service.selection.receipt_keeper import ReceiptKeeper, decision_receipt
@@ -84,12 +77,10 @@ from kv_slot_tracker.service.selection.tombstones import DEFAULT_CAPACITY as TOM
 from kv_slot_tracker.service.selection.tombstones import DEFAULT_MAX_BYTES as TOMBSTONE_MAX_BYTES
 from kv_slot_tracker.service.selection.tombstones import ReservationTombstones
 from kv_slot_tracker.service.selection.types import (
-    Booked,
     Candidates,
     LoadRow,
     OverlapScores,
     Partition,
-    Reservation,
     SelectionCounters,
     SelectOutcome,
     WorkerLoad,
@@ -133,10 +124,24 @@ class SelectionService:
         self.catalog: dict[int, WorkerRecord] = {}
         self.placement = WorkerPlacement(self)
         """Checks and applies the catalog's changes, and places its workers' ranks."""
+        # bound, not wrapped (module notes): a call costs no hop more
+        self.upsert_worker = self.placement.upsert
+        self.patch_worker = self.placement.patch
+        self.delete_worker = self.placement.delete
+        self.workers = self.placement.records_of
+        self.replace_catalog = self.placement.replace
         self.reservations = Reservations(
             registry,
             ReservationTombstones(tombstone_ttl_ns, tombstone_capacity, tombstone_max_bytes),
         )
+        self.bookings = Bookings(self)
+        """Books reservations and takes their calls, to their release (``bookings``)."""
+        self.replay = self.bookings.replay
+        self.book = self.bookings.book
+        self.prefill_complete = self.bookings.prefill_complete
+        self.output_block = self.bookings.output_block
+        self.release = self.bookings.release
+        self.request_outcome = self.bookings.request_outcome
         self._evictions_logged = 0
         self.counters = SelectionCounters()
         self.sessions = (
@@ -171,244 +176,24 @@ class SelectionService:
 
     def apply(self, mutation: mutations.Mutation, now: int) -> None:
         """Apply one change at ``now``, publishing nothing (``commit`` publishes it; the
-        replica applies a peer's change through here)."""
+        replica applies a peer's change through here): a reservation's by ``bookings``, the
+        catalog's by ``placement``."""
         if isinstance(mutation, mutations.Book):
-            self._apply_book(mutation, now)
+            self.bookings.apply_book(mutation, now)
         elif isinstance(mutation, mutations.Release):
-            self._apply_release(mutation, now)
+            self.bookings.apply_release(mutation, now)
         elif isinstance(mutation, mutations.CacheSelection):
             self.pending.put(mutation.selection_id, mutation.entry, now)
         elif isinstance(mutation, mutations.CompletePrefill):
-            res = self._reserved(mutation.selection_id)
-            self.registry.get(res.key).mark_prefill_completed(mutation.selection_id, now)
+            self.bookings.apply_prefill_complete(mutation, now)
         elif isinstance(mutation, mutations.AddOutputBlock):
-            res = self._reserved(mutation.selection_id)
-            self.registry.get(res.key).add_output_block(
-                mutation.selection_id, mutation.decay_fraction
-            )
+            self.bookings.apply_output_block(mutation)
         elif isinstance(mutation, mutations.PutWorker):
             self.placement.put(mutation.spec)
         elif isinstance(mutation, mutations.RemoveWorker):
             self.placement.remove(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
-
-    def _reserved(self, sid: str) -> Reservation:
-        res = self.reservations.get(sid)
-        assert res is not None, sid
-        return res
-
-    def _apply_book(self, b: mutations.Book, now: int) -> None:
-        key = b.key
-        t = self.registry.get(key)
-        t.add_on_rank(
-            Add(
-                model_name=key[0],
-                routing_group=key[1],
-                request_id=b.selection_id,
-                worker_id=b.worker.worker_id,
-                dp_rank=b.worker.dp_rank,
-                lora_name=b.lora_name,
-                new_isl_tokens=b.prefill_tokens,
-                expected_output_tokens=b.expected_output_tokens,
-            ),
-            list(b.sequence_hashes),
-            now,
-        )
-        self.reservations.hold(b.selection_id, Reservation(key, b.worker, now))
-        if b.block_hashes and not self.config.use_kv_events:
-            self.partitions[key].cache.record(b.worker, b.block_hashes, now, chain=b.cache_chain)
-        if b.consumes_pending:
-            self.pending.discard((*key, b.selection_id))
-
-    def _apply_release(self, r: mutations.Release, now: int) -> None:
-        res = self._reserved(r.selection_id)
-        self.registry.get(res.key).free(r.selection_id, now)
-        self.reservations.release(r.selection_id, now, now)  # remembered: a late booking is refused
-
-    # -- the worker catalog (``placement``) -------------------------------------------------
-
-    def replace_catalog(
-        self, catalog: dict[int, WorkerRecord], partitions: dict[Key, Partition]
-    ) -> None:
-        """Replace the catalog and the partitions (a snapshot's, restored by the replica)."""
-        self.placement.replace(catalog, partitions)
-
-    def upsert_worker(self, cmd: commands.UpsertWorker) -> WorkerRecord:
-        return self.placement.upsert(cmd)
-
-    def patch_worker(self, cmd: commands.PatchWorker) -> WorkerRecord:
-        return self.placement.patch(cmd)
-
-    def delete_worker(self, cmd: commands.DeleteWorker) -> WorkerRecord:
-        return self.placement.delete(cmd)
-
-    def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerRecord]:
-        """Catalog records, sorted by partition then id, optionally filtered."""
-        return self.placement.records_of(model_name, routing_group)
-
-    def schedulable_count(self) -> int:
-        return self.placement.schedulable
-
-    # -- reservations (SELECTION.md §6) -----------------------------------------------------
-
-    def replay(self, cmd: commands.ReplaySelection) -> Booked:
-        """Book a pending selection exactly where it pointed (single use)."""
-        key, sid = cmd.key, cmd.selection_id
-        entry = self.pending.get((*key, sid), self.clock())
-        if entry is None:
-            raise PendingSelectionNotFound(sid, *key)
-        self._partition(key)
-        worker = entry.worker
-        spec = self._placed_spec(key, worker)
-        if spec is None:
-            raise PendingWorkerGone(worker.worker_id, worker.dp_rank, *key)
-        self.reservations.check_free(sid, key, self.clock())
-        self._book(
-            sid,
-            key,
-            worker,
-            entry,
-            prefill_tokens=entry.effective_prefill_tokens if entry.track_prefill_tokens else 0,
-            expected_output_tokens=entry.expected_output_tokens,
-            lora_name=entry.lora_name,
-        )
-        if self.receipt_keeper is not None:
-            self.receipt_keeper.booked(sid, key, worker, entry)
-        return self._booked(sid, key, worker, spec, "replay")
-
-    def _book(
-        self,
-        sid: str,
-        key: Key,
-        worker: WorkerWithDpRank,
-        prompt: Prompt | PendingSelection,
-        *,
-        prefill_tokens: int,
-        expected_output_tokens: int | None,
-        lora_name: str | None,
-        cache_chain: tuple[int, ...] | None = None,
-        consumes_pending: bool = True,
-        session_id: str | None = None,
-    ) -> None:
-        """Book ``prompt`` on ``worker`` as ``sid`` (through ``commit``); ``cache_chain``: its
-        approximate-cache keys when known (a token prompt's are its sequence hashes);
-        ``session_id``: a select_and_reserve's session, bound on every instance."""
-        if cache_chain is None and prompt.from_tokens:
-            cache_chain = prompt.sequence_hashes
-        hashes = prompt.sequence_hashes
-        self.registry.admit_request(len(hashes) if hashes else 0)
-        self.commit(
-            mutations.Book(
-                selection_id=sid,
-                model_name=key[0],
-                routing_group=key[1],
-                worker=worker,
-                sequence_hashes=prompt.sequence_hashes,
-                block_hashes=prompt.block_hashes,
-                cache_chain=cache_chain,
-                isl_tokens=prompt.isl_tokens,
-                prefill_tokens=prefill_tokens,
-                expected_output_tokens=expected_output_tokens,
-                lora_name=lora_name,
-                consumes_pending=consumes_pending,
-                session_id=session_id,
-            )
-        )
-
-    def _booked(
-        self, sid: str, key: Key, worker: WorkerWithDpRank, spec: WorkerSpec, outcome: str
-    ) -> Booked:
-        """A booking's answer, counted as ``outcome``."""
-        self.counters.count(key, outcome)
-        return Booked(
-            selection_id=sid,
-            model_name=key[0],
-            routing_group=key[1],
-            worker=worker,
-            endpoint=spec.endpoint or "",
-        )
-
-    def _placed_spec(self, key: Key, worker: WorkerWithDpRank) -> WorkerSpec | None:
-        """The spec of ``worker``'s worker when that rank is schedulable in ``key``."""
-        part = self.partitions.get(key)
-        spec = part.workers.get(worker.worker_id) if part is not None else None
-        if spec is None or not spec.has_rank(worker.dp_rank):
-            return None
-        t = self.registry.find(key)
-        placed = t.worker_range(worker.worker_id) if t is not None else None
-        if (
-            placed is None
-            or not placed.dp_start <= worker.dp_rank < placed.dp_start + placed.dp_size
-        ):
-            return None
-        return spec
-
-    def book(self, cmd: commands.BookExplicit) -> Booked:
-        """An explicit booking of a prompt on a given rank."""
-        key, sid = cmd.key, cmd.selection_id
-        part = self._partition(key)
-        # the reference checks the block hashes (isl > 0, equal lengths) only after the worker
-        with_blocks = cmd.token_ids is None and cmd.block_hashes is not None
-        prompt = self._prompt(cmd, part.block_size, for_booking=True, block_hashes=False)
-        ept = cmd.effective_prefill_tokens
-        if ept is not None and ept > prompt.isl_tokens:
-            raise PrefillExceedsIsl(ept, prompt.isl_tokens)
-        if cmd.worker_id not in part.workers:
-            raise SchedulableWorkerNotFound(cmd.worker_id, *key)
-        if with_blocks:
-            prompt = self._prompt(cmd, part.block_size, for_booking=False)
-        self.reservations.check_free(sid, key, self.clock())
-        worker = WorkerWithDpRank(cmd.worker_id, cmd.dp_rank)
-        spec = self._placed_spec(key, worker)
-        if spec is None:
-            raise RankNotFound(cmd.worker_id, cmd.dp_rank)
-        # the booking's own flag decides, whatever the router's: only an explicit false stops
-        # the given prefill tokens from counting (as in the reference)
-        track = cmd.track_prefill_tokens is not False
-        self._book(
-            sid,
-            key,
-            worker,
-            prompt,
-            prefill_tokens=ept if ept is not None and track else 0,
-            expected_output_tokens=cmd.expected_output_tokens,
-            lora_name=cmd.lora_name,
-        )
-        if self.receipt_keeper is not None:
-            self.receipt_keeper.booked(sid, key, worker, prompt)
-        return self._booked(sid, key, worker, spec, "explicit")
-
-    def request_outcome(self, key: Key, request_id: str, cached_tokens: int, freed: bool) -> None:
-        """A slot-tracker ``/prefill_complete`` or ``/free`` (``freed``) of ``request_id`` in
-        ``key`` reported ``cached_tokens``: the receipt of that selection, if this instance
-        made it, records them (``ReceiptKeeper.request_outcome``)."""
-        if self.receipt_keeper is not None:
-            self.receipt_keeper.request_outcome(key, request_id, cached_tokens, freed)
-
-    def prefill_complete(self, cmd: commands.ReservationCall) -> None:
-        self._check_live(cmd.selection_id)
-        self.commit(mutations.CompletePrefill(cmd.selection_id))
-        if self.receipt_keeper is not None:
-            self.receipt_keeper.prefill_done(cmd.selection_id, cmd.cached_tokens)
-
-    def output_block(self, cmd: commands.ReservationOutputBlock) -> None:
-        f = cmd.decay_fraction
-        if f is not None and not 0.0 <= f <= 1.0:
-            raise InvalidDecayFraction()
-        self._check_live(cmd.selection_id)
-        self.commit(mutations.AddOutputBlock(cmd.selection_id, f))
-
-    def release(self, cmd: commands.ReservationCall) -> None:
-        self._check_live(cmd.selection_id)
-        self.commit(mutations.Release(cmd.selection_id))
-        if self.receipt_keeper is not None:
-            self.receipt_keeper.freed(cmd.selection_id, cmd.cached_tokens)
-
-    def _check_live(self, sid: str) -> None:
-        """404 unless ``sid`` still holds its request (a dead id is dropped on the way)."""
-        if self.reservations.live(sid) is None:
-            raise ReservationNotFound(sid)
 
     # -- prompts and candidates ------------------------------------------------------------
 
@@ -421,7 +206,9 @@ class SelectionService:
             return self.config
         return replace(self.config, track_prefill_tokens=track)
 
-    def _partition(self, key: Key) -> Partition:
+    def partition(self, key: Key) -> Partition:
+        """The partition ``key`` while it has a schedulable worker (the reference's 503
+        otherwise)."""
         part = self.partitions.get(key)
         if part is None or not part.workers:
             raise self._no_workers(key)
@@ -434,7 +221,7 @@ class SelectionService:
             return NoSchedulableWorkersAvailable()
         return NoSchedulableWorkers(*key)
 
-    def _prompt(
+    def prompt_of(
         self,
         cmd: commands.PromptCommand,
         block_size: int,
@@ -505,7 +292,7 @@ class SelectionService:
     def select(self, cmd: commands.Select) -> SelectOutcome:
         """``/select`` and ``/select_and_reserve``: pick a rank (and book it when reserving)."""
         key = cmd.key
-        part = self._partition(key)
+        part = self.partition(key)
         sid = cmd.selection_id
         if cmd.reserve:
             if sid is None:
@@ -523,7 +310,7 @@ class SelectionService:
         ept = chosen.effective_prefill_tokens
         if cmd.reserve:
             assert sid is not None
-            self._book(
+            self.bookings.book_prompt(
                 sid,
                 key,
                 worker,
@@ -536,24 +323,7 @@ class SelectionService:
                 session_id=session,
             )
         elif sid is not None:
-            self.commit(
-                mutations.CacheSelection(
-                    sid,
-                    PendingSelection(
-                        model_name=key[0],
-                        routing_group=key[1],
-                        worker=worker,
-                        sequence_hashes=prompt.sequence_hashes,
-                        block_hashes=prompt.block_hashes,
-                        isl_tokens=prompt.isl_tokens,
-                        effective_prefill_tokens=ept,
-                        track_prefill_tokens=track,
-                        expected_output_tokens=cmd.expected_output_tokens,
-                        lora_name=cmd.lora_name,
-                        from_tokens=prompt.from_tokens,
-                    ),
-                )
-            )
+            self.bookings.cache_selection(cmd, sid, worker, prompt, ept, track)
         load = None
         if cmd.advisory and not cmd.reserve:  # accepted, but not answered, when reserving
             load = WorkerLoad(
@@ -596,7 +366,7 @@ class SelectionService:
         keys, candidates, the session, the worker it is bound to, whether that restricted the
         candidates, and the selection."""
         key = cmd.key
-        prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        prompt = self.prompt_of(cmd, part.block_size, for_booking=False)
         config = self._config_for(cmd)
         now = self.clock()
         chain = cache_chain(prompt)
@@ -633,7 +403,7 @@ class SelectionService:
         """The receipt ``cmd`` would get, changing nothing: no booking, no pending selection,
         no session binding, no receipt kept, no counter, and the service's random stream is
         left alone (ties and temperature draw from a generator of their own)."""
-        part = self._partition(cmd.key)
+        part = self.partition(cmd.key)
         prompt, config, now, _, candidates, session, bound, by_session, chosen = self._decide(
             cmd, part, self._explain_rng
         )
@@ -696,8 +466,8 @@ class SelectionService:
         )
 
     def _query(self, cmd: commands.PromptCommand) -> tuple[Partition, Prompt, Candidates]:
-        part = self._partition(cmd.key)
-        prompt = self._prompt(cmd, part.block_size, for_booking=False)
+        part = self.partition(cmd.key)
+        prompt = self.prompt_of(cmd, part.block_size, for_booking=False)
         candidates = self._candidates(part, prompt, self.clock())
         if not candidates.workers:
             raise self._no_workers(cmd.key)
@@ -752,6 +522,10 @@ class SelectionService:
             (key, part.block_size, list(part.cache.stored_runs(now)))
             for key, part in sorted(self.partitions.items())
         ]
+
+    def schedulable_count(self) -> int:
+        """Schedulable workers in the catalog, all partitions."""
+        return self.placement.schedulable
 
     def placed_partition(self, worker_id: int) -> Partition | None:
         """The partition ``worker_id`` is a schedulable worker of, if any."""
