@@ -64,6 +64,19 @@ class PrefixedLean:
         self.observe = lean.observe
         self.answer = lean.answer
         self.reply = lean.reply
+        self.token = lean.token
+        # the request-line table (``LeanDispatcher.raw_exact``) as this port matches: a route
+        # under the prefix by its path with or without it
+        raw_within = self.within.encode("ascii")
+        self.raw_exact: dict[bytes, dict[bytes, LeanRoute]] = {
+            method: {
+                target: route
+                for path, route in paths.items()
+                if path.startswith(raw_within)
+                for target in (path, path[len(self.raw_prefix) :])
+            }
+            for method, paths in lean.raw_exact.items()
+        }
 
     def route_for(self, scope: Scope) -> tuple[LeanRoute, list[str]] | None:
         if not scope["path"].startswith(self.within):

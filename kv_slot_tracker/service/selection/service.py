@@ -22,8 +22,8 @@ Its collaborators, each holding a part and working on the service through its pu
 records shared with the other instances and the snapshots), ``kv_events`` (``KvEvents``: the
 KV-event ingest's sink, into the partitions' indexes) and ``receipt_keeper`` (``ReceiptKeeper``:
 the routing receipts, when they are on). The catalog's and the reservations' calls are the
-placement's and the bookings' own methods, bound as the service's in ``__init__``: their
-callers (the HTTP edge, discovery) call the service, at no extra hop.
+service's methods handing them to the placement and the bookings: their callers (the HTTP
+edge, discovery) know the service only.
 
 Where the slot-tracker API and this one differ (SELECTION.md §2): a partition stays listed here,
 with its block size, after its last worker goes, while the tracker itself is dropped as the
@@ -77,6 +77,7 @@ from kv_slot_tracker.service.selection.tombstones import DEFAULT_CAPACITY as TOM
 from kv_slot_tracker.service.selection.tombstones import DEFAULT_MAX_BYTES as TOMBSTONE_MAX_BYTES
 from kv_slot_tracker.service.selection.tombstones import ReservationTombstones
 from kv_slot_tracker.service.selection.types import (
+    Booked,
     Candidates,
     LoadRow,
     OverlapScores,
@@ -124,24 +125,12 @@ class SelectionService:
         self.catalog: dict[int, WorkerRecord] = {}
         self.placement = WorkerPlacement(self)
         """Checks and applies the catalog's changes, and places its workers' ranks."""
-        # bound, not wrapped (module notes): a call costs no hop more
-        self.upsert_worker = self.placement.upsert
-        self.patch_worker = self.placement.patch
-        self.delete_worker = self.placement.delete
-        self.workers = self.placement.records_of
-        self.replace_catalog = self.placement.replace
         self.reservations = Reservations(
             registry,
             ReservationTombstones(tombstone_ttl_ns, tombstone_capacity, tombstone_max_bytes),
         )
         self.bookings = Bookings(self)
         """Books reservations and takes their calls, to their release (``bookings``)."""
-        self.replay = self.bookings.replay
-        self.book = self.bookings.book
-        self.prefill_complete = self.bookings.prefill_complete
-        self.output_block = self.bookings.output_block
-        self.release = self.bookings.release
-        self.request_outcome = self.bookings.request_outcome
         self._evictions_logged = 0
         self.counters = SelectionCounters()
         self.sessions = (
@@ -194,6 +183,43 @@ class SelectionService:
             self.placement.remove(mutation.worker_id)
         else:  # pragma: no cover - the union is closed
             raise TypeError(f"unknown mutation {mutation!r}")
+
+    # -- the worker catalog and reservations (``placement``, ``bookings``) ----------------
+
+    def upsert_worker(self, cmd: commands.UpsertWorker) -> WorkerRecord:
+        return self.placement.upsert(cmd)
+
+    def patch_worker(self, cmd: commands.PatchWorker) -> WorkerRecord:
+        return self.placement.patch(cmd)
+
+    def delete_worker(self, cmd: commands.DeleteWorker) -> WorkerRecord:
+        return self.placement.delete(cmd)
+
+    def workers(self, model_name: str | None, routing_group: str | None) -> list[WorkerRecord]:
+        return self.placement.records_of(model_name, routing_group)
+
+    def replace_catalog(
+        self, catalog: dict[int, WorkerRecord], partitions: dict[Key, Partition]
+    ) -> None:
+        self.placement.replace(catalog, partitions)
+
+    def replay(self, cmd: commands.ReplaySelection) -> Booked:
+        return self.bookings.replay(cmd)
+
+    def book(self, cmd: commands.BookExplicit) -> Booked:
+        return self.bookings.book(cmd)
+
+    def prefill_complete(self, cmd: commands.ReservationCall) -> None:
+        self.bookings.prefill_complete(cmd)
+
+    def output_block(self, cmd: commands.ReservationOutputBlock) -> None:
+        self.bookings.output_block(cmd)
+
+    def release(self, cmd: commands.ReservationCall) -> None:
+        self.bookings.release(cmd)
+
+    def request_outcome(self, key: Key, request_id: str, cached_tokens: int, freed: bool) -> None:
+        self.bookings.request_outcome(key, request_id, cached_tokens, freed)
 
     # -- prompts and candidates ------------------------------------------------------------
 
