@@ -147,6 +147,11 @@ class Traffic:
         # calls of one request reach whichever process accepts each connection
         self.fresh_connections = fresh_connections
         self._stop = threading.Event()
+        # every attempt of every call, per request id: (time.monotonic(), operation, instance,
+        # status, or "transport error"), to tell what happened to a request an instance
+        # disagrees on (``irregular``)
+        self.journal: dict[str, list[tuple[float, str, str, int | str]]] = {}
+        self.requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self.prompts = Prompts(random.Random(seed))
@@ -222,11 +227,14 @@ class Traffic:
         while True:
             attempts += 1
             url = self.balancer.next()
+            attempt = self.journal.setdefault(str(body.get("request_id")), [])
             try:
                 r = await http.post(url + path, json=body)
             except httpx.TransportError:
                 self.tally.transport_errors += 1
+                attempt.append((time.monotonic(), op, url, "transport error"))
             else:
+                attempt.append((time.monotonic(), op, url, r.status_code))
                 self.tally.answers[f"{op} {r.status_code}"] += 1
                 if r.status_code != 503 and r.status_code < 500:
                     self.tally.last_answer = time.monotonic()
@@ -240,7 +248,29 @@ class Traffic:
             self.tally.retries += 1
             await asyncio.sleep(RETRY_PAUSE_S)
 
+    def irregular(self, rank: tuple[int, int], limit: int = 20) -> list[str]:
+        """The call histories of ``rank``'s requests that took more than one attempt per call
+        or got a 503: where to look when an instance disagrees with the ground truth on it."""
+        out = []
+        for rid, calls in self.journal.items():
+            req = self.requests.get(rid)
+            ops = [op for _, op, _, _ in calls]
+            if (
+                req is None
+                or req.rank != rank
+                or len(ops) == len(set(ops))
+                and all(status != 503 for _, _, _, status in calls)
+            ):
+                continue
+            state = "active" if rid in self.truth.active else "freed"
+            steps = ", ".join(f"{t:.3f} {op} {url} {status}" for t, op, url, status in calls)
+            out.append(f"{rid} ({state}): {steps}")
+            if len(out) >= limit:
+                break
+        return out
+
     async def _add(self, http: httpx.AsyncClient, req: Request) -> None:
+        self.requests[req.rid] = req
         body = {"model_name": MODEL, "routing_group": GROUP, "request_id": req.rid,
                 "worker_id": req.rank[0], "dp_rank": req.rank[1],
                 "sequence_hashes": [signed(h) for h in req.hashes],

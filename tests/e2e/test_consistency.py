@@ -42,6 +42,11 @@ def converge(servers: list[ServerProcess], traffic: Traffic, timeout: float = CO
         lines = [f"expected {want}"]
         lines += [f"{s.name}: {loads(s)}\n  {s.status()}" for s in servers]
         lines.append(f"traffic: {traffic.tally.summary()}")
+        differ = {(row["worker_id"], row["dp_rank"]) for s in servers for row in loads(s) or []
+                  if row not in want}  # fmt: skip
+        for rank in sorted(differ):
+            lines.append(f"calls of rank {rank} that were retried or refused:")
+            lines += [f"  {line}" for line in traffic.irregular(rank)]
         return "\n".join(lines)
 
     wait_until(lambda: all(loads(s) == want for s in servers), timeout, "the ground truth on "
