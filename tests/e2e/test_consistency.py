@@ -33,6 +33,18 @@ def loads(server: ServerProcess) -> list[dict[str, int]] | None:
     return load_view(r.json()) if r.status_code == 200 else None
 
 
+def consistency_counters(server: ServerProcess) -> str:
+    """The instance's early-call and duplicate-add counters (``/metrics``), for a failure."""
+    try:
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+    except httpx.TransportError as e:
+        return f"/metrics: {e}"
+    prefix = "kv_slot_tracker_consistency_"
+    return ", ".join(
+        line.removeprefix(prefix) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
 def converge(servers: list[ServerProcess], traffic: Traffic, timeout: float = CONVERGE_S) -> float:
     """Wait until every instance reports the ground truth; returns how long that took."""
     want = traffic.truth.loads()
@@ -40,7 +52,8 @@ def converge(servers: list[ServerProcess], traffic: Traffic, timeout: float = CO
 
     def describe() -> str:
         lines = [f"expected {want}"]
-        lines += [f"{s.name}: {loads(s)}\n  {s.status()}" for s in servers]
+        lines += [f"{s.name}: {loads(s)}\n  {s.status()}\n  {consistency_counters(s)}"
+                  for s in servers]  # fmt: skip
         lines.append(f"traffic: {traffic.tally.summary()}")
         differ = {(row["worker_id"], row["dp_rank"]) for s in servers for row in loads(s) or []
                   if row not in want}  # fmt: skip
