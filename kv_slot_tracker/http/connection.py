@@ -392,7 +392,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if self._refused or self._body_part(len(body)):
+        # only a chunked body is counted: a declared length was checked within the limit,
+        # the parser ends the body there, and its pieces are the reads ``data_received`` counts
+        if self._refused or (self._declared is None and self._body_part(len(body))):
             return
         super().on_body(body)
 

@@ -201,11 +201,7 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
             return
         if self._refused:
             return
-        if self._declared is None:
-            # a chunked body: ``LimitedHttpToolsProtocol._body_part`` inline, the size and the
-            # piece counted. A declared length was checked within the limit, the parser ends
-            # the body there, and its pieces are the reads ``data_received`` counts: nothing
-            # to count.
+        if self._declared is None:  # ``LimitedHttpToolsProtocol.on_body``'s rule, inline
             received = self._body_bytes = self._body_bytes + len(body)
             if received > self.limits.max_body_bytes:
                 self._refuse(413, TOO_LARGE)
@@ -250,7 +246,8 @@ class DirectHttpToolsProtocol(LimitedHttpToolsProtocol):
         """Hand a call that waits to uvicorn's request cycle, as if it had taken uvicorn's
         path from the start: requests pipelined behind it queue until it is answered, and
         uvicorn writes the answer, keeps the connection alive and serves the queue."""
-        self._path_scope()  # not filled when the route was found on the request line
+        if "path" not in self.scope:  # the route was found on the request line
+            self._path_scope()
         self._asgi_scope()
         self.cycle = cycle = RequestResponseCycle(
             scope=self.scope,

@@ -15,9 +15,8 @@ decision as a pending selection (``cache_selection``), which a replay books exac
 Each call first checks, raising a domain error with nothing changed, then changes state through
 the service's ``commit`` with one record of ``mutations``; ``apply_book``, ``apply_release``,
 ``apply_prefill_complete`` and ``apply_output_block`` apply such a record, made on this
-instance or a peer's (``SelectionService.apply`` hands each kind to its own). The service binds
-the public calls as its own methods (``SelectionService.release`` is ``Bookings.release``): the
-HTTP edge calls the service, and a call costs no hop more than it did on the service itself.
+instance or a peer's (``SelectionService.apply`` hands each kind to its own). The HTTP edge
+calls the service, whose methods of the same names hand each call here.
 """
 
 from __future__ import annotations
