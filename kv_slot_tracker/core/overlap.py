@@ -69,11 +69,12 @@ def _common(edge: Sequence[int], seq: Sequence[int], start: int) -> int:
 
 
 class PromptTrie:
-    __slots__ = ("root", "_nodes", "_solos", "held", "usage")
+    __slots__ = ("root", "_nodes", "_solos", "usage")
 
     def __init__(self, usage: Usage | None = None) -> None:
-        self.held = 0  # hashes of the prompts indexed (a prompt's every hash, per prompt)
-        self.usage = Usage() if usage is None else usage  # counts them across tries
+        # counts the hashes of the prompts indexed (a prompt's every hash, per prompt) across
+        # tries; a trie's own count is its ranks' (``ActiveSequencesMultiWorker.held_hashes``)
+        self.usage = Usage() if usage is None else usage
         self.root = _Node((), {})
         self._nodes = 0
         self._solos: dict[WorkerWithDpRank, _Solo] = {}
@@ -96,13 +97,13 @@ class PromptTrie:
 
         Returns the edges (runs of hashes) that ``worker`` holds now and did not before: its
         block counts take one hold per position of those (``BlockTracker``)."""
-        self.held += len(prompt)
-        self.usage.hashes += len(prompt)
+        n = len(prompt)
+        self.usage.hashes += n
         src = prompt if type(prompt) is list else None
         if type(prompt) is not tuple:
             prompt = tuple(prompt)
         node = self.root
-        i, n = 0, len(prompt)
+        i = 0
         gained: list[Sequence[int]] = []
         while i < n:
             children = node.children
@@ -160,7 +161,6 @@ class PromptTrie:
         is cut off in one step and is returned as one run of hashes."""
         node = self.root
         i, n = 0, len(prompt)
-        self.held -= n
         self.usage.hashes -= n
         lost: list[Sequence[int]] = []
         while i < n:

@@ -42,14 +42,14 @@ class RequestIndex:
         old = self.loras.pop(request_id, None)
         if old is not None:
             self._lora_dec(old)
+        if request_id in self.workers:
+            self.usage.requests -= 1  # re-pointed: ``add`` counts it once more
         self.add(request_id, worker, lora)
 
     def add(self, request_id: str, worker: WorkerWithDpRank, lora: str | None) -> None:
         """``set`` for an id that is not mapped (the lifecycle hot path)."""
-        workers = self.workers
-        before = len(workers)
-        workers[request_id] = worker
-        self.usage.requests += len(workers) - before
+        self.workers[request_id] = worker
+        self.usage.requests += 1
         if lora is not None:
             self.loras[request_id] = lora
             self.lora_counts[lora] = self.lora_counts.get(lora, 0) + 1

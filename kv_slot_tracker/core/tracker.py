@@ -204,15 +204,20 @@ class ActiveSequencesMultiWorker:
         return len(self._requests)
 
     def held_hashes(self) -> int:
-        """Prompt block hashes of the active requests (each prompt's, per request)."""
-        return self._trie.held
+        """Prompt block hashes of the active requests (each prompt's, per request): a walk
+        over them, for a recount (the lifecycle counts them into ``usage`` as they change)."""
+        return sum(
+            len(state.prompt_blocks)
+            for slot in self._slots.values()
+            for state in slot.requests.values()
+        )
 
     def count_into(self, usage: Usage) -> None:
         """Count from now on into ``usage``, adding what this tracker holds now."""
         self.usage = self._trie.usage = self._requests.usage = usage
         usage.ranks += len(self._slots)
         usage.requests += len(self._requests)
-        usage.hashes += self._trie.held
+        usage.hashes += self.held_hashes()
 
     def lora_of(self, request_id: str) -> str | None:
         return self._requests.lora(request_id)
@@ -291,17 +296,28 @@ class ActiveSequencesMultiWorker:
         requests.add(request_id, worker, add.lora_name)
         ms = add.expected_prefill_ms
         duration_ns = round(ms * NS_PER_MS) if tokens > 0 and ms is not None else None
-        if self._admit(
-            worker,
-            slot,
-            request_id,
-            prompt=prompt,
-            expected_output_tokens=add.expected_output_tokens,
-            prefill_tokens=tokens if track else 0,
-            duration_ns=duration_ns,
-            decay_now=decay_now,
-            started_at=None,
-        ):
+        if request_id in slot.requests:  # the slot logs and ignores it (``_add_to_slot``)
+            slot.add_request_with_prefill_tracking(
+                request_id,
+                prompt,
+                expected_output_tokens=add.expected_output_tokens,
+                track_prefill_tokens=False,
+                prefill_load_hint=None,
+                decay_now=decay_now,
+            )
+        else:  # ``_add_to_slot`` written out: a call cost about 2 % of a batch operation
+            now = self.clock()
+            if now >= slot.next_expiry_check:
+                self._after_expiry(worker, slot.force_expiry())
+            slot.admit(
+                request_id,
+                prompt=list(prompt) if prompt else [],
+                expected_output_tokens=add.expected_output_tokens,
+                prefill_tokens=tokens if track else 0,
+                duration_ns=duration_ns,
+                decay_now=decay_now,
+                started_at=now,
+            )
             self._columns.changed.add(worker)
         if self._loads_wanted:
             self.publisher.publish_load(self._load_of(worker, slot, decay_now))
@@ -335,39 +351,10 @@ class ActiveSequencesMultiWorker:
         decay_now: int,
         started_at: int | None,
     ) -> None:
-        tokens, duration_ns = 0, None
-        if track and hint is not None:
-            tokens = hint.initial_effective_prefill_tokens
-            duration_ns = hint.expected_prefill_duration_ns
-        self._admit(
-            worker,
-            slot,
-            rid,
-            prompt=prompt,
-            expected_output_tokens=expected_output_tokens,
-            prefill_tokens=tokens,
-            duration_ns=duration_ns,
-            decay_now=decay_now,
-            started_at=started_at,
-        )
+        """What ``add_request_with_prefill_tracking`` does (a replica's add), with
+        ``force_expiry``'s rate check read before its call; ``add_on_rank`` writes it out."""
         self._columns.changed.add(worker)
-
-    def _admit(
-        self,
-        worker: WorkerWithDpRank,
-        slot: ActiveSequences,
-        rid: str,
-        *,
-        prompt: list[int] | None,
-        expected_output_tokens: int | None,
-        prefill_tokens: int,
-        duration_ns: int | None,
-        decay_now: int,
-        started_at: int | None,
-    ) -> bool:
-        """What ``add_request_with_prefill_tracking`` does, with ``force_expiry``'s rate check
-        read before its call: False for an id the slot holds already (it logs and ignores it)."""
-        if rid in slot.requests:
+        if rid in slot.requests:  # the slot logs and ignores it
             slot.add_request_with_prefill_tracking(
                 rid,
                 prompt,
@@ -376,7 +363,11 @@ class ActiveSequencesMultiWorker:
                 prefill_load_hint=None,
                 decay_now=decay_now,
             )
-            return False
+            return
+        tokens, duration_ns = 0, None
+        if track and hint is not None:
+            tokens = hint.initial_effective_prefill_tokens
+            duration_ns = hint.expected_prefill_duration_ns
         now = self.clock()
         if now >= slot.next_expiry_check:
             self._after_expiry(worker, slot.force_expiry())
@@ -384,12 +375,11 @@ class ActiveSequencesMultiWorker:
             rid,
             prompt=list(prompt) if prompt else [],
             expected_output_tokens=expected_output_tokens,
-            prefill_tokens=prefill_tokens,
+            prefill_tokens=tokens,
             duration_ns=duration_ns,
             decay_now=decay_now,
             started_at=now if started_at is None else started_at,
         )
-        return True
 
     def _after_expiry(self, worker: WorkerWithDpRank, outcome: SequenceMutationOutcome) -> None:
         for rid in outcome.expired_prompts:

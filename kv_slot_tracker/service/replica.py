@@ -42,7 +42,7 @@ instants as wall-clock time, the early calls, and the selection state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kv_slot_tracker.core.errors import TrackerError
@@ -88,6 +88,11 @@ class SharedSelection(Protocol):
     ``kv_slot_tracker.service.selection.replica.SelectionReplica``)."""
 
     publish: Callable[[SelectionChange], None] | None
+
+    @property
+    def tombstones(self) -> Sized:
+        """The ids released lately: while none, ``released`` is False for every id."""
+        ...
 
     def apply_peer(self, wire: SelectionChange, instant: int) -> bool: ...
 

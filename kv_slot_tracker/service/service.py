@@ -29,6 +29,7 @@ from kv_slot_tracker.replication.port import Batch
 from kv_slot_tracker.service import commands
 from kv_slot_tracker.service.errors import (
     BlockSizeMismatch,
+    NoTracker,
     TooManyHashes,
     UnknownWorker,
     WorkerExists,
@@ -253,9 +254,16 @@ class SlotTrackerService:
 
     def add(self, cmd: commands.Add) -> None:
         key = (cmd.model_name, cmd.routing_group)
-        t = self.registry.get(key)
+        registry = self.registry
+        t = registry.trackers.get(key)  # ``registry.get`` written out (as in ``free``)
+        if t is None:
+            raise NoTracker(key)
         selection = self.replica.selection
-        if selection is not None and selection.released(cmd.request_id, key):
+        if (
+            selection is not None
+            and selection.tombstones  # none: no call (a call cost about 1 % of an add)
+            and selection.released(cmd.request_id, key)
+        ):
             # the peers drop this add's record (``released``): refuse it here too, so that
             # every instance agrees (O(1): no lookup while no reservation was released lately)
             raise ReservationReleased(cmd.request_id)
@@ -264,7 +272,7 @@ class SlotTrackerService:
             pass  # what ``_hashes`` returns for them, without the call
         else:
             hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
-        self.registry.admit_request(len(hashes) if hashes else 0)
+        registry.admit_request(len(hashes) if hashes else 0)
         t.add_on_rank(cmd, hashes, self.clock())
 
     def prefill_complete(self, cmd: commands.PrefillComplete) -> None:
@@ -274,7 +282,11 @@ class SlotTrackerService:
             self.outcome_sink(cmd.key, cmd.request_id, cmd.cached_tokens, False)
 
     def free(self, cmd: commands.Free) -> None:
-        self.registry.get((cmd.model_name, cmd.routing_group)).free(cmd.request_id, self.clock())
+        key = (cmd.model_name, cmd.routing_group)
+        t = self.registry.trackers.get(key)  # ``registry.get`` written out: a call per free
+        if t is None:
+            raise NoTracker(key)
+        t.free(cmd.request_id, self.clock())
         if cmd.cached_tokens is not None and self.outcome_sink is not None:
             self.outcome_sink(cmd.key, cmd.request_id, cmd.cached_tokens, True)
 

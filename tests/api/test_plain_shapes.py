@@ -157,14 +157,32 @@ def test_a_default_given_explicitly_counts_once_and_only_as_a_key() -> None:
     assert fast_bodies.path_of("/batch", b'{"operations":[%s,%s]}' % (braces, free)) == "plain"
 
 
+def test_a_prompt_form_is_counted_once_and_checked_after_the_count() -> None:
+    """One prompt form's key is in the count: an operation with neither form, beside one with
+    a key given twice, matches the count and is still refused, as is one with both forms."""
+    key = b'"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0'
+    bare = b'{"op":"add",%s}' % key
+    twice = b'{"op":"add",%s,"sequence_hashes":[1],"dp_rank":0}' % key
+    both = b'{"op":"add",%s,"sequence_hashes":[1],"token_ids":[1]}' % key
+    free = b'{"op":"free","model_name":"m","request_id":"a"}'
+    for ops in ([bare, twice], [both, free], [bare, free]):
+        body = b'{"operations":[%s]}' % b",".join(ops)
+        assert fast_bodies.path_of("/batch", body) == "validating", body
+    assert fast_bodies.path_of("/add", b"{%s}" % key) == "validating"
+    assert fast_bodies.path_of("/add", b'{%s,"token_ids":[1],"sequence_hashes":[1]}' % key) == (
+        "validating"
+    )
+    assert fast_bodies.path_of("/add", b'{%s,"token_ids":[1]}' % key) == "plain"
+
+
 def test_the_weights_are_the_structs_fields() -> None:
     """The derived weights are those once written out by hand, and follow a struct's fields."""
     add = fast_bodies._ADD
-    assert add.base == 6  # model_name, request_id (key and string), worker_id, dp_rank
+    # model_name, request_id (key and string), worker_id, dp_rank, and one prompt form's key
+    # (exactly one is given: ``_prompt_form`` refuses a body with neither or both)
+    assert add.base == 7
     assert dict((n, w) for n, _, w in add.optional) == {
         "routing_group": 2,
-        "sequence_hashes": 1,
-        "token_ids": 1,
         "lora_name": 2,
         "new_isl_tokens": 1,
         "expected_prefill_ms": 1,
@@ -179,8 +197,10 @@ def test_the_weights_are_the_structs_fields() -> None:
 
     weights = fast_bodies._Weights(Extended)
     o = Extended(model_name="m", request_id="r", worker_id=1, dp_rank=0, note="x", priority=3)
-    assert weights.count(o) == 6 + 2 + 1  # the new string and number fields given
-    assert weights.count(Extended(model_name="m", request_id="r", worker_id=1, dp_rank=0)) == 6
+    assert weights.count(o) == 7 + 2 + 1  # the new string and number fields given
+    assert weights.count(Extended(model_name="m", request_id="r", worker_id=1, dp_rank=0)) == 7
+    o.lora_name, o.expected_output_tokens = "l", 5  # two of the None-default group given
+    assert weights.count(o) == 7 + 2 + 1 + 2 + 1
 
     class Nested(c.Free, kw_only=True):
         tags: list[str] = msgspec.field(default_factory=list)

@@ -89,6 +89,9 @@ class SharedState(Protocol):
 class SelectionReplica:
     def __init__(self, state: SharedState) -> None:
         self._state = state
+        self.tombstones = state.reservations.tombstones.entries
+        """The ids released lately: while it is empty, ``released`` is False for every id
+        (a caller on the lifecycle path tests it first, a call fewer per add)."""
         self.publish: Publish | None = None
         """Where replicated changes go (``None``: this instance shares nothing)."""
 

@@ -70,15 +70,16 @@ class ReservationTombstones:
         self.bytes = 0
         self.counters = TombstoneCounters()
         # oldest remembered first; an OrderedDict, whose first entry is found in O(1) however
-        # many went before it (a plain dict scans the holes its deletions left at the front)
-        self._entries: OrderedDict[str, Tombstone] = OrderedDict()
+        # many went before it (a plain dict scans the holes its deletions left at the front).
+        # Never replaced: a hot path may keep it to test for no tombstone at all without a call.
+        self.entries: OrderedDict[str, Tombstone] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def get(self, sid: str, now: int) -> Tombstone | None:
         """The tombstone of ``sid`` if it still lasts at ``now``."""
-        entry = self._entries.get(sid)
+        entry = self.entries.get(sid)
         if entry is None or entry.released_at <= now - self.ttl_ns:
             return None  # none, or too old (pruned soon)
         return entry
@@ -86,7 +87,7 @@ class ReservationTombstones:
     def put(self, sid: str, key: Key | None, released_at: int, now: int) -> None:
         """Remember the release of ``sid`` (the newest release of an id wins; a partition
         already known is kept when this one is not)."""
-        entries = self._entries
+        entries = self.entries
         old = entries.pop(sid, None)
         if old is not None:
             self.bytes -= _bytes(sid, old.key)
@@ -101,7 +102,7 @@ class ReservationTombstones:
 
     def prune(self, now: int) -> None:
         """Drop the oldest entries beyond the capacity or the bytes, and those past the ttl."""
-        entries = self._entries
+        entries = self.entries
         horizon = now - self.ttl_ns
         while entries:
             sid = next(iter(entries))
@@ -124,12 +125,13 @@ class ReservationTombstones:
         horizon = now - self.ttl_ns
         return [
             [sid, *(e.key if e.key is not None else (None, None)), e.released_at + wall_offset]
-            for sid, e in self._entries.items()
+            for sid, e in self.entries.items()
             if e.released_at > horizon
         ]
 
     def restore(self, entries: dict[str, Tombstone], now: int) -> None:
         """Replace every entry (a snapshot's, decoded and checked by the caller)."""
-        self._entries = OrderedDict(entries)
+        self.entries.clear()
+        self.entries.update(entries)
         self.bytes = sum(_bytes(sid, e.key) for sid, e in entries.items())
         self.prune(now)
