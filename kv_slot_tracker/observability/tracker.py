@@ -178,6 +178,8 @@ class ConsistencyCollector(Collector):
             ("marks_created", e.marks_created,
              "Prefill completions of ids still unknown after the wait (pending marks)"),
             ("marks_applied", e.marks_applied, "Prefills completed by a pending mark"),
+            ("out_of_order", e.out_of_order,
+             "Peers' frees and prefill completions of ids not active here, kept for their add"),
             ("early_dropped", e.dropped,
              "Tombstones and pending marks dropped by age or capacity before their add came"),
             ("output_blocks_dropped", c.output_blocks_dropped,

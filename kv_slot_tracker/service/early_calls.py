@@ -37,6 +37,9 @@ class EarlyCounters:
     tombstones_applied: int = 0  # adds cancelled and active copies freed by a tombstone
     marks_created: int = 0  # prefill completions of ids unknown after the wait, here
     marks_applied: int = 0  # prefills completed by a pending mark
+    # peers' frees and prefill completions of ids not active here, kept as tombstones and
+    # marks: their add may come later in a stream re-built out of order (``ReplicaRecords``)
+    out_of_order: int = 0
     dropped: int = 0  # entries dropped by age or capacity before any add came
 
 

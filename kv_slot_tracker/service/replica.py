@@ -51,6 +51,7 @@ from kv_slot_tracker.core.events import (
     MARK_PREFILL_COMPLETED,
     ActiveSequenceEvent,
     AddRequest,
+    Free,
     event_from_wire,
     event_to_wire,
 )
@@ -304,6 +305,16 @@ class ReplicaRecords:
             if t.has_request(rid) and not self._replace_own_copy(key, t, rid, eff):
                 self.duplicate_adds += 1  # the copy here came first in the stream: keep it
                 return False
+        elif self.early is not None and not t.has_request(event.request_id):
+            # a peer freed (or completed the prefill of) a request not active here: its add
+            # may still come, behind it, in a stream re-built after Redis lost its data (each
+            # publisher re-sends its recent records when it next appends, in no causal order
+            # across instances): kept as a tombstone or a pending mark, as an early call is,
+            # so that the add, if it comes, is cancelled (or completed) as everywhere else
+            op = early_calls.FREE if type(data) is Free else early_calls.PREFILL_COMPLETE
+            self.early.put((key[0], key[1], event.request_id), op, ts, self.wall_clock())
+            self.early.counters.out_of_order += 1
+            return False
         changed = t.apply_replica_event(event, eff, instant, instant)
         if changed and early is not None and ts <= early.ts:  # a pending mark
             self._complete_prefill(t, event.request_id, early.ts, eff)

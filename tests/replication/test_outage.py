@@ -214,3 +214,64 @@ async def test_an_entry_of_another_instance_at_the_own_last_id_is_not_taken_for_
         assert len(entries) >= 3  # the foreign entry, b-before re-sent, b-after
         await eventually(lambda: requests(a) == requests(b) == {"b-before", "b-after"})
         assert a.rep.status().gaps == 0
+
+
+@pytest.mark.parametrize("first", ["freeing", "adding"])
+async def test_a_free_re_sent_before_its_add_after_redis_lost_its_data_still_frees(
+    cluster: Cluster, redis_url: str, first: str
+) -> None:
+    """B adds R and A frees it while C's reader is cut off; Redis loses its data, and the
+    publishers re-send their recent records as each next appends: the rebuilt stream may hold
+    A's free before B's add. C re-reads it from its start and must end without R, as A and B
+    do (a peer's free of an id not active here is kept as a tombstone for its add)."""
+    from kv_slot_tracker.core.types import NS_PER_S
+
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    proxy = TcpProxy(port)
+    await proxy.start()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        a = await cluster.node()
+        b = await cluster.node()
+        c = await cluster.node(redis_url=proxy.url())
+        for node in (a, b, c):  # as an instance sharing Redis runs (``main``)
+            node.service.replica.use_early_calls(10_000, 600 * NS_PER_S, 1 << 20)
+        register(a.service, KEY, 1, 4, 0, 2)
+        await eventually(lambda: len(b.loads()) == len(c.loads()) == 2, what="the topology")
+        b.add("warm", hashes=[1])
+        await eventually(lambda: all("warm" in requests(n) for n in (a, b, c)))
+
+        proxy.cut()
+        await eventually(lambda: not c.rep.status().connected, what="c cut off")
+        b.add("R", worker_id=1, dp_rank=1, hashes=[11, 12, 13])
+        await eventually(lambda: "R" in requests(a), what="a to read b's add")
+        free(a.service, KEY, "R")  # a holds R: a plain free, no tombstone
+        await eventually(lambda: "R" not in requests(b), what="b to read a's free")
+        await eventually(lambda: a.rep.status().outbox_depth == 0)
+
+        keys = NamespaceKeys.of(cluster.namespace)
+        client.delete(keys.events, keys.snapshot)  # Redis restarted empty
+        order = [(a, "after-a", 3), (b, "after-b", 4)]
+        if first == "adding":
+            order.reverse()
+        for node, rid, h in order:  # each publisher re-sends when it next appends
+            node.add(rid, hashes=[h])
+            await eventually(lambda node=node: node.rep.status().resent > 0, what=f"{rid} sent")
+
+        proxy.restore()
+        await eventually(lambda: c.rep.status().resets >= 1, what="c to notice the reset")
+        live = {"warm", "after-a", "after-b"}
+        await eventually(
+            lambda: requests(a) == requests(b) == requests(c) == live,
+            timeout=10,
+            what="every instance to hold the live requests only",
+        )
+        assert c.rep.status().gaps == 0
+        early = c.service.replica.early
+        assert early is not None
+        assert early.counters.out_of_order == (1 if first == "freeing" else 0)
+        assert early.counters.tombstones_applied == (1 if first == "freeing" else 0)
+        c.service.tracker(KEY).assert_consistent()
+    finally:
+        client.close()
+        await proxy.close()
