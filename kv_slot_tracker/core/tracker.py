@@ -305,7 +305,7 @@ class ActiveSequencesMultiWorker:
                 prefill_load_hint=None,
                 decay_now=decay_now,
             )
-        else:  # ``_add_to_slot`` written out: a call cost about 2 % of a batch operation
+        else:  # ``_add_to_slot`` written out: the call cost 0.5 % of a batch operation
             now = self.clock()
             if now >= slot.next_expiry_check:
                 self._after_expiry(worker, slot.force_expiry())

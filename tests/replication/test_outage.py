@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
+from kv_slot_tracker.core.types import NS_PER_S
 from kv_slot_tracker.replication.redis.stream import NamespaceKeys
 from tests.calls import free, register
 from tests.replication.helpers import KEY, Cluster, Node, RedisServer, TcpProxy, eventually
@@ -224,16 +225,8 @@ async def test_a_free_re_sent_before_its_add_after_redis_lost_its_data_still_fre
     publishers re-send their recent records as each next appends: the rebuilt stream may hold
     A's free before B's add. C re-reads it from its start and must end without R, as A and B
     do (a peer's free of an id not active here is kept as a tombstone for its add)."""
-    from kv_slot_tracker.core.types import NS_PER_S
-
-    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
-    proxy = TcpProxy(port)
-    await proxy.start()
-    client = redis.Redis.from_url(redis_url)
-    try:
-        a = await cluster.node()
+    async with b_behind_a_proxy(cluster, redis_url) as (a, c, proxy, client):
         b = await cluster.node()
-        c = await cluster.node(redis_url=proxy.url())
         for node in (a, b, c):  # as an instance sharing Redis runs (``main``)
             node.service.replica.use_early_calls(10_000, 600 * NS_PER_S, 1 << 20)
         register(a.service, KEY, 1, 4, 0, 2)
@@ -272,6 +265,3 @@ async def test_a_free_re_sent_before_its_add_after_redis_lost_its_data_still_fre
         assert early.counters.out_of_order == (1 if first == "freeing" else 0)
         assert early.counters.tombstones_applied == (1 if first == "freeing" else 0)
         c.service.tracker(KEY).assert_consistent()
-    finally:
-        client.close()
-        await proxy.close()
