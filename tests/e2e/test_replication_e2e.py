@@ -446,6 +446,9 @@ def test_instance_replaying_the_resent_stream_sees_each_free_after_its_add(
         st = server.status()
         return st["resent"] > 0 and st["outbox_depth"] == 0
 
+    # b's reader may notice the loss first: b answers 503 until it has re-read the new stream
+    # (empty); its publisher re-sends at its next append either way
+    wait_until(b.client.ready, CONVERGE_S, "b to be ready on the new stream")
     traffic.add(1)  # b's append finds its last entry gone: it re-sends first
     wait_until(lambda: resent(b), CONVERGE_S, "b to re-send")
     # a re-reads the new stream (not ready, changes answered 503) before it takes the add

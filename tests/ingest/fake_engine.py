@@ -13,6 +13,7 @@ Both bind on 127.0.0.1 port 0 (the socket that bound keeps the port) or on an ip
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -101,11 +102,17 @@ class FakeEngine:
 
     def wait_subscribed(self, timeout: float = 10.0) -> None:
         """Until a subscriber's subscription reached the PUB socket (what it sends from then on
-        is delivered)."""
-        if not self.pub.poll(int(timeout * 1000)):
-            raise AssertionError(f"nobody subscribed to {self.endpoint} in {timeout} s")
-        frame = self.pub.recv()
-        assert frame[:1] == b"\x01", frame
+        is delivered). An unsubscription read first (a subscriber that closed its socket, as
+        a listener does before it reconnects) is passed over."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.pub.poll(int(left * 1000)):
+                raise AssertionError(f"nobody subscribed to {self.endpoint} in {timeout} s")
+            frame = self.pub.recv()
+            if frame[:1] == b"\x01":
+                return
+            assert frame[:1] == b"\x00", frame  # an unsubscription, nothing else
 
     def raw(self, frames: list[bytes]) -> None:
         self.pub.send_multipart(frames)
