@@ -9,7 +9,14 @@ operation for ``/batch``. Instructions do not depend on what else the machine do
 compares commits on a busy machine; it leaves out what instructions cannot show (cache misses).
 
     .venv/bin/python bench/server_instructions.py [--what batch|lifecycle|potential]
-                                                  [--seconds 40] [--repo PATH]
+                                                  [--seconds 40] [--repo PATH] [--branch-sim]
+
+``--branch-sim`` adds callgrind's branch predictor simulation: conditional branches and their
+mispredictions (Bc, Bcm), indirect jumps and theirs (Bi, Bim), per request or operation, so that
+two commits of equal instructions can be compared on what a machine without hardware counters
+cannot read. The simulator is simple (2-bit counters, a small target buffer): it ranks commits,
+it does not predict a real CPU's mispredictions. ``--module`` runs an older checkout whose
+package had another name.
 Needs: valgrind (callgrind_control comes with it) and wrk.
 """
 
@@ -45,7 +52,15 @@ def wrk_requests(url: str, script: str, seconds: int, tag: str) -> int:
     return int(re.search(r"(\d+) requests in", out).group(1))
 
 
-def measure(repo: Path, what: str, seconds: int, start_timeout: float = 180) -> dict[str, float]:
+def measure(
+    repo: Path,
+    what: str,
+    seconds: int,
+    start_timeout: float = 180,
+    *,
+    branch_sim: bool = False,
+    module: str = "kv_slot_tracker",
+) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="server-instructions-"))
     out = tmp / "callgrind.out"
     env = {
@@ -56,8 +71,9 @@ def measure(repo: Path, what: str, seconds: int, start_timeout: float = 180) -> 
         "PYTHONHASHSEED": "0",
     }
     port = free_port()
-    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", ours_python(),
-            "-m", "kv_slot_tracker", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    sim = ["--branch-sim=yes"] if branch_sim else []
+    argv = ["valgrind", "--tool=callgrind", *sim, f"--callgrind-out-file={out}", ours_python(),
+            "-m", module, "--port", str(port), "--log-level", "warning"]  # fmt: skip
     server = Server("ours", argv, port, cwd=repo, env=env, log_dir=tmp).start()
     try:
         server.wait_healthy(timeout=start_timeout)
@@ -74,11 +90,19 @@ def measure(repo: Path, what: str, seconds: int, start_timeout: float = 180) -> 
         if not dumps:
             raise RuntimeError("callgrind wrote no dump")
         text = dumps[-1].read_text(errors="replace")
-        total = int(re.search(r"^summary: (\d+)", text, re.M).group(1))
+        names = re.search(r"^events: (.+)$", text, re.M).group(1).split()
+        values = [int(v) for v in re.search(r"^summary: (.+)$", text, re.M).group(1).split()]
+        events = dict(zip(names, values, strict=True))
     finally:
         server.stop()
     ops = requests * OPS_PER_REQUEST[what]
-    return {"requests": requests, "instructions": total, "per_op": total / ops}
+    out_fig: dict[str, float] = {"requests": requests, "instructions": events["Ir"]}
+    out_fig["per_op"] = events["Ir"] / ops
+    for name in ("Bc", "Bcm", "Bi", "Bim"):
+        if name in events:
+            out_fig[name] = events[name] / ops
+    out_fig["dump"] = str(dumps[-1])
+    return out_fig
 
 
 def main() -> None:
@@ -92,11 +116,28 @@ def main() -> None:
         default=180,
         help="seconds the server may take to start under callgrind (more on a busy machine)",
     )
+    ap.add_argument("--branch-sim", action="store_true", help="simulate the branch predictor too")
+    ap.add_argument("--module", default="kv_slot_tracker", help="the package to run with -m")
+    ap.add_argument("--keep", action="store_true", help="keep the callgrind dump (path printed)")
     args = ap.parse_args()
-    r = measure(args.repo.resolve(), args.what, args.seconds, args.start_timeout)
+    r = measure(
+        args.repo.resolve(),
+        args.what,
+        args.seconds,
+        args.start_timeout,
+        branch_sim=args.branch_sim,
+        module=args.module,
+    )
     unit = "operation" if args.what == "batch" else "request"
     print(f"{args.what}: {r['requests']} requests, {r['instructions']:,} instructions, "
           f"{r['per_op']:,.0f} per {unit}")  # fmt: skip
+    if "Bc" in r:
+        print(f"  per {unit}: {r['Bc']:,.0f} conditional branches, {r['Bcm']:,.1f} mispredicted; "
+              f"{r['Bi']:,.0f} indirect, {r['Bim']:,.1f} mispredicted")  # fmt: skip
+    if args.keep:
+        print(f"  dump: {r['dump']}")
+    else:
+        Path(r["dump"]).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
