@@ -1,7 +1,8 @@
 """The process's resident memory, for the memory budget (``TrackerRegistry.admit_memory``).
 
 Reading it costs a system call and a parse (``/proc/self/statm``, a few microseconds), so a
-call that grows the state reads a value at most ``interval`` seconds old: the budget check
+call that grows the state reads a value at most ``interval`` (0.25 s) old, and adds consult it
+at most every ``registry.MEMORY_CHECK_NS`` (0.25 s) while under the budget: the budget check
 stays O(1) and the memory budget is enforced within half a second of being passed.
 """
 
@@ -49,7 +50,7 @@ class MemoryWatch:
         self,
         read: Callable[[], int] = read_resident_bytes,
         clock: Callable[[], float] = time.monotonic,
-        interval: float = 0.5,
+        interval: float = 0.25,
         trim: Callable[[], bool] = release_free_memory,
         trim_interval: float = 5.0,
     ) -> None:
@@ -79,8 +80,3 @@ class MemoryWatch:
             self._value = self.read()
             self._next = now + self.interval
         return self._value
-
-    # the same, called as a method: calling the instance goes through its type's ``__call__``
-    # slot, a few thousand instructions where a method call costs a few hundred (the
-    # registry's check on every add calls this)
-    reading = __call__

@@ -273,8 +273,16 @@ class SlotTrackerService:
             pass  # what ``_hashes`` returns for them, without the call
         else:
             hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
-        registry.admit_request(len(hashes) if hashes else 0)
-        t.add_on_rank(cmd, hashes, self.clock())
+        n = len(hashes) if hashes else 0
+        now = self.clock()
+        usage, budgets = registry.usage, registry.budgets
+        if (  # ``registry.over_request_budgets`` written out (2 % of a batch operation)
+            usage.requests >= budgets.active_requests
+            or usage.hashes + n > budgets.block_hashes
+            or now >= registry.memory_due
+        ):
+            registry.admit_request(n, now)
+        t.add_on_rank(cmd, hashes, now)
 
     def prefill_complete(self, cmd: commands.PrefillComplete) -> None:
         t = self.registry.get((cmd.model_name, cmd.routing_group))

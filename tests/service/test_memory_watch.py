@@ -53,3 +53,54 @@ def test_the_registry_admits_once_the_kept_pages_are_given_back() -> None:
     with pytest.raises(OverMemoryBudget):
         registry.admit_memory()
     assert registry.refusals == {"memory": 1}
+
+
+def test_adds_consult_the_reading_on_schedule_and_every_add_while_past_the_budget() -> None:
+    """Under the budget an add consults the memory reading at most every ``MEMORY_CHECK_NS``
+    of the service's clock; once a consulted reading is past the budget every add consults it
+    (and is refused) until memory is back under it."""
+    from kv_slot_tracker.service import commands
+    from kv_slot_tracker.service.registry import MEMORY_CHECK_NS
+    from kv_slot_tracker.service.service import SlotTrackerService
+
+    now = [0]
+    service = SlotTrackerService(clock=lambda: now[0])
+    service.registry.budgets = Budgets(500, 1 << 62, 1 << 62, 1 << 62, 1 << 62)
+    reads = []
+
+    def resident() -> int:
+        reads.append(now[0])
+        return heap[0]
+
+    heap = [100]
+    service.registry.resident = resident
+    service.register(commands.Register(model_name="m", worker_id=1, block_size=4))
+    reads.clear()  # a registration consults it too
+
+    def add(rid: str) -> None:
+        service.add(commands.Add(model_name="m", request_id=rid, worker_id=1, dp_rank=0,
+                                 sequence_hashes=[1, 2]))  # fmt: skip
+
+    add("a")  # the first add consults it
+    heap[0] = 600  # past the budget: not seen before the next consultation is due
+    now[0] = MEMORY_CHECK_NS - 1
+    add("b")
+    assert reads == [0]
+    now[0] = MEMORY_CHECK_NS
+    with pytest.raises(OverMemoryBudget):
+        add("c")
+    now[0] += 1  # past the budget: every add consults it, however soon
+    with pytest.raises(OverMemoryBudget):
+        add("c")
+    # each refusal reads it twice: the consultation, then the check after a trim
+    assert reads[1:] == [MEMORY_CHECK_NS] * 2 + [MEMORY_CHECK_NS + 1] * 2
+    heap[0] = 100
+    now[0] += 1
+    add("c")
+    ids = sorted(r for r, _ in service.tracker(("m", "default")).indexed_requests())
+    assert ids == ["a", "b", "c"]
+    assert service.registry.refusals == {"memory": 2}
+    service.registry.resident = None  # not watched: never consulted again
+    now[0] += 10 * MEMORY_CHECK_NS
+    add("d")
+    assert len(reads) == 6

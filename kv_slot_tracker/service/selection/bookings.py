@@ -202,7 +202,10 @@ class Bookings:
             cache_chain = prompt.sequence_hashes
         hashes = prompt.sequence_hashes
         service = self.service
-        service.registry.admit_request(len(hashes) if hashes else 0)
+        n = len(hashes) if hashes else 0
+        registry, now = service.registry, service.clock()
+        if registry.over_request_budgets(n, now):
+            registry.admit_request(n, now)
         service.commit(
             mutations.Book(
                 selection_id=sid,
