@@ -268,12 +268,12 @@ class SlotTrackerService:
             # the peers drop this add's record (``released``): refuse it here too, so that
             # every instance agrees (O(1): no lookup while no reservation was released lately)
             raise ReservationReleased(cmd.request_id)
-        hashes, tokens = cmd.sequence_hashes, cmd.token_ids
-        if tokens is None and hashes is not None and len(hashes) <= self.max_hashes:
-            pass  # what ``_hashes`` returns for them, without the call
-        else:
-            hashes = self._hashes(t, hashes, tokens, cmd.lora_name)
-        n = len(hashes) if hashes else 0
+        hashes = cmd.sequence_hashes
+        if cmd.token_ids is not None or hashes is None or len(hashes) > self.max_hashes:
+            # token ids hashed, a command built in process (UNSET), or refused past the limit;
+            # else the hashes are what ``_hashes`` returns for them, without the call
+            hashes = self._hashes(t, hashes, cmd.token_ids, cmd.lora_name)
+        n = len(hashes)
         now = self.clock()
         usage, budgets = registry.usage, registry.budgets
         if (  # ``registry.over_request_budgets`` written out (2 % of a batch operation)
