@@ -119,15 +119,11 @@ class TrackerRegistry:
                                           budgets.block_hashes, "max_block_hashes"))  # fmt: skip
         if now < self.memory_due:
             return
-        resident = self._resident
-        if resident is None:
-            self.memory_due = NEVER
-            return
-        self.memory_due = now + MEMORY_CHECK_NS
-        if resident() > budgets.memory_bytes:
+        resident = self._resident  # watched: ``memory_due`` is NEVER while it is None
+        if resident is not None and resident() > budgets.memory_bytes:
             self.memory_due = now  # past it: every add consults it until it is back under
             self.admit_memory()  # trims, reads again, refuses
-            self.memory_due = now + MEMORY_CHECK_NS
+        self.memory_due = now + MEMORY_CHECK_NS
 
     def admit_selection_worker(self, held: int) -> None:
         limit = self.budgets.selection_workers
